@@ -1,0 +1,152 @@
+"""``kvr-prefill``: KV-Runahead prefill of one prompt over several ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+
+import click
+
+from kvrunahead.launcher import LaunchError, detect_launcher, spawn, world_size_hint
+from kvrunahead.models import MODEL_CHOICES
+from kvrunahead.runner import DTYPES, MODES, InputError, RunConfig, RunResult, prepare, run
+
+log = logging.getLogger("kvrunahead")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_result(r: RunResult) -> str:
+    sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
+    lines = [
+        f"model        {r.model}",
+        f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}",
+        f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}",
+        f"context      {r.context_len} tokens",
+        f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
+        f"ratios {[round(x, 3) for x in r.ratios]}",
+        f"TTFT         {r.ttft_s * 1e3:.1f} ms",
+        "rank  tokens   compute ms   wait ms   send ms   sent         peak mem",
+    ]
+    for s in r.ranks:
+        lines.append(
+            f"{s.rank:>4}  {s.tokens:>6}   {s.compute_s * 1e3:>10.1f}   {s.wait_s * 1e3:>7.1f}   "
+            f"{s.send_s * 1e3:>7.1f}   {_mib(s.bytes_sent):>10}   {_mib(s.peak_mem_bytes):>10}"
+        )
+    lines.append(f"first token  {r.first_token} {r.first_token_text!r}")
+    lines.append(f"generated    {r.generated_text!r}")
+    v = r.verification
+    if v is not None:
+        lines.append(
+            f"verify       {'OK' if v.ok else 'MISMATCH'}: max |logit diff| {v.max_abs_logit_diff:.2e} "
+            f"(atol {v.atol:g}), first token {'matches' if v.first_token_match else 'differs'}, "
+            f"generated tokens {'match' if v.generated_match else 'differ'}; "
+            f"single-process TTFT {v.single_ttft_s * 1e3:.1f} ms at {r.threads_per_rank} thread(s)"
+        )
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help=f"A preset ({', '.join(MODEL_CHOICES)}) or a local transformers model directory.")
+@click.option("--mode", type=click.Choice(MODES), default="kvr", show_default=True,
+              help="kvr: KV-Runahead over the ranks; single: one process, the reference.")
+@click.option("--ctx", "ctx", default=None,
+              help="Prompt length in tokens (2048, 2k, 16K). Default: 2k, or the whole --prompt-file.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
+              help="Text to use as the document instead of the shipped English text.")
+@click.option("--no-chat", is_flag=True, help="Use the raw text, not wrapped in the model's chat template.")
+@click.option("--partition", default="even", show_default=True,
+              help="'even', boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="Start this many local ranks (when not launched by torchrun or mpirun).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+              help="Default: float32 on CPU, bfloat16 on GPU.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: one GPU per rank (by LOCAL_RANK) with NCCL when CUDA is present, else CPU with gloo.")
+@click.option("--threads", type=int, default=None,
+              help="Intra-op threads per rank. Default: OMP_NUM_THREADS, else cores / local ranks.")
+@click.option("--max-new-tokens", type=int, default=16, show_default=True,
+              help="Greedy tokens to generate on the last rank after the prefill (first token included).")
+@click.option("--verify", is_flag=True,
+              help="Also run the single-process prefill and compare logits and tokens; exit 1 on mismatch.")
+@click.option("--atol", type=float, default=None,
+              help="Logit tolerance for --verify. Default: 1e-3 float32, 0.1 float16, 0.5 bfloat16.")
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds any rank waits on another before failing (start-up, barrier, receive).")
+@click.option("--allow-long-context", is_flag=True,
+              help="Run a context longer than the model's trained positions.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
+def main(model, mode, ctx, prompt_file, no_chat, partition, nproc, dtype, device, threads, max_new_tokens, verify,
+         atol, timeout_s, allow_long_context, seed, as_json, verbose) -> None:
+    """Prefill one long prompt with KV-Runahead over several ranks and print the time to first token.
+
+    Each rank holds one part of the prompt; layer by layer it receives the K,V of everything before
+    its part from the previous rank, appends its own and sends the result on. The last rank ends
+    with the full KV cache, emits the first token and keeps decoding.
+
+    \b
+    Launch with any of:
+      kvr-prefill --nproc 2 --ctx 4k
+      torchrun --nproc-per-node 2 --no-python kvr-prefill --ctx 4k
+      mpirun -n 2 kvr-prefill --ctx 4k
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    launcher = detect_launcher()
+    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    try:
+        if max_new_tokens < 1:
+            raise InputError("--max-new-tokens must be at least 1")
+        if nproc < 1:
+            raise InputError("--nproc must be at least 1")
+        text = open(prompt_file, encoding="utf-8").read() if prompt_file else None
+        from kvrunahead.prompt import PromptError, parse_tokens
+
+        try:
+            context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
+        except PromptError as e:
+            raise InputError(str(e)) from None
+        cfg = RunConfig(
+            model=model, mode=mode, context_len=context_len, prompt_text=text, chat=not no_chat,
+            partition=partition, dtype=dtype, device=device, threads=threads, max_new_tokens=max_new_tokens,
+            verify=verify, atol=atol, timeout_s=timeout_s, allow_long_context=allow_long_context, seed=seed,
+        )
+        world_size = world_size_hint(launcher, nproc)
+        if launcher != "single" and nproc not in (1, world_size):
+            raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
+        if launcher == "single" and nproc > 1:
+            prepare(cfg, nproc)  # one clear error here rather than one per rank
+            sys.exit(spawn(nproc, sys.argv[1:]))
+        result = run(cfg, launcher, world_size)
+    except (InputError, LaunchError) as e:
+        click.echo(f"kvr-prefill: error: {e}", err=True)
+        sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - one line per failed rank, then a bounded exit
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        click.echo(f"kvr-prefill: rank {rank} failed: {type(e).__name__}: {first}", err=True)
+        if verbose:
+            raise
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown, which can block on a broken process group
+    if result is None:
+        return
+    click.echo(json.dumps(result.to_dict()) if as_json else format_result(result))
+    if result.verification is not None and not result.verification.ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

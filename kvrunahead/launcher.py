@@ -1,0 +1,157 @@
+"""Where the ranks come from: torchrun (env), mpirun (mpi4py), or ``--nproc N`` (spawned here)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+MPI_HINT = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py (or pip install 'kvrunahead[mpi]')"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: str  # "single", "torchrun", "mpi" or "spawn"
+
+
+def detect_launcher() -> str:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "spawn" if os.environ.get("KVRUNAHEAD_SPAWNED") else "torchrun"
+    if any(k in os.environ for k in MPI_ENV):
+        return "mpi"
+    return "single"
+
+
+def local_rank_hint() -> int:
+    """This process's index on its node, before the process group exists (selects the GPU)."""
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def world_size_hint(launcher: str, nproc: int) -> int:
+    """The world size the launcher will give, known before joining (inputs are checked against it)."""
+    if launcher in ("torchrun", "spawn"):
+        return int(os.environ["WORLD_SIZE"])
+    if launcher == "mpi":
+        return import_mpi().COMM_WORLD.Get_size()
+    return nproc
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise LaunchError(f"MPI launch needs mpi4py and an MPI library ({e}); install: {MPI_HINT}") from None
+    return MPI
+
+
+def init_world(launcher: str, backend: str, timeout_s: float) -> World:
+    """Join the process group (no-op for a single process)."""
+    if launcher == "single":
+        return World(0, 1, 0, 1, "single")
+    if launcher == "mpi":
+        MPI = import_mpi()
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        if rank == 0:
+            addr = os.environ.get("MASTER_ADDR") or (
+                "127.0.0.1" if local_size == size else socket.gethostbyname(socket.gethostname())
+            )
+            port = int(os.environ.get("MASTER_PORT") or free_port())
+        else:
+            addr = port = None
+        addr, port = comm.bcast((addr, port), root=0)
+        init_method = f"tcp://{addr}:{port}"
+    else:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        init_method = "env://"
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return World(rank, size, local_rank, local_size, launcher)
+
+
+def pick_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def spawn(nproc: int, argv: list[str], grace_s: float = 5.0) -> int:
+    """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
+
+    When one rank fails the others get ``grace_s`` to notice on their own, then are terminated,
+    so a failure never leaves the launcher waiting.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            KVRUNAHEAD_SPAWNED="1",
+        )
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvrunahead.cli", *argv], env=env))
+    failed_at = None
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if bad and failed_at is None:
+                failed_at, code = time.monotonic(), bad[0]
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        code = 130
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return code or next((p.returncode for p in procs if p.returncode), 0)

@@ -1,0 +1,118 @@
+"""Context partitions: boundaries 0 = b0 < b1 < ... < bp = C, one part per rank."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be used for the given context and world size."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Boundaries of a context cut into one contiguous part per rank."""
+
+    boundaries: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        b = self.boundaries
+        if len(b) < 2:
+            raise PartitionError("a partition needs at least two boundaries (0 and C)")
+        if b[0] != 0:
+            raise PartitionError(f"boundaries must start at 0, got {b[0]}")
+        for i, (lo, hi) in enumerate(zip(b, b[1:])):
+            if hi <= lo:
+                raise PartitionError(f"part {i} is empty: boundaries {lo} and {hi} (every rank needs >= 1 token)")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def context_len(self) -> int:
+        return self.boundaries[-1]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in zip(self.boundaries, self.boundaries[1:]))
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(s / self.context_len for s in self.sizes)
+
+    def part(self, rank: int) -> tuple[int, int]:
+        """Token range [start, end) of ``rank``."""
+        return self.boundaries[rank], self.boundaries[rank + 1]
+
+    def __str__(self) -> str:
+        return ",".join(str(b) for b in self.boundaries)
+
+    @classmethod
+    def even(cls, context_len: int, world_size: int) -> Partition:
+        check_fits(context_len, world_size)
+        return cls(tuple(round(i * context_len / world_size) for i in range(world_size + 1)))
+
+    @classmethod
+    def from_ratios(cls, ratios: list[float] | tuple[float, ...], context_len: int) -> Partition:
+        """Round shares to whole tokens so that they sum to C and no part is empty.
+
+        Largest-remainder rounding keeps every part within one token of its exact share; parts
+        that would round to zero are raised to one token, taken from the largest parts.
+        """
+        p = len(ratios)
+        check_fits(context_len, p)
+        if any(r <= 0 for r in ratios):
+            raise PartitionError(f"ratios must be positive, got {list(ratios)}")
+        total = sum(ratios)
+        exact = [r / total * context_len for r in ratios]
+        sizes = [int(x) for x in exact]
+        order = sorted(range(p), key=lambda i: exact[i] - sizes[i], reverse=True)
+        for i in order[: context_len - sum(sizes)]:
+            sizes[i] += 1
+        for i in range(p):
+            if sizes[i] == 0:
+                donor = max(range(p), key=lambda j: sizes[j])
+                sizes[donor] -= 1
+                sizes[i] = 1
+        bounds = [0]
+        for s in sizes:
+            bounds.append(bounds[-1] + s)
+        return cls(tuple(bounds))
+
+
+def check_fits(context_len: int, world_size: int) -> None:
+    if world_size < 1:
+        raise PartitionError(f"world size must be >= 1, got {world_size}")
+    if context_len < world_size:
+        raise PartitionError(
+            f"context of {context_len} tokens is smaller than the {world_size} ranks (each needs >= 1 token)"
+        )
+
+
+_NUMBER = re.compile(r"^\s*\d+(\.\d*)?\s*$")
+
+
+def parse_partition(spec: str, context_len: int, world_size: int) -> Partition:
+    """Parse ``even``, explicit boundaries (``0,9728,16384``) or ratios (``0.6,0.4``)."""
+    spec = spec.strip()
+    check_fits(context_len, world_size)
+    if spec == "even":
+        return Partition.even(context_len, world_size)
+    items = [s for s in spec.split(",")]
+    if not items or not all(_NUMBER.match(s) for s in items):
+        raise PartitionError(f"cannot parse partition {spec!r}: use 'even', boundaries like 0,900,2048 or ratios like 0.6,0.4")
+    if any("." in s for s in items):
+        ratios = [float(s) for s in items]
+        if len(ratios) != world_size:
+            raise PartitionError(f"partition has {len(ratios)} ratios but the world size is {world_size}")
+        if abs(sum(ratios) - 1.0) > 0.01:
+            raise PartitionError(f"ratios must sum to 1, got {sum(ratios):.4f}")
+        return Partition.from_ratios(ratios, context_len)
+    bounds = tuple(int(s) for s in items)
+    if len(bounds) - 1 != world_size:
+        raise PartitionError(f"partition has {len(bounds) - 1} parts but the world size is {world_size}")
+    if bounds[-1] != context_len:
+        raise PartitionError(f"boundaries must end at the context length {context_len}, got {bounds[-1]}")
+    return Partition(bounds)

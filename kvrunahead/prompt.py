@@ -1,0 +1,60 @@
+"""Prompts of an exact token count, from shipped public-domain English text or the user's file."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+QUESTION = "In one sentence, what is the text above about?"
+
+
+class PromptError(ValueError):
+    pass
+
+
+def parse_tokens(text: str) -> int:
+    """``4096``, ``4k`` or ``16K`` -> tokens (k = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
+    if not m:
+        raise PromptError(f"cannot parse token count {text!r}: use a number like 2048 or 2k")
+    return int(m.group(1)) * (1024 if m.group(2) else 1)
+
+
+def shipped_text() -> str:
+    return resources.files("kvrunahead.data").joinpath("declaration.txt").read_text(encoding="utf-8")
+
+
+def _fill(ids: list[int], n: int) -> list[int]:
+    if not ids:
+        raise PromptError("the prompt text is empty")
+    reps = -(-n // len(ids))
+    return (ids * reps)[:n]
+
+
+def build_prompt(tokenizer, context_len: int | None, text: str | None = None, chat: bool = True) -> list[int]:
+    """Token ids of a prompt of exactly ``context_len`` tokens (the text's own length when None).
+
+    With a chat model the text is wrapped as a user turn that asks about it, and the document is
+    cut (or repeated) so that the whole turn, template included, is exactly ``context_len`` tokens.
+    """
+    doc = shipped_text() if text is None else text
+    doc_ids = tokenizer.encode(doc)
+    template = getattr(tokenizer, "chat_template", None)
+    if chat and template:
+        marker = "\x00DOC\x00"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{marker}\n\n{QUESTION}"}], add_generation_prompt=True, tokenize=False
+        )
+        head, tail = rendered.split(marker)
+        head_ids = tokenizer.encode(head, add_special_tokens=False)
+        tail_ids = tokenizer.encode(tail, add_special_tokens=False)
+        doc_ids = tokenizer.encode(doc, add_special_tokens=False)
+        if context_len is None:
+            return head_ids + doc_ids + tail_ids
+        room = context_len - len(head_ids) - len(tail_ids)
+        if room >= 16:
+            return head_ids + _fill(doc_ids, room) + tail_ids
+        # Too short for the template: a plain text prefix of the requested length.
+    if context_len is None:
+        return doc_ids
+    return _fill(doc_ids, context_len)

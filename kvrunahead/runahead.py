@@ -1,0 +1,140 @@
+"""KV-Runahead prefill (paper section 4.1, 4.3): the KV cache interface, dual-purposed.
+
+Each rank runs the unmodified transformers model over its own tokens. The cache handed to the
+model receives the prefix K,V from the predecessor inside ``update`` (the call every attention
+layer already makes), concatenates the local K,V, forwards the result to the successor and
+returns it, so attention sees the whole [0, end) cache under a causal mask offset by ``start``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvrunahead.transport import ChainLink, KVLayout
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"  # "RANK:LAYER": raise inside that rank's cache update (failure tests)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class RunaheadLayer(DynamicLayer):
+    """A cache layer whose first update is the KV-Runahead exchange; later updates grow it as usual."""
+
+    def __init__(self, layer_idx: int, link: ChainLink, fault: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.link = link
+        self.fault = fault
+
+    def get_seq_length(self) -> int:
+        # Before the prefill the cache "holds" the predecessor's prefix: the model derives the
+        # causal-mask offset from this length, exactly as in the extension phase.
+        if not self.is_initialized:
+            return self.link.prefix_len
+        return super().get_seq_length()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if self.fault == (self.link.rank, self.layer_idx):
+            raise InjectedFault(f"fault injected on rank {self.link.rank} at layer {self.layer_idx}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
+        self.keys, self.values = kv[0], kv[1]
+        self.is_initialized = True
+        return self.keys, self.values
+
+
+class RunaheadCache(DynamicCache):
+    """A ``DynamicCache`` whose layers take part in the KV chain during the prefill."""
+
+    def __init__(self, link: ChainLink) -> None:
+        fault = _parse_fault(os.environ.get(FAULT_ENV))
+        layers = [RunaheadLayer(i, link, fault) for i in range(link.layout.num_layers)]
+        super(DynamicCache, self).__init__(layers=layers)
+
+
+def _parse_fault(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    rank, layer = spec.split(":")
+    return int(rank), int(layer)
+
+
+@torch.no_grad()
+def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
+    """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike)."""
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    model.base_model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    heads = tuple(layer.keys.shape[1] for layer in cache.layers)
+    head_dim = tuple(layer.keys.shape[-1] for layer in cache.layers)
+    if any(layer.keys.shape != layer.values.shape for layer in cache.layers):
+        raise NotImplementedError("models whose K and V differ in shape are not supported")
+    return KVLayout(heads=heads, head_dim=head_dim, dtype=cache.layers[0].keys.dtype)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+@torch.no_grad()
+def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Run the causal-LM head on the last position only; returns ``[vocab]`` logits."""
+    if _accepts_logits_to_keep(model):
+        out = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **kwargs)
+    else:
+        out = model(input_ids=input_ids, use_cache=True, **kwargs)
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def kvr_prefill(model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink) -> tuple[torch.Tensor | None, RunaheadCache]:
+    """Run this rank's part of a KV-Runahead prefill.
+
+    ``input_ids`` are this rank's tokens ``[1, end - start]``; ``link.prefix_len`` is ``start``.
+    Returns the last token's logits on the last rank (``None`` elsewhere: no logits are computed)
+    and the cache, which holds K,V for [0, end).
+    """
+    start = link.prefix_len
+    n = input_ids.shape[1]
+    position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
+    cache = RunaheadCache(link)
+    link.start()
+    if link.has_next:
+        model.base_model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        logits = None
+    else:
+        logits = last_token_logits(model, input_ids, position_ids=position_ids, past_key_values=cache)
+    link.finish()
+    return logits, cache
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: torch.nn.Module,
+    first_token: int,
+    cache: DynamicCache,
+    position: int,
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+) -> list[int]:
+    """Greedy extension phase from a filled cache; ``position`` is the first token's position."""
+    tokens = [first_token]
+    device = next(model.parameters()).device
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
+        ids = torch.tensor([[tokens[-1]]], device=device)
+        pos = torch.tensor([[position + len(tokens) - 1]], device=device)
+        logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+        tokens.append(int(logits.argmax()))
+    return tokens

@@ -1,0 +1,278 @@
+"""One prefill run on this rank: load, partition, time, gather, decode, verify."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+
+from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.models import LoadedModel, load_model, load_tokenizer, max_context, resolve_config
+from kvrunahead.partition import Partition, PartitionError, parse_partition
+from kvrunahead.prompt import build_prompt
+from kvrunahead.runahead import greedy_decode, kvr_prefill, last_token_logits, probe_kv_layout
+from kvrunahead.transport import ChainLink, pair_groups
+
+log = logging.getLogger(__name__)
+
+MODES = ("kvr", "single")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InputError(ValueError):
+    """Bad user input, reported as one line before any rank starts working."""
+
+
+@dataclass
+class RunConfig:
+    model: str = "smollm2-135m"
+    mode: str = "kvr"
+    context_len: int | None = 2048
+    prompt_text: str | None = None
+    chat: bool = True
+    partition: str = "even"
+    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    threads: int | None = None
+    max_new_tokens: int = 1
+    verify: bool = False
+    atol: float | None = None
+    timeout_s: float = 60.0
+    allow_long_context: bool = False
+    seed: int = 0
+
+
+@dataclass
+class RankStats:
+    rank: int
+    tokens: int
+    total_s: float
+    compute_s: float
+    wait_s: float
+    send_s: float
+    bytes_sent: int
+    bytes_received: int
+    peak_mem_bytes: int
+
+
+@dataclass
+class Verification:
+    single_ttft_s: float
+    max_abs_logit_diff: float
+    atol: float
+    first_token_match: bool
+    generated_match: bool
+    reference_tokens: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return self.first_token_match and self.generated_match and self.max_abs_logit_diff <= self.atol
+
+
+@dataclass
+class RunResult:
+    model: str
+    mode: str
+    world_size: int
+    launcher: str
+    backend: str
+    device: str
+    dtype: str
+    threads_per_rank: int
+    context_len: int
+    boundaries: list[int]
+    ratios: list[float]
+    ttft_s: float
+    ranks: list[RankStats]
+    first_token: int
+    first_token_text: str
+    generated_tokens: list[int]
+    generated_text: str
+    verification: Verification | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("logits")
+        if self.verification is not None:
+            d["verification"]["ok"] = self.verification.ok
+        return d
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda asked for but CUDA is not available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_threads(local_world_size: int) -> int:
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def prepare(cfg: RunConfig, world_size: int) -> tuple[list[int], Partition]:
+    """Validate the input and build the prompt and partition; raises InputError with one line."""
+    from kvrunahead.models import ModelError
+    from kvrunahead.prompt import PromptError
+
+    if cfg.mode not in MODES:
+        raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
+    if cfg.mode == "single" and world_size != 1:
+        raise InputError(f"mode 'single' runs one process, but the world size is {world_size}")
+    try:
+        config = resolve_config(cfg.model)
+        ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
+        limit = max_context(config)
+        if limit and len(ids) > limit and not cfg.allow_long_context:
+            raise InputError(
+                f"context of {len(ids)} tokens exceeds the {limit} positions {cfg.model} was trained for; "
+                "pass --allow-long-context to run it anyway"
+            )
+        partition = parse_partition(cfg.partition, len(ids), world_size)
+    except (ModelError, PromptError, PartitionError) as e:
+        raise InputError(str(e)) from None
+    return ids, partition
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
+    """Run one prefill on this rank; the last rank returns the result, the others None."""
+    ids, partition = prepare(cfg, world_size)
+    device = resolve_device(cfg.device, local_rank_hint())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(cfg, device)
+    backend = pick_backend(device)
+    world = init_world(launcher, backend, cfg.timeout_s)
+    threads = cfg.threads or default_threads(world.local_world_size)
+    torch.set_num_threads(threads)
+    try:
+        return _run(cfg, world, device, dtype, backend, threads, ids, partition)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg, world: World, device, dtype, backend, threads, ids, partition: Partition) -> RunResult | None:
+    lm = load_model(cfg.model, dtype, device, seed=cfg.seed)
+    layout = probe_kv_layout(lm.model)
+    rank, p = world.rank, world.world_size
+    last = rank == p - 1
+    groups = pair_groups(p, backend) if p > 1 else []
+    start, end = partition.part(rank)
+    my_ids = torch.tensor([ids[start:end]], device=device)
+    link = ChainLink(
+        rank=rank,
+        world_size=p,
+        prefix_len=start,
+        layout=layout,
+        device=device,
+        recv_group=groups[rank - 1] if rank > 0 else None,
+        send_group=groups[rank] if rank < p - 1 else None,
+    )
+    if p > 1:
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    if cfg.mode == "single":
+        cache = DynamicCache()
+        logits = last_token_logits(lm.model, my_ids, past_key_values=cache)
+    else:
+        logits, cache = kvr_prefill(lm.model, my_ids, link)
+    first_token = int(logits.argmax()) if last else -1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total_s = time.perf_counter() - t0
+    st = link.stats
+    stats = RankStats(
+        rank=rank,
+        tokens=end - start,
+        total_s=total_s,
+        compute_s=total_s - st.wait_s - st.send_s,
+        wait_s=st.wait_s,
+        send_s=st.send_s,
+        bytes_sent=st.bytes_sent,
+        bytes_received=st.bytes_received,
+        peak_mem_bytes=peak_memory_bytes(device),
+    )
+    all_stats = [stats]
+    if p > 1:
+        all_stats = [None] * p
+        dist.all_gather_object(all_stats, stats)
+    if not last:
+        return None
+    tokens = greedy_decode(lm.model, first_token, cache, len(ids), cfg.max_new_tokens, lm.eos_token_ids)
+    result = RunResult(
+        model=cfg.model,
+        mode=cfg.mode,
+        world_size=p,
+        launcher=world.launcher,
+        backend=backend if p > 1 else "none",
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        threads_per_rank=threads,
+        context_len=len(ids),
+        boundaries=list(partition.boundaries),
+        ratios=[round(r, 4) for r in partition.ratios],
+        ttft_s=total_s,
+        ranks=all_stats,
+        first_token=first_token,
+        first_token_text=lm.decode([first_token]),
+        generated_tokens=tokens,
+        generated_text=lm.decode(tokens),
+        logits=logits.float().cpu(),
+    )
+    if cfg.verify:
+        result.verification = verify(lm, ids, result, cfg, dtype)
+    return result
+
+
+def default_atol(dtype: torch.dtype) -> float:
+    # float32 differs from one full forward only by summation order; half precisions by rounding.
+    return {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}[dtype]
+
+
+@torch.no_grad()
+def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, dtype: torch.dtype) -> Verification:
+    """Run the single-process prefill and decode of the same prompt and compare."""
+    device = next(lm.model.parameters()).device
+    full = torch.tensor([ids], device=device)
+    cache = DynamicCache()
+    t0 = time.perf_counter()
+    ref_logits = last_token_logits(lm.model, full, past_key_values=cache)
+    ref_first = int(ref_logits.argmax())
+    single_ttft_s = time.perf_counter() - t0
+    ref_tokens = greedy_decode(lm.model, ref_first, cache, len(ids), cfg.max_new_tokens, lm.eos_token_ids)
+    return Verification(
+        single_ttft_s=single_ttft_s,
+        max_abs_logit_diff=float((ref_logits.float().cpu() - result.logits).abs().max()),
+        atol=cfg.atol if cfg.atol is not None else default_atol(dtype),
+        first_token_match=ref_first == result.first_token,
+        generated_match=ref_tokens == result.generated_tokens,
+        reference_tokens=ref_tokens,
+    )
