@@ -102,7 +102,9 @@ def parse_partition(spec: str, context_len: int, world_size: int) -> Partition:
         return Partition.even(context_len, world_size)
     items = [s for s in spec.split(",")]
     if not items or not all(_NUMBER.match(s) for s in items):
-        raise PartitionError(f"cannot parse partition {spec!r}: use 'even', boundaries like 0,900,2048 or ratios like 0.6,0.4")
+        raise PartitionError(
+            f"cannot parse partition {spec!r}: use 'even', boundaries like 0,900,2048 or ratios like 0.6,0.4"
+        )
     if any("." in s for s in items):
         ratios = [float(s) for s in items]
         if len(ratios) != world_size:

@@ -76,7 +76,8 @@ def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike)."""
     device = next(model.parameters()).device
     cache = DynamicCache()
-    model.base_model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    model.base_model(input_ids=one_token, past_key_values=cache, use_cache=True)
     heads = tuple(layer.keys.shape[1] for layer in cache.layers)
     head_dim = tuple(layer.keys.shape[-1] for layer in cache.layers)
     if any(layer.keys.shape != layer.values.shape for layer in cache.layers):
@@ -99,7 +100,9 @@ def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
 
 
 @torch.no_grad()
-def kvr_prefill(model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink) -> tuple[torch.Tensor | None, RunaheadCache]:
+def kvr_prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink
+) -> tuple[torch.Tensor | None, RunaheadCache]:
     """Run this rank's part of a KV-Runahead prefill.
 
     ``input_ids`` are this rank's tokens ``[1, end - start]``; ``link.prefix_len`` is ``start``.

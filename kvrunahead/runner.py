@@ -13,9 +13,9 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.models import LoadedModel, load_model, load_tokenizer, max_context, resolve_config
+from kvrunahead.models import LoadedModel, ModelError, load_model, load_tokenizer, max_context, resolve_config
 from kvrunahead.partition import Partition, PartitionError, parse_partition
-from kvrunahead.prompt import build_prompt
+from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.runahead import greedy_decode, kvr_prefill, last_token_logits, probe_kv_layout
 from kvrunahead.transport import ChainLink, pair_groups
 
@@ -130,9 +130,6 @@ def default_threads(local_world_size: int) -> int:
 
 def prepare(cfg: RunConfig, world_size: int) -> tuple[list[int], Partition]:
     """Validate the input and build the prompt and partition; raises InputError with one line."""
-    from kvrunahead.models import ModelError
-    from kvrunahead.prompt import PromptError
-
     if cfg.mode not in MODES:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
     if cfg.mode == "single" and world_size != 1:
@@ -159,24 +156,27 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
-    """Run one prefill on this rank; the last rank returns the result, the others None."""
-    ids, partition = prepare(cfg, world_size)
+    """Check the input, join the ranks, run one prefill; the last rank returns the result, others None."""
+    prepare(cfg, world_size)
     device = resolve_device(cfg.device, local_rank_hint())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = resolve_dtype(cfg, device)
-    backend = pick_backend(device)
-    world = init_world(launcher, backend, cfg.timeout_s)
-    threads = cfg.threads or default_threads(world.local_world_size)
-    torch.set_num_threads(threads)
+    world = init_world(launcher, pick_backend(device), cfg.timeout_s)
     try:
-        return _run(cfg, world, device, dtype, backend, threads, ids, partition)
+        return run_on_world(cfg, world)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(cfg, world: World, device, dtype, backend, threads, ids, partition: Partition) -> RunResult | None:
+def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
+    """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
+    ids, partition = prepare(cfg, world.world_size)
+    device = resolve_device(cfg.device, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(cfg, device)
+    backend = pick_backend(device)
+    threads = cfg.threads or default_threads(world.local_world_size)
+    torch.set_num_threads(threads)
     lm = load_model(cfg.model, dtype, device, seed=cfg.seed)
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size

@@ -1,0 +1,70 @@
+"""Starting real rank processes from tests: free ports, a timeout on every launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvrunahead.launcher import free_port
+
+HERE = Path(__file__).parent
+
+
+def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+
+
+def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 240) -> dict:
+    """Run ``cases`` (RunConfig kwargs by name) on ``world_size`` real ranks; the last rank's results."""
+    cases_file, out_file = tmp / "cases.json", tmp / "out.json"
+    cases_file.write_text(json.dumps(cases))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "rank_harness.py"), str(cases_file), str(out_file)],
+            env=rank_env(r, world_size, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
+    outputs = wait_all(procs, timeout_s)
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, f"rank exit codes {codes}\n" + "\n".join(outputs)
+    return json.loads(out_file.read_text())
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"ranks still running after {timeout_s} s") from None
+        outputs.append(out or "")
+    return outputs
+
+
+def kvr_prefill(*args: str, env: dict | None = None, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run the ``kvr-prefill`` console script as a user would."""
+    return subprocess.run(
+        ["kvr-prefill", *args], capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ)
+    )

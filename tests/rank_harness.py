@@ -1,0 +1,35 @@
+"""Runs many prefills on one set of ranks (started by tests/helpers.py) and writes the last rank's results.
+
+Usage: python tests/rank_harness.py CASES.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
+"""
+
+import json
+import os
+import sys
+
+from kvrunahead.launcher import init_world
+from kvrunahead.runner import RunConfig, run_on_world
+
+
+def main() -> None:
+    cases = json.load(open(sys.argv[1]))
+    world = init_world("torchrun", "gloo", timeout_s=60)
+    results = {}
+    for case in cases:
+        result = run_on_world(RunConfig(**case["config"]), world)
+        if result is not None:
+            d = result.to_dict()
+            results[case["name"]] = {
+                "first_token": d["first_token"],
+                "generated_tokens": d["generated_tokens"],
+                "boundaries": d["boundaries"],
+                "bytes_sent": [r["bytes_sent"] for r in d["ranks"]],
+                "verification": d["verification"],
+            }
+    if world.rank == world.world_size - 1:
+        json.dump(results, open(sys.argv[2], "w"))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

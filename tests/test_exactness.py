@@ -1,0 +1,78 @@
+"""KV-Runahead on p real ranks (gloo, CPU) against the single-process model, for GQA, MHA and MQA."""
+
+import pytest
+
+from tests.helpers import run_cases
+
+CONTEXT = 61  # odd on purpose: even parts cannot all be equal
+MODELS = ["tiny-llama", "tiny-neox", "tiny-falcon"]  # GQA, MHA, MQA
+NEW_TOKENS = 6
+
+
+def partitions(p: int) -> dict[str, str]:
+    head = list(range(p)) + [CONTEXT]  # the first p-1 ranks hold one token each
+    tail = [0] + [CONTEXT - p + 1 + i for i in range(p - 1)] + [CONTEXT]  # the last p-1 ranks hold one token each
+    skew = ",".join(f"{x:.4f}" for x in _skewed_ratios(p))
+    return {
+        "even": "even",
+        "skewed": skew if p > 1 else "even",
+        "one-token-head": ",".join(map(str, head)),
+        "one-token-tail": ",".join(map(str, tail)),
+    }
+
+
+def _skewed_ratios(p: int) -> list[float]:
+    w = [2.0 ** -(i) for i in range(p)]  # earlier ranks take more, like the paper's searched partitions
+    total = sum(w)
+    r = [round(x / total, 4) for x in w]
+    r[-1] = round(1 - sum(r[:-1]), 4)
+    return r
+
+
+def _cases(p: int) -> list[dict]:
+    cases = []
+    for model in MODELS:
+        for pname, spec in partitions(p).items():
+            for dtype in ("float32", "bfloat16"):
+                cfg = dict(model=model, context_len=CONTEXT, partition=spec, dtype=dtype, device="cpu",
+                           max_new_tokens=NEW_TOKENS, verify=True, threads=1, atol=1e-4 if dtype == "float32" else 1e9)
+                cases.append({"name": f"{model}/{pname}/{dtype}", "config": cfg})
+    return cases
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def world(request, tmp_path_factory):
+    p = request.param
+    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"p{p}"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
+def test_kvr_float32_logits_match_single_process(world, model, pname):
+    p, results = world
+    r = results[f"{model}/{pname}/float32"]
+    v = r["verification"]
+    assert len(r["boundaries"]) == p + 1
+    assert v["max_abs_logit_diff"] <= 1e-4, v
+    assert v["first_token_match"], v
+    # The extension phase continues from the chained cache exactly as from a single-process cache.
+    assert v["generated_match"], (r["generated_tokens"], v["reference_tokens"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
+def test_kvr_bfloat16_first_token_matches_single_process(world, model, pname):
+    _, results = world
+    v = results[f"{model}/{pname}/bfloat16"]["verification"]
+    assert v["first_token_match"], v
+
+
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head"])
+def test_kvr_sends_only_the_prefix_chain(world, pname):
+    """Rank i sends K,V of [0, b_{i+1}) once per layer (eq. 6); the last rank sends nothing."""
+    p, results = world
+    r = results[f"tiny-llama/{pname}/float32"]
+    # tiny-llama: 4 layers, 2 KV heads, head_dim 16, float32, K and V
+    per_token = 4 * 2 * 2 * 16 * 4
+    expected = [r["boundaries"][i + 1] * per_token for i in range(p - 1)] + [0]
+    assert r["bytes_sent"] == expected

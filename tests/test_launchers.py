@@ -1,0 +1,70 @@
+"""The three launchers start the same program and agree; the default model decodes like generate()."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.helpers import kvr_prefill
+
+ARGS = ["--model", "tiny-neox", "--ctx", "200", "--partition", "0,130,200", "--max-new-tokens", "5", "--verify",
+        "--json"]
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # only the last rank prints
+    return json.loads(lines[0])
+
+
+def _same_outcome(a: dict, b: dict) -> None:
+    for key in ("first_token", "generated_tokens", "boundaries", "world_size"):
+        assert a[key] == b[key], key
+    assert a["verification"]["ok"] and b["verification"]["ok"]
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    r = _result(kvr_prefill("--nproc", "2", *ARGS))
+    assert r["launcher"] == "spawn"
+    return r
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_matches_spawned_ranks(spawned):
+    proc = subprocess.run(["torchrun", "--nproc-per-node", "2", "--no-python", "kvr-prefill", *ARGS],
+                          capture_output=True, text=True, timeout=240)
+    r = _result(proc)
+    assert r["launcher"] == "torchrun"
+    _same_outcome(r, spawned)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+def test_mpirun_matches_spawned_ranks(spawned):
+    pytest.importorskip("mpi4py")
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "-n", "2", "kvr-prefill", *ARGS],
+                          capture_output=True, text=True, timeout=240)
+    r = _result(proc)
+    assert r["launcher"] == "mpi"
+    _same_outcome(r, spawned)
+
+
+def test_default_model_decodes_like_transformers_generate():
+    """Greedy tokens after a 2-rank KV-Runahead prefill equal transformers' generate() on the full prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrunahead.models import default_model_dir, load_tokenizer
+    from kvrunahead.prompt import build_prompt
+
+    n_new = 12
+    r = _result(kvr_prefill("--nproc", "2", "--ctx", "160", "--partition", "0,100,160", "--max-new-tokens",
+                            str(n_new), "--json"))
+    ids = build_prompt(load_tokenizer("smollm2-135m"), 160)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False)
+    expected = out[0, len(ids):].tolist()
+    assert r["generated_tokens"] == expected
+    assert len(expected) >= 4 and any(c.isalpha() for c in r["generated_text"])
