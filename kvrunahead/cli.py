@@ -26,7 +26,8 @@ def format_result(r: RunResult) -> str:
     lines = [
         f"model        {r.model}",
         f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}",
-        f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}",
+        f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}"
+        + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens",
         f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
         f"ratios {[round(x, 3) for x in r.ratios]}",

@@ -74,6 +74,14 @@ def _parse_fault(spec: str | None) -> tuple[int, int] | None:
 @torch.no_grad()
 def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike)."""
+    plain = DynamicCache(config=model.config)
+    odd = {type(layer).__name__ for layer in plain.layers if type(layer) is not DynamicLayer}
+    if odd:
+        # Sliding-window and linear-attention layers keep state that is not the plain [0, end) K,V
+        # prefix, so the chain would hand the next rank the wrong thing.
+        raise NotImplementedError(
+            f"{type(model).__name__} uses cache layers {sorted(odd)}; KV-Runahead supports full-attention layers only"
+        )
     device = next(model.parameters()).device
     cache = DynamicCache()
     one_token = torch.zeros((1, 1), dtype=torch.long, device=device)

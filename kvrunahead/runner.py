@@ -85,6 +85,7 @@ class RunResult:
     device: str
     dtype: str
     threads_per_rank: int
+    oversubscribed: bool  # more busy threads on the node than cores: timings are not meaningful
     context_len: int
     boundaries: list[int]
     ratios: list[float]
@@ -236,6 +237,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         threads_per_rank=threads,
+        oversubscribed=threads * world.local_world_size > (os.cpu_count() or 1),
         context_len=len(ids),
         boundaries=list(partition.boundaries),
         ratios=[round(r, 4) for r in partition.ratios],
