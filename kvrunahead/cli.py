@@ -12,7 +12,9 @@ import click
 
 from kvrunahead.launcher import LaunchError, detect_launcher, spawn, world_size_hint
 from kvrunahead.models import MODEL_CHOICES
-from kvrunahead.runner import DTYPES, MODES, InputError, RunConfig, RunResult, prepare, run
+from kvrunahead.modes import MODES
+from kvrunahead.runner import DTYPES, InputError, RunConfig, RunResult, prepare, run
+from kvrunahead.transport import TRANSPORTS
 
 log = logging.getLogger("kvrunahead")
 
@@ -25,7 +27,8 @@ def format_result(r: RunResult) -> str:
     sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
     lines = [
         f"model        {r.model}",
-        f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}",
+        f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}"
+        f"   transport {r.transport}",
         f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}"
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens",
@@ -55,8 +58,10 @@ def format_result(r: RunResult) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--model", default="smollm2-135m", show_default=True,
               help=f"A preset ({', '.join(MODEL_CHOICES)}) or a local transformers model directory.")
-@click.option("--mode", type=click.Choice(MODES), default="kvr", show_default=True,
-              help="kvr: KV-Runahead over the ranks; single: one process, the reference.")
+@click.option("--mode", type=click.Choice(list(MODES)), default="kvr", show_default=True,
+              help="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()) + ".")
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="torch", show_default=True,
+              help="torch: gloo (CPU) or NCCL (GPU); mpi: mpi4py Isend/Irecv and Allgather (under mpirun).")
 @click.option("--ctx", "ctx", default=None,
               help="Prompt length in tokens (2048, 2k, 16K). Default: 2k, or the whole --prompt-file.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
@@ -85,8 +90,8 @@ def format_result(r: RunResult) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-def main(model, mode, ctx, prompt_file, no_chat, partition, nproc, dtype, device, threads, max_new_tokens, verify,
-         atol, timeout_s, allow_long_context, seed, as_json, verbose) -> None:
+def main(model, mode, transport, ctx, prompt_file, no_chat, partition, nproc, dtype, device, threads, max_new_tokens,
+         verify, atol, timeout_s, allow_long_context, seed, as_json, verbose) -> None:
     """Prefill one long prompt with KV-Runahead over several ranks and print the time to first token.
 
     Each rank holds one part of the prompt; layer by layer it receives the K,V of everything before
@@ -121,7 +126,7 @@ def main(model, mode, ctx, prompt_file, no_chat, partition, nproc, dtype, device
         except PromptError as e:
             raise InputError(str(e)) from None
         cfg = RunConfig(
-            model=model, mode=mode, context_len=context_len, prompt_text=text, chat=not no_chat,
+            model=model, mode=mode, transport=transport, context_len=context_len, prompt_text=text, chat=not no_chat,
             partition=partition, dtype=dtype, device=device, threads=threads, max_new_tokens=max_new_tokens,
             verify=verify, atol=atol, timeout_s=timeout_s, allow_long_context=allow_long_context, seed=seed,
         )

@@ -15,6 +15,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     FalconConfig,
+    GPTBigCodeConfig,
     GPTNeoXConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -48,6 +49,10 @@ PRESETS: dict[str, callable] = {
     "tiny-falcon": lambda: _tiny(
         FalconConfig, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, multi_query=True,
         new_decoder_architecture=False, alibi=False,
+    ),
+    "tiny-bigcode": lambda: GPTBigCodeConfig(
+        vocab_size=ByteTokenizer.VOCAB_SIZE, n_positions=8192, n_embd=64, n_layer=4, n_head=4, multi_query=True,
+        bos_token_id=None, eos_token_id=None,
     ),
     "llama-7b": lambda: LlamaConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

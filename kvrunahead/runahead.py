@@ -9,7 +9,6 @@ returns it, so attention sees the whole [0, end) cache under a causal mask offse
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 
 import torch
@@ -17,8 +16,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.transport import ChainLink, KVLayout
-
-log = logging.getLogger(__name__)
 
 FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"  # "RANK:LAYER": raise inside that rank's cache update (failure tests)
 
@@ -71,6 +68,23 @@ def _parse_fault(spec: str | None) -> tuple[int, int] | None:
     return int(rank), int(layer)
 
 
+class LocalPrefixLink(ChainLink):
+    """The practical lower bound of section 5: the same partition, but each rank already holds its prefix
+    K,V locally, so nothing is received, sent or waited for."""
+
+    prefixes: list[torch.Tensor] | None = None
+
+    @property
+    def has_next(self) -> bool:
+        return False
+
+    def start(self) -> None:
+        pass
+
+    def prefix(self, layer: int) -> torch.Tensor:
+        return self.prefixes[layer]
+
+
 @torch.no_grad()
 def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike)."""
@@ -108,6 +122,15 @@ def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
 
 
 @torch.no_grad()
+def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, **kwargs) -> torch.Tensor | None:
+    """This rank's forward: the last token's logits when it emits the first token, else no LM head at all."""
+    if emit:
+        return last_token_logits(model, input_ids, **kwargs)
+    model.base_model(input_ids=input_ids, use_cache=True, **kwargs)
+    return None
+
+
+@torch.no_grad()
 def kvr_prefill(
     model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink
 ) -> tuple[torch.Tensor | None, RunaheadCache]:
@@ -118,17 +141,23 @@ def kvr_prefill(
     and the cache, which holds K,V for [0, end).
     """
     start = link.prefix_len
-    n = input_ids.shape[1]
-    position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
+    position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     cache = RunaheadCache(link)
     link.start()
-    if link.has_next:
-        model.base_model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-        logits = None
-    else:
-        logits = last_token_logits(model, input_ids, position_ids=position_ids, past_key_values=cache)
+    last = link.rank == link.transport.world_size - 1
+    logits = forward_part(model, input_ids, last, position_ids=position_ids, past_key_values=cache)
     link.finish()
     return logits, cache
+
+
+@torch.no_grad()
+def local_prefixes(model: torch.nn.Module, prefix_ids: torch.Tensor) -> list[torch.Tensor]:
+    """K,V of a prefix computed in this process (set-up of the no-communication bound; not timed)."""
+    if prefix_ids.shape[1] == 0:
+        return []
+    cache = DynamicCache()
+    model.base_model(input_ids=prefix_ids, past_key_values=cache, use_cache=True)
+    return [torch.stack((layer.keys, layer.values)).contiguous() for layer in cache.layers]
 
 
 @torch.no_grad()

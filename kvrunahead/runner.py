@@ -14,14 +14,14 @@ from transformers import DynamicCache
 
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.models import LoadedModel, ModelError, load_model, load_tokenizer, max_context, resolve_config
+from kvrunahead.modes import MODES, Step
 from kvrunahead.partition import Partition, PartitionError, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
-from kvrunahead.runahead import greedy_decode, kvr_prefill, last_token_logits, probe_kv_layout
-from kvrunahead.transport import ChainLink, pair_groups
+from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
+from kvrunahead.transport import TRANSPORTS, Transport, make_transport
 
 log = logging.getLogger(__name__)
 
-MODES = ("kvr", "single")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,6 +33,7 @@ class InputError(ValueError):
 class RunConfig:
     model: str = "smollm2-135m"
     mode: str = "kvr"
+    transport: str = "torch"
     context_len: int | None = 2048
     prompt_text: str | None = None
     chat: bool = True
@@ -82,6 +83,7 @@ class RunResult:
     world_size: int
     launcher: str
     backend: str
+    transport: str
     device: str
     dtype: str
     threads_per_rank: int
@@ -135,6 +137,10 @@ def prepare(cfg: RunConfig, world_size: int) -> tuple[list[int], Partition]:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
     if cfg.mode == "single" and world_size != 1:
         raise InputError(f"mode 'single' runs one process, but the world size is {world_size}")
+    if MODES[cfg.mode].own_partition and cfg.partition != "even":
+        raise InputError(f"mode {cfg.mode!r} sets its own layout; --partition applies to kvr and kvr-nocomm only")
+    if cfg.transport not in TRANSPORTS:
+        raise InputError(f"unknown transport {cfg.transport!r}: use one of {', '.join(TRANSPORTS)}")
     try:
         config = resolve_config(cfg.model)
         ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
@@ -159,11 +165,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
     """Check the input, join the ranks, run one prefill; the last rank returns the result, others None."""
     prepare(cfg, world_size)
+    if cfg.transport == "mpi" and launcher != "mpi" and world_size > 1:
+        raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s)
     try:
         return run_on_world(cfg, world)
     finally:
+        _TRANSPORTS.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -178,41 +187,33 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     backend = pick_backend(device)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
-    lm = load_model(cfg.model, dtype, device, seed=cfg.seed)
+    lm = _loaded(cfg.model, dtype, device, cfg.seed)
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
-    last = rank == p - 1
-    groups = pair_groups(p, backend) if p > 1 else []
-    start, end = partition.part(rank)
-    my_ids = torch.tensor([ids[start:end]], device=device)
-    link = ChainLink(
-        rank=rank,
-        world_size=p,
-        prefix_len=start,
-        layout=layout,
-        device=device,
-        recv_group=groups[rank - 1] if rank > 0 else None,
-        send_group=groups[rank] if rank < p - 1 else None,
-    )
+    mode = MODES[cfg.mode]
+    transport = _transport(cfg.transport, rank, p, backend)
+    transport.reset_stats()
+    ranges = mode.token_ranges(partition)
+    mine = ranges[rank]
+    my_ids = torch.tensor([[t for a, e in mine for t in ids[a:e]]], device=device)
+    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids))
+    state = mode.setup(step)
+    emitter = mode.emitter(p)
     if p > 1:
         dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    if cfg.mode == "single":
-        cache = DynamicCache()
-        logits = last_token_logits(lm.model, my_ids, past_key_values=cache)
-    else:
-        logits, cache = kvr_prefill(lm.model, my_ids, link)
-    first_token = int(logits.argmax()) if last else -1
+    logits, cache = mode.prefill(step, state)
+    first_token = int(logits.argmax()) if rank == emitter else -1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     total_s = time.perf_counter() - t0
-    st = link.stats
+    st = transport.stats
     stats = RankStats(
         rank=rank,
-        tokens=end - start,
+        tokens=sum(e - a for a, e in mine),
         total_s=total_s,
         compute_s=total_s - st.wait_s - st.send_s,
         wait_s=st.wait_s,
@@ -225,15 +226,17 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     if p > 1:
         all_stats = [None] * p
         dist.all_gather_object(all_stats, stats)
-    if not last:
+    if rank != emitter:
         return None
-    tokens = greedy_decode(lm.model, first_token, cache, len(ids), cfg.max_new_tokens, lm.eos_token_ids)
+    new_tokens = cfg.max_new_tokens if mode.decodes else 1
+    tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     result = RunResult(
         model=cfg.model,
         mode=cfg.mode,
         world_size=p,
         launcher=world.launcher,
         backend=backend if p > 1 else "none",
+        transport=transport.name,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         threads_per_rank=threads,
@@ -254,6 +257,27 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     return result
 
 
+_MODELS: dict = {}
+_TRANSPORTS: dict = {}
+
+
+def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
+    key = (name, dtype, str(device), seed)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = load_model(name, dtype, device, seed=seed)
+    return _MODELS[key]
+
+
+def _transport(name: str, rank: int, world_size: int, backend: str) -> Transport:
+    """One transport (and its process groups) per process and kind, reused across runs."""
+    key = (name, rank, world_size, backend)
+    if key not in _TRANSPORTS:
+        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend)
+    return _TRANSPORTS[key]
+
+
 def default_atol(dtype: torch.dtype) -> float:
     # float32 differs from one full forward only by summation order; half precisions by rounding.
     return {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}[dtype]
@@ -269,7 +293,8 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
     ref_logits = last_token_logits(lm.model, full, past_key_values=cache)
     ref_first = int(ref_logits.argmax())
     single_ttft_s = time.perf_counter() - t0
-    ref_tokens = greedy_decode(lm.model, ref_first, cache, len(ids), cfg.max_new_tokens, lm.eos_token_ids)
+    new_tokens = cfg.max_new_tokens if MODES[cfg.mode].decodes else 1
+    ref_tokens = greedy_decode(lm.model, ref_first, cache, len(ids), new_tokens, lm.eos_token_ids)
     return Verification(
         single_ttft_s=single_ttft_s,
         max_abs_logit_diff=float((ref_logits.float().cpu() - result.logits).abs().max()),

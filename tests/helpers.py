@@ -46,7 +46,10 @@ def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 
     outputs = wait_all(procs, timeout_s)
     codes = [p.returncode for p in procs]
     assert codes == [0] * world_size, f"rank exit codes {codes}\n" + "\n".join(outputs)
-    return json.loads(out_file.read_text())
+    results: dict = {}
+    for r in range(world_size):
+        results.update(json.loads(Path(f"{out_file}.{r}").read_text()))
+    return results
 
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:

@@ -24,10 +24,12 @@ def main() -> None:
                 "generated_tokens": d["generated_tokens"],
                 "boundaries": d["boundaries"],
                 "bytes_sent": [r["bytes_sent"] for r in d["ranks"]],
+                "tokens": [r["tokens"] for r in d["ranks"]],
                 "verification": d["verification"],
             }
-    if world.rank == world.world_size - 1:
-        json.dump(results, open(sys.argv[2], "w"))
+    # Whichever rank emitted the first token of a case holds its result (the last rank, or rank 0 for
+    # the zigzag modes): each rank writes its own file.
+    json.dump(results, open(f"{sys.argv[2]}.{world.rank}", "w"))
     os._exit(0)
 
 

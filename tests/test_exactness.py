@@ -1,11 +1,19 @@
-"""KV-Runahead on p real ranks (gloo, CPU) against the single-process model, for GQA, MHA and MQA."""
+"""Every prefill mode on p real ranks (gloo, CPU) against the single-process model, for GQA, MHA and MQA."""
 
 import pytest
 
 from tests.helpers import run_cases
 
 CONTEXT = 61  # odd on purpose: even parts cannot all be equal
-MODELS = ["tiny-llama", "tiny-neox", "tiny-falcon"]  # GQA, MHA, MQA
+MODELS = ["tiny-llama", "tiny-neox", "tiny-falcon", "tiny-bigcode"]  # GQA, MHA, MQA, MQA
+# Falcon calls SDPA itself, so the modes that insert their own attention run on the other three.
+BASELINES = {
+    "kvr-nocomm": MODELS,
+    "tsp": MODELS,
+    "cp-allgather": ["tiny-llama", "tiny-neox", "tiny-bigcode"],
+    "ring": ["tiny-llama", "tiny-neox", "tiny-bigcode"],
+}
+BASELINE_CASES = [(mode, model) for mode, models in BASELINES.items() for model in models]
 NEW_TOKENS = 6
 
 
@@ -29,14 +37,19 @@ def _skewed_ratios(p: int) -> list[float]:
     return r
 
 
+def _config(model: str, dtype: str, **kw) -> dict:
+    return dict(model=model, context_len=CONTEXT, dtype=dtype, device="cpu", max_new_tokens=NEW_TOKENS,
+                verify=True, threads=1, atol=1e-4 if dtype == "float32" else 1e9, **kw)
+
+
 def _cases(p: int) -> list[dict]:
     cases = []
-    for model in MODELS:
-        for pname, spec in partitions(p).items():
-            for dtype in ("float32", "bfloat16"):
-                cfg = dict(model=model, context_len=CONTEXT, partition=spec, dtype=dtype, device="cpu",
-                           max_new_tokens=NEW_TOKENS, verify=True, threads=1, atol=1e-4 if dtype == "float32" else 1e9)
-                cases.append({"name": f"{model}/{pname}/{dtype}", "config": cfg})
+    for dtype in ("float32", "bfloat16"):
+        for model in MODELS:
+            for pname, spec in partitions(p).items():
+                cases.append({"name": f"{model}/{pname}/{dtype}", "config": _config(model, dtype, partition=spec)})
+        for mode, model in BASELINE_CASES:
+            cases.append({"name": f"{mode}/{model}/{dtype}", "config": _config(model, dtype, mode=mode)})
     return cases
 
 
@@ -76,3 +89,38 @@ def test_kvr_sends_only_the_prefix_chain(world, pname):
     per_token = 4 * 2 * 2 * 16 * 4
     expected = [r["boundaries"][i + 1] * per_token for i in range(p - 1)] + [0]
     assert r["bytes_sent"] == expected
+
+
+@pytest.mark.parametrize("mode, model", BASELINE_CASES)
+def test_baseline_modes_match_single_process(world, mode, model):
+    p, results = world
+    r = results[f"{mode}/{model}/float32"]
+    v = r["verification"]
+    assert sum(r["tokens"]) == CONTEXT and len(r["tokens"]) == p
+    assert v["max_abs_logit_diff"] <= 1e-4, v
+    assert v["first_token_match"] and v["generated_match"], v
+    assert results[f"{mode}/{model}/bfloat16"]["verification"]["first_token_match"]
+
+
+@pytest.mark.parametrize("mode", ["tsp", "cp-allgather"])
+def test_all_gather_modes_send_every_block_to_every_other_rank(world, mode):
+    """All-gather delivers each rank's K,V (padded to the largest block) to the p-1 others per layer (eq. 4)."""
+    p, results = world
+    r = results[f"{mode}/tiny-llama/float32"]
+    per_token = 4 * 2 * 2 * 16 * 4
+    assert r["bytes_sent"] == [(p - 1) * max(r["tokens"]) * per_token] * p
+
+
+def test_ring_passes_on_every_block_but_its_successors(world):
+    """In p-1 ring steps rank i forwards its own block and those of i-1 .. i-p+2, once per layer."""
+    p, results = world
+    r = results["ring/tiny-llama/float32"]
+    per_token = 4 * 2 * 2 * 16 * 4
+    n = r["tokens"]
+    expected = [(sum(n) - n[(i + 1) % p]) * per_token if p > 1 else 0 for i in range(p)]
+    assert r["bytes_sent"] == expected
+
+
+def test_kvr_without_communication_sends_nothing(world):
+    _, results = world
+    assert set(results["kvr-nocomm/tiny-llama/float32"]["bytes_sent"]) == {0}

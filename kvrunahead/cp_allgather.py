@@ -1,0 +1,70 @@
+"""Context-parallel prefill with K,V all-gather and the zigzag layout (Llama 3 style long-context inference).
+
+The sequence is cut into 2p chunks and rank i holds chunks i and 2p-1-i, so every rank gets the same
+share of the causal triangle. Every layer all-gathers K,V; each local query chunk [a, e) then attends
+only to the keys it can see, [0, e), with the causal mask on its diagonal block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrunahead.attention import (
+    attend,
+    attention_mode,
+    causal_mask,
+    current_state,
+    expand_kv,
+    register,
+    zigzag_ranges,
+)
+from kvrunahead.partition import Partition
+from kvrunahead.runahead import forward_part
+from kvrunahead.transport import Transport
+from kvrunahead.tsp import GatherCache, positions
+
+IMPLEMENTATION = "kvrunahead_cp_allgather"
+
+
+@dataclass
+class _State:
+    query_ranges: list[tuple[int, int]]
+
+
+def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function: ``key``/``value`` hold all C positions in order."""
+    state: _State = current_state()
+    key, value = expand_kv(key, query.shape[1]), expand_kv(value, query.shape[1])
+    outs, offset = [], 0
+    for a, e in state.query_ranges:
+        q = query[:, :, offset : offset + e - a]
+        offset += e - a
+        mask = causal_mask(a, e - a, 0, e, query.device)
+        outs.append(attend(q, key[:, :, :e], value[:, :, :e], mask, scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+register(IMPLEMENTATION, cp_attention)
+
+
+def token_ranges_for(partition: Partition) -> list[list[tuple[int, int]]]:
+    return zigzag_ranges(partition.context_len, partition.world_size)
+
+
+def emitter(world_size: int) -> int:
+    return 0  # rank 0 holds chunk 2p-1, the end of the prompt
+
+
+@torch.no_grad()
+def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, context_len: int):
+    mine = ranges[transport.rank]
+    cache = GatherCache(num_layers, transport, ranges)
+    with attention_mode(model, IMPLEMENTATION, _State(mine)):
+        logits = forward_part(
+            model, input_ids, transport.rank == emitter(transport.world_size),
+            position_ids=positions(mine, input_ids.device), past_key_values=cache,
+        )
+    return logits, cache
+

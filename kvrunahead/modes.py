@@ -1,0 +1,97 @@
+"""The prefill modes, one module each, behind one small interface.
+
+A mode says which token positions each rank holds, which rank emits the first token, and runs one
+rank's prefill given its tokens and a transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvrunahead import cp_allgather, ring, tsp
+from kvrunahead.attention import require_attention_interface
+from kvrunahead.partition import Partition
+from kvrunahead.runahead import LocalPrefixLink, kvr_prefill, last_token_logits, local_prefixes
+from kvrunahead.transport import ChainLink, KVLayout, Transport
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one rank needs for its prefill; built before the timed region."""
+
+    model: torch.nn.Module
+    input_ids: torch.Tensor  # this rank's tokens, in the order of its ranges
+    all_ids: list[int]
+    ranges: list[list[tuple[int, int]]]  # every rank's token ranges
+    transport: Transport
+    layout: KVLayout
+    context_len: int
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    summary: str
+    own_partition: bool  # True: the mode fixes its own layout; --partition must be 'even'
+    decodes: bool  # the emitting rank ends with the full K,V and can keep generating
+    token_ranges: Callable[[Partition], list[list[tuple[int, int]]]]
+    emitter: Callable[[int], int]
+    setup: Callable[[Step], object]  # untimed
+    prefill: Callable[[Step, object], tuple[torch.Tensor | None, DynamicCache | None]]  # timed
+
+
+def _contiguous(partition: Partition) -> list[list[tuple[int, int]]]:
+    return [[partition.part(r)] for r in range(partition.world_size)]
+
+
+def _last(p: int) -> int:
+    return p - 1
+
+
+def _chain(step: Step, nocomm: bool = False) -> ChainLink:
+    start = step.ranges[step.transport.rank][0][0]
+    device = step.input_ids.device
+    if not nocomm:
+        return ChainLink(step.transport, start, step.layout, device)
+    link = LocalPrefixLink(step.transport, start, step.layout, device)
+    link.prefixes = local_prefixes(step.model, torch.tensor([step.all_ids[:start]], device=device))
+    return link
+
+
+def _single(step: Step, _):
+    cache = DynamicCache()
+    return last_token_logits(step.model, step.input_ids, past_key_values=cache), cache
+
+
+def _gathering(module):
+    def run(step: Step, _):
+        return module.prefill(step.model, step.input_ids, step.transport, step.layout.num_layers, step.ranges,
+                              step.context_len)
+    return run
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in [
+        Mode("single", "one process, the reference", True, True, _contiguous, _last,
+             lambda step: None, _single),
+        Mode("kvr", "KV-Runahead: KV cache handed down a chain of ranks, any partition", False, True,
+             _contiguous, _last, _chain, lambda step, link: kvr_prefill(step.model, step.input_ids, link)),
+        Mode("kvr-nocomm", "KV-Runahead with its communication removed (prefix K,V given locally): "
+             "the practical bound", False, True, _contiguous, _last,
+             lambda step: _chain(step, nocomm=True),
+             lambda step, link: kvr_prefill(step.model, step.input_ids, link)),
+        Mode("tsp", "tensor/sequence parallel: even parts, K,V all-gather, full masked score rows", True, True,
+             tsp.token_ranges, tsp.emitter, lambda step: None, _gathering(tsp)),
+        Mode("cp-allgather", "context parallel, zigzag chunks, K,V all-gather, visible keys only", True, True,
+             cp_allgather.token_ranges_for, cp_allgather.emitter,
+             lambda step: require_attention_interface(step.model, "cp-allgather"), _gathering(cp_allgather)),
+        Mode("ring", "ring attention, zigzag chunks, K,V passed around the ring, log-sum-exp merge", True, False,
+             ring.token_ranges_for, ring.emitter,
+             lambda step: require_attention_interface(step.model, "ring"), _gathering(ring)),
+    ]
+}

@@ -1,0 +1,106 @@
+"""Ring attention with pass-KV and the zigzag layout (ring-flash-attention, Megatron's p2p context parallel).
+
+Rank i holds chunks i and 2p-1-i. In every layer the K,V blocks travel around the ring: at each of the
+p steps a rank sends the block in hand to rank i+1 and receives the next one from rank i-1 while it
+attends to the block in hand; partial results are merged exactly with their log-sum-exp. A query chunk
+sees a key chunk fully when the key chunk lies before it, causally when it is the same chunk, and not at
+all when it lies after it, so no masked work is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvrunahead.attention import (
+    attend_with_lse,
+    attention_mode,
+    current_state,
+    expand_kv,
+    merge_lse,
+    register,
+    zigzag_ranges,
+)
+from kvrunahead.partition import Partition
+from kvrunahead.runahead import forward_part
+from kvrunahead.transport import Transport
+from kvrunahead.tsp import positions
+
+IMPLEMENTATION = "kvrunahead_ring"
+
+
+@dataclass
+class _State:
+    transport: Transport
+    ranges: list[list[tuple[int, int]]]
+
+
+def _chunk_attention(q, q_range, k, v, k_ranges, scale, out, lse):
+    qa, qe = q_range
+    offset = 0
+    for ka, ke in k_ranges:
+        kb, vb = k[:, :, offset : offset + ke - ka], v[:, :, offset : offset + ke - ka]
+        offset += ke - ka
+        if ka >= qe:
+            continue  # keys after every query: fully masked, skipped
+        block_out, block_lse = attend_with_lse(q, kb, vb, causal=ka == qa, scale=scale)
+        out, lse = merge_lse(out, lse, block_out, block_lse)
+    return out, lse
+
+
+def ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function: ``key``/``value`` are this rank's own chunks only."""
+    state: _State = current_state()
+    t, ranges = state.transport, state.ranges
+    p, rank, heads = t.world_size, t.rank, query.shape[1]
+    tag_base = module.layer_idx * p
+    block = torch.stack((key, value)).contiguous()
+    mine = ranges[rank]
+    outs: list = [None] * len(mine)
+    lses: list = [None] * len(mine)
+    for step in range(p):
+        src = (rank - step) % p
+        if step < p - 1:
+            nxt = (rank - step - 1) % p
+            n = sum(e - a for a, e in ranges[nxt])
+            buf = block.new_empty((*block.shape[:-2], n, block.shape[-1]))
+            req = t.irecv(buf, (rank - 1) % p, tag=tag_base + step)
+            t.isend(block, (rank + 1) % p, tag=tag_base + step)
+        k, v = expand_kv(block[0], heads), expand_kv(block[1], heads)
+        offset = 0
+        for i, (a, e) in enumerate(mine):
+            q = query[:, :, offset : offset + e - a]
+            offset += e - a
+            outs[i], lses[i] = _chunk_attention(q, (a, e), k, v, ranges[src], scaling, outs[i], lses[i])
+        if step < p - 1:
+            t.wait(req)
+            block = buf
+    out = torch.cat(outs, dim=2).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+register(IMPLEMENTATION, ring_attention)
+
+
+def token_ranges_for(partition: Partition) -> list[list[tuple[int, int]]]:
+    return zigzag_ranges(partition.context_len, partition.world_size)
+
+
+def emitter(world_size: int) -> int:
+    return 0  # rank 0 holds chunk 2p-1, the end of the prompt
+
+
+@torch.no_grad()
+def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, context_len: int):
+    mine = ranges[transport.rank]
+    cache = DynamicCache()  # holds this rank's own chunks only
+    with attention_mode(model, IMPLEMENTATION, _State(transport, ranges)):
+        logits = forward_part(
+            model, input_ids, transport.rank == emitter(transport.world_size),
+            position_ids=positions(mine, input_ids.device), past_key_values=cache,
+        )
+    transport.drain()
+    return logits, cache
+

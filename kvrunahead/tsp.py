@@ -1,0 +1,81 @@
+"""Tensor/sequence-parallel prefill with K,V all-gather (TSP; paper section 4.1, fig. 4): the baseline.
+
+Even partition. In every layer each rank all-gathers K,V (a global synchronisation point) and attends
+its queries to the whole gathered K,V under the causal mask, i.e. it computes its rows of the full
+C x C score matrix, masked, with the same SDPA kernel as every other mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvrunahead.partition import Partition
+from kvrunahead.runahead import forward_part
+from kvrunahead.transport import Transport
+
+
+class GatherLayer(DynamicLayer):
+    """First update: all-gather every rank's K,V and return them in position order."""
+
+    def __init__(self, transport: Transport, ranges: list[list[tuple[int, int]]]) -> None:
+        super().__init__()
+        self.transport = transport
+        self.ranges = ranges  # every rank's token ranges, in rank order
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        local = torch.stack((key_states, value_states))
+        # all-gather wants equal blocks: pad to the largest rank's token count.
+        sizes = [sum(e - a for a, e in r) for r in self.ranges]
+        width = max(sizes)
+        if local.shape[-2] < width:
+            pad = local.new_zeros((*local.shape[:-2], width - local.shape[-2], local.shape[-1]))
+            local = torch.cat((local, pad), dim=-2)
+        gathered = self.transport.all_gather(local)  # [p, 2, 1, heads, width, head_dim]
+        pieces = []
+        for rank, rank_ranges in enumerate(self.ranges):
+            offset = 0
+            for a, e in rank_ranges:
+                pieces.append((a, gathered[rank, ..., offset : offset + e - a, :]))
+                offset += e - a
+        kv = torch.cat([t for _, t in sorted(pieces, key=lambda x: x[0])], dim=-2)
+        self.keys, self.values = kv[0], kv[1]
+        self.is_initialized = True
+        return self.keys, self.values
+
+
+class GatherCache(DynamicCache):
+    def __init__(self, num_layers: int, transport: Transport, ranges: list[list[tuple[int, int]]]) -> None:
+        super(DynamicCache, self).__init__(layers=[GatherLayer(transport, ranges) for _ in range(num_layers)])
+
+
+def positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
+    return torch.cat([torch.arange(a, e, device=device) for a, e in ranges]).unsqueeze(0)
+
+
+def token_ranges(partition: Partition) -> list[list[tuple[int, int]]]:
+    return [[partition.part(r)] for r in range(partition.world_size)]
+
+
+def emitter(world_size: int) -> int:
+    return world_size - 1
+
+
+@torch.no_grad()
+def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, context_len: int):
+    """This rank's TSP prefill; ``input_ids`` are its tokens. Returns (logits on the emitter, cache)."""
+    mine = ranges[transport.rank]
+    pos = positions(mine, input_ids.device)
+    cache = GatherCache(num_layers, transport, ranges)
+    # Rows of the full C x C causal score matrix: every key is computed, future ones masked (fig. 4).
+    mask = (torch.arange(context_len, device=input_ids.device)[None, :] <= pos[0][:, None])[None, None]
+    logits = forward_part(
+        model, input_ids, transport.rank == emitter(transport.world_size),
+        position_ids=pos, past_key_values=cache, attention_mask=mask,
+    )
+    return logits, cache
+
