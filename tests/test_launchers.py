@@ -68,3 +68,22 @@ def test_default_model_decodes_like_transformers_generate():
     expected = out[0, len(ids):].tolist()
     assert r["generated_tokens"] == expected
     assert len(expected) >= 4 and any(c.isalpha() for c in r["generated_text"])
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (apt-get install openmpi-bin)")
+@pytest.mark.parametrize("mode", ["kvr", "tsp", "cp-allgather", "ring"])
+def test_mpi_transport_matches_single_process(mode):
+    pytest.importorskip("mpi4py")
+    args = ["--model", "tiny-llama", "--ctx", "100", "--partition", "even", "--mode", mode, "--transport", "mpi",
+            "--verify", "--json", "--max-new-tokens", "3"]
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "-n", "2", "kvr-prefill", *args],
+                          capture_output=True, text=True, timeout=240)
+    r = _result(proc)
+    assert r["transport"] == "mpi" and r["verification"]["ok"]
+    assert all(s["bytes_sent"] > 0 for s in r["ranks"][: 1 if mode == "kvr" else 2])
+
+
+def test_mpi_transport_outside_mpirun_is_refused():
+    proc = kvr_prefill("--model", "tiny-llama", "--ctx", "64", "--nproc", "2", "--transport", "mpi")
+    assert proc.returncode != 0
+    assert "needs the ranks to be started by mpirun" in proc.stderr

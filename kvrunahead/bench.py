@@ -1,0 +1,379 @@
+"""``kvr-bench``: TTFT of every prefill mode over context lengths, world sizes and transports.
+
+The orchestrator starts one world of ranks per (world size, threads, transport); the ranks stay up for
+their whole share of the sweep (the model is loaded once) and every rank walks the same plan, so the
+collectives line up. Each run becomes one row; the emitting rank writes it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr", "kvr-best", "kvr-nocomm")
+
+
+@dataclass
+class Job:
+    """One measured point: a mode at a context length, with its repeats."""
+
+    label: str  # mode as reported: single-1t, kvr-even, kvr-best, ...
+    mode: str
+    context_len: int
+    partition: str
+    repeats: int
+    warmup: int
+    sweep: list[float] | None = None  # kvr-best: rank 0's share candidates to try first
+
+
+def environment(model: str, transport: str, threads: int, bandwidth: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        commit = commit + ("-dirty" if dirty else "")
+    except OSError:
+        commit = "unknown"
+    return {
+        "model": model, "cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": threads,
+        "torch": torch.__version__, "transformers": transformers.__version__, "transport": transport,
+        "bandwidth": bandwidth, "commit": commit or "unknown",
+    }
+
+
+# ---------------------------------------------------------------- worker (runs on every rank)
+
+def worker(plan_file: str, out_prefix: str) -> None:
+    import torch.distributed as dist
+
+    from kvrunahead.launcher import detect_launcher, init_world
+    from kvrunahead.runner import RunConfig, run_on_world
+
+    plan = json.loads(Path(plan_file).read_text())
+    world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
+    base = plan["config"]
+    out = open(f"{out_prefix}.{world.rank}.jsonl", "w")
+    total = plan["total_runs"]
+    done = 0
+
+    def measure(job: dict, partition: str, kind: str, index: int) -> float:
+        nonlocal done
+        cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition})
+        result = run_on_world(cfg, world)
+        ttft = [result.ttft_s if result is not None else None]
+        if world.world_size > 1:
+            gathered = [None] * world.world_size
+            dist.all_gather_object(gathered, ttft[0])
+            ttft = [t for t in gathered if t is not None]
+        done += 1
+        if result is not None:
+            row = {**plan["env"], "label": job["label"], "mode": job["mode"], "kind": kind, "index": index,
+                   **{k: v for k, v in result.to_dict().items() if k not in ("ranks", "verification")},
+                   "ranks": [asdict(r) for r in result.ranks]}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(f"[{done}/{total}] ctx {job['context_len']:>6} {job['label']:<14} {kind:<7} "
+                  f"partition {','.join(map(str, result.boundaries))}: TTFT {result.ttft_s:.3f} s",
+                  file=sys.stderr, flush=True)
+        return ttft[0]
+
+    best: dict[int, str] = {}  # context length -> the partition kvr-best settled on
+    for job in plan["jobs"]:
+        partition = job["partition"]
+        if partition == "@best":
+            partition = best.get(job["context_len"], "even")
+        if job["sweep"]:
+            # Rank 0's share; the rest split evenly. Every rank sees the same TTFTs, so all pick the same best.
+            p = world.world_size
+            tried = {}
+            for share in job["sweep"]:
+                rest = (1 - share) / (p - 1)
+                spec = ",".join(f"{x:.6f}" for x in [share] + [rest] * (p - 1))
+                tried[spec] = measure(job, spec, "sweep", len(tried))
+            partition = min(tried, key=tried.get)
+            best[job["context_len"]] = partition
+        for i in range(job["warmup"]):
+            measure(job, partition, "warmup", i)
+        for i in range(job["repeats"]):
+            measure(job, partition, "timed", i)
+    out.close()
+    if world.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- orchestrator
+
+def _runs_in(jobs: list[Job]) -> int:
+    return sum(j.repeats + j.warmup + len(j.sweep or []) for j in jobs)
+
+
+def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
+              timeout_s: float) -> list[dict]:
+    from kvrunahead.launcher import free_port
+
+    tag = f"p{nproc}_t{threads}_{transport}"
+    plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
+    plan = {"config": {**config, "threads": threads, "transport": transport}, "jobs": [asdict(j) for j in jobs],
+            "env": {**env, "threads_per_rank": threads, "transport": transport}, "timeout_s": timeout_s,
+            "total_runs": _runs_in(jobs)}
+    plan_file.write_text(json.dumps(plan))
+    cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
+    if transport == "mpi":
+        extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        procs = [subprocess.Popen(["mpirun", *extra, "--bind-to", "none", "-n", str(nproc), *cmd])]
+    else:
+        port = free_port()
+        procs = [
+            subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads)))
+            for r in range(nproc)
+        ]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"benchmark world {tag} failed with exit codes {codes}")
+    rows = []
+    for r in range(nproc):
+        path = Path(f"{out_prefix}.{r}.jsonl")
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+        path.unlink()
+    plan_file.unlink()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Median, min and max TTFT of the timed runs of each point."""
+    points: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row["kind"] == "timed":
+            points.setdefault((row["context_len"], row["world_size"], row["label"], row["transport"]), []).append(row)
+    out = []
+    for (ctx, p, label, transport), rs in sorted(points.items()):
+        t = [r["ttft_s"] for r in rs]
+        ranks = rs[0]["ranks"]
+        out.append({
+            "context_len": ctx, "world_size": p, "label": label, "transport": transport,
+            "threads_per_rank": rs[0]["threads_per_rank"], "runs": len(t),
+            "ttft_median_s": statistics.median(t), "ttft_min_s": min(t), "ttft_max_s": max(t),
+            "boundaries": ",".join(map(str, rs[0]["boundaries"])),
+            "max_wait_s": statistics.median(max(r["wait_s"] for r in x["ranks"]) for x in rs),
+            "bytes_sent_total": sum(r["bytes_sent"] for r in ranks),
+        })
+    return out
+
+
+def add_bounds(summary: list[dict]) -> None:
+    """TTFT*(p) of eq. (1)-(3) from the measured single-process TTFT at 1 thread, and KVR's distance to the
+    practical bound (kvr-nocomm, same partition as kvr-best)."""
+    by = {(s["context_len"], s["label"], s["transport"]): s for s in summary}
+    for s in summary:
+        p = s["world_size"]
+        single = next((x for x in summary if x["context_len"] == s["context_len"] and x["label"] == "single-1t"), None)
+        s["ttft_star_s"] = single["ttft_median_s"] / 2 * (1 / p + 1 / p**2) if single and p > 1 else None
+        tsp = by.get((s["context_len"], "tsp", "torch" if s["transport"] == "local" else s["transport"]))
+        s["speedup_over_tsp"] = tsp["ttft_median_s"] / s["ttft_median_s"] if tsp else None
+        nocomm = by.get((s["context_len"], "kvr-nocomm", s["transport"]))
+        is_kvr = s["label"].startswith("kvr-") and s["label"] != "kvr-nocomm"
+        s["over_nocomm_bound"] = s["ttft_median_s"] / nocomm["ttft_median_s"] - 1 if nocomm and is_kvr else None
+
+
+def write_outputs(rows: list[dict], summary: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flat = [{k: v for k, v in r.items() if k != "ranks"} | {
+        "wait_s_per_rank": ";".join(f"{x['wait_s']:.4f}" for x in r["ranks"]),
+        "compute_s_per_rank": ";".join(f"{x['compute_s']:.4f}" for x in r["ranks"]),
+        "bytes_sent_per_rank": ";".join(str(x["bytes_sent"]) for x in r["ranks"]),
+    } for r in rows]
+    _csv(out / "runs.csv", flat)
+    _csv(out / "summary.csv", summary)
+    (out / "summary.md").write_text(markdown_table(summary))
+    try:
+        plot(summary, out)
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots (pip install 'kvrunahead[bench]')")
+
+
+def _csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def markdown_table(summary: list[dict]) -> str:
+    lines = ["| context | p | mode | transport | TTFT median s | min | max | vs TSP | over no-comm bound | "
+             "TTFT*(p) s | partition |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        def f(x, fmt):
+            return "" if x is None else format(x, fmt)
+        lines.append(
+            f"| {s['context_len']} | {s['world_size']} | {s['label']} | {s['transport']} | "
+            f"{s['ttft_median_s']:.3f} | {s['ttft_min_s']:.3f} | {s['ttft_max_s']:.3f} | "
+            f"{f(s['speedup_over_tsp'], '.2f')}x | {f(s['over_nocomm_bound'], '+.1%')} | "
+            f"{f(s['ttft_star_s'], '.3f')} | {s['boundaries']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # Single-process rows have no transport ("local") and appear in every figure.
+    for transport in sorted({s["transport"] for s in summary} - {"local"}):
+        rows = [s for s in summary if s["transport"] in (transport, "local")]
+        labels = list(dict.fromkeys(s["label"] for s in rows))
+        fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+        for label in labels:
+            pts = sorted(((s["context_len"], s) for s in rows if s["label"] == label), key=lambda x: x[0])
+            x = [c / 1024 for c, _ in pts]
+            axes[0].errorbar(x, [s["ttft_median_s"] for _, s in pts],
+                             yerr=[[s["ttft_median_s"] - s["ttft_min_s"] for _, s in pts],
+                                   [s["ttft_max_s"] - s["ttft_median_s"] for _, s in pts]],
+                             marker="o", capsize=3, label=label)
+            if label not in ("tsp",) and all(s["speedup_over_tsp"] for _, s in pts):
+                axes[1].plot(x, [s["speedup_over_tsp"] for _, s in pts], marker="o", label=label)
+        star = sorted((s["context_len"], s["ttft_star_s"]) for s in rows
+                      if s["label"] == "kvr-best" and s["ttft_star_s"])
+        if star:
+            axes[0].plot([c / 1024 for c, _ in star], [t for _, t in star], "k--", label="TTFT*(p), eq. 3")
+        for label in ("kvr-best", "kvr-even"):
+            pts = sorted(((s["context_len"], s) for s in rows
+                          if s["label"] == label and s["over_nocomm_bound"] is not None), key=lambda x: x[0])
+            if pts:
+                axes[2].plot([c / 1024 for c, _ in pts], [100 * s["over_nocomm_bound"] for _, s in pts], marker="o",
+                             label=f"{label} over kvr-nocomm")
+        p = rows[0]["world_size"] if rows else "?"
+        axes[0].set(title=f"TTFT, p={p} ({transport})", xlabel="context (k tokens)", ylabel="seconds")
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        axes[1].set(title="speedup over TSP (median / median)", xlabel="context (k tokens)", ylabel="x")
+        axes[2].axhline(0.0, color="grey", lw=0.8)
+        axes[2].set(title="distance to the no-communication bound", xlabel="context (k tokens)", ylabel="%")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"ttft_{transport}.png", dpi=110)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------- CLI
+
+def _list(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
+               nproc: int) -> list[Job]:
+    jobs = []
+    for ctx in contexts:
+        for mode in modes:
+            if mode == "kvr":
+                jobs.append(Job("kvr-even", "kvr", ctx, "even", repeats, warmup))
+            elif mode == "kvr-best":
+                jobs.append(Job("kvr-best", "kvr", ctx, "even", repeats, warmup, sweep=shares if nproc > 1 else None))
+            elif mode == "kvr-nocomm":
+                jobs.append(Job("kvr-nocomm", "kvr-nocomm", ctx, "@best", repeats, warmup))
+            elif mode != "single":
+                jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
+    return jobs
+
+
+def main() -> None:
+    import click
+
+    from kvrunahead.prompt import parse_tokens
+
+    @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+    @click.option("--model", default="smollm2-135m", show_default=True)
+    @click.option("--ctx", "contexts", default="1k,2k,4k,8k", show_default=True, help="Context lengths.")
+    @click.option("--nproc", "nprocs", default="2", show_default=True, help="World sizes.")
+    @click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True,
+                  help="single runs at 1 thread and at p threads; kvr is the even partition; kvr-best sweeps "
+                       "rank 0's share (--shares) and keeps the fastest; kvr-nocomm is the bound on kvr-best's "
+                       "partition.")
+    @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
+    @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
+    @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
+    @click.option("--shares", default="0.50,0.52,0.54,0.56,0.58,0.60", show_default=True,
+                  help="kvr-best: rank 0's share of the context to try (the other ranks split the rest evenly).")
+    @click.option("--threads", default=1, show_default=True, help="Intra-op threads per rank.")
+    @click.option("--bandwidth", default="loopback", show_default=True,
+                  help="Label of the network setting, recorded in every row (shaping is done outside).")
+    @click.option("--allow-long-context", is_flag=True)
+    @click.option("--timeout", "timeout_s", default=600.0, show_default=True)
+    @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
+    def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth,
+            allow_long_context, timeout_s, out_dir):
+        """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
+
+        \b
+        Example (the committed CPU experiment):
+          kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --out experiments/ttft_cpu_p2
+        """
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        ctxs = [parse_tokens(c) for c in _list(contexts)]
+        mode_list = _list(modes)
+        bad = set(mode_list) - set(DEFAULT_MODES)
+        if bad:
+            raise click.BadParameter(f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES)}")
+        config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
+                  "timeout_s": timeout_s, "device": "cpu"}
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rows: list[dict] = []
+        for transport in _list(transports):
+            for p in _list(nprocs, int):
+                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p)
+                click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
+                env = environment(model, transport, threads, bandwidth)
+                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s)
+        if "single" in mode_list:
+            for t in sorted({1, *(_list(nprocs, int))}):
+                jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]
+                click.echo(f"single process, {t} thread(s): {_runs_in(jobs)} runs", err=True)
+                rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, bandwidth), out,
+                                  timeout_s)
+        summary = summarize(rows)
+        add_bounds(summary)
+        write_outputs(rows, summary, out)
+        click.echo(markdown_table(summary))
+        click.echo(f"wrote {out}/runs.csv, summary.md and plots", err=True)
+
+    cli()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
