@@ -34,6 +34,7 @@ class Job:
     repeats: int
     warmup: int
     sweep: list[float] | None = None  # kvr-best: rank 0's share candidates to try first
+    table: str | None = None  # kvr-<label>: partition interpolated from this table
 
 
 def environment(model: str, transport: str, threads: int, bandwidth: str) -> dict:
@@ -80,7 +81,8 @@ def worker(plan_file: str, out_prefix: str) -> None:
 
     def measure(job: dict, partition: str, kind: str, index: int) -> float:
         nonlocal done
-        cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition})
+        cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition,
+                           "table": job["table"]})
         result = run_on_world(cfg, world)
         ttft = [result.ttft_s if result is not None else None]
         if world.world_size > 1:
@@ -293,9 +295,11 @@ def _list(text: str, cast=str) -> list:
 
 
 def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
-               nproc: int) -> list[Job]:
+               nproc: int, tables: dict[str, str] | None = None) -> list[Job]:
     jobs = []
     for ctx in contexts:
+        for label, path in (tables or {}).items():
+            jobs.append(Job(f"kvr-{label}", "kvr", ctx, "table", repeats, warmup, table=path))
         for mode in modes:
             if mode == "kvr":
                 jobs.append(Job("kvr-even", "kvr", ctx, "even", repeats, warmup))
@@ -329,10 +333,12 @@ def main() -> None:
     @click.option("--threads", default=1, show_default=True, help="Intra-op threads per rank.")
     @click.option("--bandwidth", default="loopback", show_default=True,
                   help="Label of the network setting, recorded in every row (shaping is done outside).")
+    @click.option("--table", "tables", multiple=True, metavar="LABEL=PATH",
+                  help="Also run kvr with the partition interpolated from a table, reported as kvr-LABEL.")
     @click.option("--allow-long-context", is_flag=True)
     @click.option("--timeout", "timeout_s", default=600.0, show_default=True)
     @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
-    def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth,
+    def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
             allow_long_context, timeout_s, out_dir):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
@@ -343,6 +349,7 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         ctxs = [parse_tokens(c) for c in _list(contexts)]
         mode_list = _list(modes)
+        table_paths = dict(t.split("=", 1) for t in tables)
         bad = set(mode_list) - set(DEFAULT_MODES)
         if bad:
             raise click.BadParameter(f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES)}")
@@ -353,7 +360,7 @@ def main() -> None:
         rows: list[dict] = []
         for transport in _list(transports):
             for p in _list(nprocs, int):
-                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p)
+                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths)
                 click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
                 env = environment(model, transport, threads, bandwidth)
                 rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s)

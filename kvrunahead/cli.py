@@ -33,7 +33,7 @@ def format_result(r: RunResult) -> str:
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens",
         f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
-        f"ratios {[round(x, 3) for x in r.ratios]}",
+        f"ratios {[round(x, 3) for x in r.ratios]}   ({r.partition_source})",
         f"TTFT         {r.ttft_s * 1e3:.1f} ms",
         "rank  tokens   compute ms   wait ms   send ms   sent         peak mem",
     ]
@@ -68,7 +68,11 @@ def format_result(r: RunResult) -> str:
               help="Text to use as the document instead of the shipped English text.")
 @click.option("--no-chat", is_flag=True, help="Use the raw text, not wrapped in the model's chat template.")
 @click.option("--partition", default="even", show_default=True,
-              help="'even', boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
+              help="'even', boundaries (0,900,2048), ratios (0.6,0.4), one part per rank, or 'table': "
+                   "interpolated from the partition table of this model and world size (kvr-search makes them).")
+@click.option("--table", type=click.Path(exists=True, dir_okay=False),
+              help="Partition table to use (implies --partition table). Default: found in partition_tables/.")
+@click.option("--force-table", is_flag=True, help="Use a table made for another model, world size or dtype.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
@@ -90,8 +94,7 @@ def format_result(r: RunResult) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-def main(model, mode, transport, ctx, prompt_file, no_chat, partition, nproc, dtype, device, threads, max_new_tokens,
-         verify, atol, timeout_s, allow_long_context, seed, as_json, verbose) -> None:
+def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
     """Prefill one long prompt with KV-Runahead over several ranks and print the time to first token.
 
     Each rank holds one part of the prompt; layer by layer it receives the K,V of everything before
@@ -114,7 +117,7 @@ def main(model, mode, transport, ctx, prompt_file, no_chat, partition, nproc, dt
     launcher = detect_launcher()
     rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
     try:
-        if max_new_tokens < 1:
+        if options["max_new_tokens"] < 1:
             raise InputError("--max-new-tokens must be at least 1")
         if nproc < 1:
             raise InputError("--nproc must be at least 1")
@@ -125,11 +128,7 @@ def main(model, mode, transport, ctx, prompt_file, no_chat, partition, nproc, dt
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
         except PromptError as e:
             raise InputError(str(e)) from None
-        cfg = RunConfig(
-            model=model, mode=mode, transport=transport, context_len=context_len, prompt_text=text, chat=not no_chat,
-            partition=partition, dtype=dtype, device=device, threads=threads, max_new_tokens=max_new_tokens,
-            verify=verify, atol=atol, timeout_s=timeout_s, allow_long_context=allow_long_context, seed=seed,
-        )
+        cfg = RunConfig(context_len=context_len, prompt_text=text, chat=not no_chat, **options)
         world_size = world_size_hint(launcher, nproc)
         if launcher != "single" and nproc not in (1, world_size):
             raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
@@ -149,6 +148,8 @@ def main(model, mode, transport, ctx, prompt_file, no_chat, partition, nproc, dt
         os._exit(1)  # skip interpreter teardown, which can block on a broken process group
     if result is None:
         return
+    if result.partition_warning:
+        click.echo(f"kvr-prefill: warning: {result.partition_warning}", err=True)
     click.echo(json.dumps(result.to_dict()) if as_json else format_result(result))
     if result.verification is not None and not result.verification.ok:
         sys.exit(1)

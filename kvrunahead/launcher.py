@@ -111,7 +111,7 @@ def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def spawn(nproc: int, argv: list[str], grace_s: float = 5.0) -> int:
+def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli") -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
     When one rank fails the others get ``grace_s`` to notice on their own, then are terminated,
@@ -130,7 +130,7 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0) -> int:
             MASTER_PORT=str(port),
             KVRUNAHEAD_SPAWNED="1",
         )
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvrunahead.cli", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
     failed_at = None
     code = 0
     try:

@@ -66,8 +66,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
             nxt = (rank - step - 1) % p
             n = sum(e - a for a, e in ranges[nxt])
             buf = block.new_empty((*block.shape[:-2], n, block.shape[-1]))
-            req = t.irecv(buf, (rank - 1) % p, tag=tag_base + step)
-            t.isend(block, (rank + 1) % p, tag=tag_base + step)
+            req = t.exchange(block, (rank + 1) % p, buf, (rank - 1) % p, tag=tag_base + step)
         k, v = expand_kv(block[0], heads), expand_kv(block[1], heads)
         offset = 0
         for i, (a, e) in enumerate(mine):

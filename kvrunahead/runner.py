@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from kvrunahead.modes import MODES, Step
 from kvrunahead.partition import Partition, PartitionError, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
+from kvrunahead.tables import Lookup, Table, TableError, config_hash, find_table
 from kvrunahead.transport import TRANSPORTS, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class RunConfig:
     prompt_text: str | None = None
     chat: bool = True
     partition: str = "even"
+    table: str | None = None
+    force_table: bool = False
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
     device: str = "auto"
     threads: int | None = None
@@ -90,6 +94,8 @@ class RunResult:
     oversubscribed: bool  # more busy threads on the node than cores: timings are not meaningful
     context_len: int
     boundaries: list[int]
+    partition_source: str
+    partition_warning: str | None
     ratios: list[float]
     ttft_s: float
     ranks: list[RankStats]
@@ -131,7 +137,27 @@ def default_threads(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def prepare(cfg: RunConfig, world_size: int) -> tuple[list[int], Partition]:
+@dataclass
+class Prepared:
+    ids: list[int]
+    partition: Partition
+    partition_source: str  # "even", "explicit", or the table and entries it came from
+    warning: str | None = None
+
+
+def _dtype_name(cfg: RunConfig) -> str:
+    return cfg.dtype or ("bfloat16" if cfg.device != "cpu" and torch.cuda.is_available() else "float32")
+
+
+def _table_partition(cfg: RunConfig, config, context_len: int, world_size: int) -> Lookup:
+    path = Path(cfg.table) if cfg.table else find_table(cfg.model, config_hash(config), world_size, _dtype_name(cfg))
+    table = Table.load(path)
+    if not cfg.force_table:
+        table.check(cfg.model, config_hash(config), world_size, _dtype_name(cfg), name=path.name)
+    return table.lookup(context_len, name=path.name)
+
+
+def prepare(cfg: RunConfig, world_size: int) -> Prepared:
     """Validate the input and build the prompt and partition; raises InputError with one line."""
     if cfg.mode not in MODES:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
@@ -150,10 +176,17 @@ def prepare(cfg: RunConfig, world_size: int) -> tuple[list[int], Partition]:
                 f"context of {len(ids)} tokens exceeds the {limit} positions {cfg.model} was trained for; "
                 "pass --allow-long-context to run it anyway"
             )
+        if cfg.partition == "table" or cfg.table:
+            if MODES[cfg.mode].own_partition:
+                raise InputError(f"mode {cfg.mode!r} sets its own layout; partition tables apply to kvr")
+            lookup = _table_partition(cfg, config, len(ids), world_size)
+            if lookup.partition.world_size != world_size:
+                raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
+            return Prepared(ids, lookup.partition, lookup.source, lookup.warning)
         partition = parse_partition(cfg.partition, len(ids), world_size)
-    except (ModelError, PromptError, PartitionError) as e:
+    except (ModelError, PromptError, PartitionError, TableError) as e:
         raise InputError(str(e)) from None
-    return ids, partition
+    return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -179,7 +212,8 @@ def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
-    ids, partition = prepare(cfg, world.world_size)
+    prepared = prepare(cfg, world.world_size)
+    ids, partition = prepared.ids, prepared.partition
     device = resolve_device(cfg.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -243,6 +277,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         oversubscribed=threads * world.local_world_size > (os.cpu_count() or 1),
         context_len=len(ids),
         boundaries=list(partition.boundaries),
+        partition_source=prepared.partition_source,
+        partition_warning=prepared.warning,
         ratios=[round(r, 4) for r in partition.ratios],
         ttft_s=total_s,
         ranks=all_stats,

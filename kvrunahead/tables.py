@@ -1,0 +1,145 @@
+"""Partition lookup tables (paper section 4.2, fig. 10): plain JSON, one file per model x world size x setting.
+
+At run time the partition for a length between two entries is the linear interpolation of their ratios,
+renormalised and rounded to tokens; outside the table's range the nearest entry is used, with a warning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvrunahead.partition import Partition
+
+log = logging.getLogger(__name__)
+
+TABLES_DIR = Path(__file__).resolve().parent.parent / "partition_tables"
+
+
+class TableError(ValueError):
+    """A table that is missing, malformed, or made for another model, world size or dtype."""
+
+
+@dataclass
+class TableMeta:
+    model: str
+    config_hash: str
+    dtype: str
+    world_size: int
+    backend: str
+    transport: str
+    device: str  # CPU or GPU model
+    threads_per_rank: int
+    bandwidth: str
+    date: str = field(default_factory=lambda: datetime.date.today().isoformat())
+    version: str = ""
+
+
+@dataclass
+class TableEntry:
+    context_len: int
+    boundaries: list[int]
+    ratios: list[float]
+    ttft_s: float
+    even_ttft_s: float | None
+    evaluations: int
+    search_s: float
+    seeded: bool = False
+
+
+@dataclass
+class Lookup:
+    partition: Partition
+    source: str  # which table and entries it came from
+    warning: str | None = None
+
+
+@dataclass
+class Table:
+    meta: TableMeta
+    entries: list[TableEntry] = field(default_factory=list)
+
+    def add(self, entry: TableEntry) -> None:
+        self.entries = sorted([e for e in self.entries if e.context_len != entry.context_len] + [entry],
+                              key=lambda e: e.context_len)
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"meta": asdict(self.meta), "entries": [asdict(e) for e in self.entries]}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Table:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(TableMeta(**data["meta"]), [TableEntry(**e) for e in data["entries"]])
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise TableError(f"cannot read partition table {path}: {e}") from None
+
+    def lookup(self, context_len: int, name: str = "table") -> Lookup:
+        """The partition for ``context_len``: interpolated between the two nearest entries (fig. 10)."""
+        if not self.entries:
+            raise TableError(f"partition table {name} has no entries")
+        below = [e for e in self.entries if e.context_len <= context_len]
+        above = [e for e in self.entries if e.context_len >= context_len]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            if lo.context_len == hi.context_len:
+                return Lookup(Partition.from_ratios(lo.ratios, context_len), f"{name}, entry {lo.context_len}")
+            w = (context_len - lo.context_len) / (hi.context_len - lo.context_len)
+            ratios = [(1 - w) * a + w * b for a, b in zip(lo.ratios, hi.ratios)]
+            return Lookup(Partition.from_ratios(ratios, context_len),
+                          f"{name}, interpolated between entries {lo.context_len} and {hi.context_len}")
+        nearest = below[-1] if below else above[0]
+        warning = (f"context {context_len} is outside table {name} ({self.entries[0].context_len}.."
+                   f"{self.entries[-1].context_len}); using the nearest entry {nearest.context_len}")
+        return Lookup(Partition.from_ratios(nearest.ratios, context_len), f"{name}, nearest entry "
+                      f"{nearest.context_len}", warning)
+
+    def check(self, model: str, config_hash: str, world_size: int, dtype: str, name: str = "table") -> None:
+        m = self.meta
+        problems = []
+        if m.world_size != world_size:
+            problems.append(f"world size {m.world_size}, not {world_size}")
+        if m.model != model or m.config_hash != config_hash:
+            problems.append(f"model {m.model} ({m.config_hash}), not {model} ({config_hash})")
+        if m.dtype != dtype:
+            problems.append(f"dtype {m.dtype}, not {dtype}")
+        if problems:
+            raise TableError(f"partition table {name} was made for {'; '.join(problems)}: pass --force-table "
+                             "to use it anyway")
+
+
+def config_hash(config) -> str:
+    """A short hash of a model config's architecture (not of its weights or run-time settings)."""
+    d = {k: v for k, v in config.to_dict().items()
+         if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def table_filename(model: str, world_size: int, device: str, bandwidth: str, dtype: str) -> str:
+    slug = "".join(c if c.isalnum() else "-" for c in f"{model}_p{world_size}_{dtype}_{device}_{bandwidth}".lower())
+    return "-".join(filter(None, slug.split("-"))) + ".json"
+
+
+def find_table(model: str, config_hash_: str, world_size: int, dtype: str, directory: Path = TABLES_DIR) -> Path:
+    """The table in ``directory`` for this model, world size and dtype."""
+    matches = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            meta = Table.load(path).meta
+        except TableError:
+            continue
+        if (meta.model, meta.config_hash, meta.world_size, meta.dtype) == (model, config_hash_, world_size, dtype):
+            matches.append(path)
+    if not matches:
+        raise TableError(f"no partition table in {directory} for {model} at world size {world_size} in {dtype}; "
+                         "make one with kvr-search or give --table PATH")
+    return matches[-1]

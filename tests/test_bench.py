@@ -1,0 +1,57 @@
+"""kvr-bench: rows per run, medians per point, the bounds arithmetic, and one real (tiny) sweep."""
+
+import csv
+import json
+import subprocess
+
+import pytest
+
+from kvrunahead.bench import add_bounds, build_jobs, markdown_table, summarize
+
+
+def _row(ctx, label, ttft, p=2, kind="timed", transport="torch"):
+    return {"context_len": ctx, "world_size": p, "label": label, "kind": kind, "transport": transport,
+            "ttft_s": ttft, "threads_per_rank": 1, "boundaries": [0, ctx // 2, ctx],
+            "ranks": [{"wait_s": 0.1, "bytes_sent": 10}, {"wait_s": 0.3, "bytes_sent": 0}]}
+
+
+def test_summary_takes_median_min_max_of_timed_runs_only():
+    rows = [_row(1024, "tsp", t) for t in (3.0, 1.0, 2.0)] + [_row(1024, "tsp", 9.0, kind="warmup")]
+    (s,) = summarize(rows)
+    assert (s["runs"], s["ttft_median_s"], s["ttft_min_s"], s["ttft_max_s"]) == (3, 2.0, 1.0, 3.0)
+
+
+def test_bounds_follow_eq_3_and_the_no_communication_run():
+    rows = [_row(1024, "single-1t", 8.0, p=1, transport="local"), _row(1024, "tsp", 6.0),
+            _row(1024, "kvr-best", 4.0), _row(1024, "kvr-nocomm", 3.2)]
+    summary = summarize(rows)
+    add_bounds(summary)
+    best = next(s for s in summary if s["label"] == "kvr-best")
+    assert best["ttft_star_s"] == pytest.approx(8.0 / 2 * (1 / 2 + 1 / 4))  # TTFT(1)/2 (1/p + 1/p^2)
+    assert best["speedup_over_tsp"] == pytest.approx(1.5)
+    assert best["over_nocomm_bound"] == pytest.approx(0.25)
+    assert "| 1024 | 2 | kvr-best | torch | 4.000 |" in markdown_table(summary)
+
+
+def test_jobs_sweep_only_kvr_best_and_bound_it_on_its_partition():
+    jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5, 0.6], 2)
+    assert [j.label for j in jobs] == ["tsp", "kvr-even", "kvr-best", "kvr-nocomm"]
+    assert jobs[2].sweep == [0.5, 0.6] and jobs[3].partition == "@best"
+
+
+def test_tiny_sweep_writes_rows_summary_and_plot(tmp_path):
+    proc = subprocess.run(
+        ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--repeats", "2", "--warmup", "1",
+         "--modes", "single,tsp,ring,kvr,kvr-best,kvr-nocomm", "--shares", "0.5,0.6", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    # p=2: 5 modes x (1 warm-up + 2 timed) + 2 sweep runs; single at 1 and 2 threads: 2 x 3
+    assert len(rows) == 5 * 3 + 2 + 2 * 3
+    assert {r["commit"] for r in rows} and all(r["torch"] and r["cpu"] for r in rows)
+    summary = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert {s["label"] for s in summary} == {"single-1t", "single-2t", "tsp", "ring", "kvr-even", "kvr-best",
+                                             "kvr-nocomm"}
+    assert (tmp_path / "ttft_torch.png").stat().st_size > 10_000
+    assert "[1/17] ctx    128" in proc.stderr  # progress, one line per run

@@ -1,0 +1,41 @@
+"""kvr-search on real ranks with a tiny model: a table comes out, interpolation uses it, resume works."""
+
+import json
+import subprocess
+
+from tests.helpers import kvr_prefill
+
+
+def _search(*args, timeout_s=400):
+    return subprocess.run(["kvr-search", "--model", "tiny-llama", "--nproc", "2", "--min-stride", "16",
+                           "--repeats", "1", "--warmup", "0", *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_search_writes_a_table_that_kvr_prefill_interpolates(tmp_path):
+    table = tmp_path / "tiny_p2.json"
+    proc = _search("--ctx", "256,512", "--out", str(table))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(table.read_text())
+    assert [e["context_len"] for e in data["entries"]] == [256, 512]
+    assert data["meta"]["world_size"] == 2 and data["meta"]["model"] == "tiny-llama"
+    assert data["entries"][1]["seeded"] and not data["entries"][0]["seeded"]
+    assert "level 1" in proc.stderr and "candidate" in proc.stderr  # progress
+    run = kvr_prefill("--model", "tiny-llama", "--nproc", "2", "--ctx", "384", "--table", str(table), "--verify",
+                      "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert "interpolated between entries 256 and 512" in out["partition_source"]
+    r = [e["ratios"][0] for e in data["entries"]]
+    assert abs(out["ratios"][0] - (r[0] + r[1]) / 2) < 2 / 384
+
+
+def test_resume_reuses_the_checkpoint(tmp_path):
+    table = tmp_path / "t.json"
+    first = _search("--ctx", "256", "--out", str(table))
+    assert first.returncode == 0, first.stderr
+    n = json.loads(table.read_text())["entries"][0]["evaluations"]
+    table.unlink()  # the table is gone, the checkpoint stays: a resumed search measures nothing again
+    again = _search("--ctx", "256", "--out", str(table), "--resume")
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("candidate") == 0
+    assert json.loads(table.read_text())["entries"][0]["evaluations"] == n

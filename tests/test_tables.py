@@ -1,0 +1,76 @@
+"""Partition tables: interpolation (fig. 10), rounding, JSON round trip, refusal of mismatched tables."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvrunahead.models import resolve_config
+from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
+
+
+def _table(world_size=2, model="tiny-llama", dtype="float32"):
+    t = Table(TableMeta(model=model, config_hash=config_hash(resolve_config(model)), dtype=dtype,
+                        world_size=world_size, backend="gloo", transport="torch", device="cpu", threads_per_rank=1,
+                        bandwidth="loopback"))
+    for ctx, r0 in ((8192, 0.56), (12288, 0.60)):
+        b1 = round(r0 * ctx)
+        t.add(TableEntry(ctx, [0, b1, ctx], [b1 / ctx, 1 - b1 / ctx], 1.0, 1.2, 10, 5.0))
+    return t
+
+
+def test_a_length_between_entries_interpolates_their_ratios():
+    lookup = _table().lookup(10240, name="t.json")
+    # 10k is halfway between 8k and 12k: rank 0's share is halfway between 0.56 and 0.60
+    assert lookup.partition.boundaries == (0, round(0.58 * 10240), 10240)
+    assert "interpolated between entries 8192 and 12288" in lookup.source and lookup.warning is None
+
+
+def test_an_entry_is_used_as_is_and_outside_the_range_the_nearest_with_a_warning():
+    t = _table()
+    assert t.lookup(8192).partition.boundaries == (0, 4588, 8192)
+    far = t.lookup(16384)
+    assert far.partition.ratios[0] == pytest.approx(0.60, abs=1e-3) and "outside" in far.warning
+
+
+@pytest.mark.parametrize("ctx", [2, 3, 7, 1000, 9999, 10001])
+def test_interpolated_parts_sum_to_the_context_and_none_is_empty(ctx):
+    p = _table().lookup(ctx).partition
+    assert p.context_len == ctx and min(p.sizes) >= 1
+
+
+def test_round_trip(tmp_path):
+    t = _table()
+    t.save(tmp_path / "t.json")
+    back = Table.load(tmp_path / "t.json")
+    assert back == t
+    assert json.loads((tmp_path / "t.json").read_text())["meta"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(world_size=4), "world size 2, not 4"),
+    (dict(model="tiny-neox"), "model tiny-llama"),
+    (dict(dtype="bfloat16"), "dtype float32, not bfloat16"),
+])
+def test_mismatched_tables_are_refused(kw, message):
+    args = dict(model="tiny-llama", world_size=2, dtype="float32") | kw
+    with pytest.raises(TableError, match=message):
+        _table().check(args["model"], config_hash(resolve_config(args["model"])), args["world_size"], args["dtype"])
+
+
+def test_a_forced_table_for_another_world_size_is_still_refused(tmp_path):
+    from kvrunahead.cli import main
+
+    _table().save(tmp_path / "t.json")
+    result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "10240", "--table", str(tmp_path / "t.json"),
+                                       "--force-table", "--json", "--max-new-tokens", "1"])
+    # world size 1 against a 2-rank table: refused even when forced, the parts cannot match
+    assert result.exit_code == 2 and "2 parts" in result.output
+
+
+def test_kvr_prefill_refuses_a_table_for_another_world_size(tmp_path):
+    from kvrunahead.cli import main
+
+    _table(world_size=2).save(tmp_path / "t.json")
+    result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "1k", "--table", str(tmp_path / "t.json")])
+    assert result.exit_code == 2 and "made for world size 2, not 1" in result.output
