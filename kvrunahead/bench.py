@@ -328,7 +328,7 @@ def main() -> None:
     @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
     @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
     @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
-    @click.option("--shares", default="0.50,0.52,0.54,0.56,0.58,0.60", show_default=True,
+    @click.option("--shares", default="0.50,0.56,0.62,0.68,0.74,0.80", show_default=True,
                   help="kvr-best: rank 0's share of the context to try (the other ranks split the rest evenly).")
     @click.option("--threads", default=1, show_default=True, help="Intra-op threads per rank.")
     @click.option("--bandwidth", default="loopback", show_default=True,

@@ -151,7 +151,7 @@ def search(
 ) -> SearchResult:
     """Find TTFT-minimising boundaries for ``context_len`` tokens over ``world_size`` ranks.
 
-    Without ``seed`` the whole range is searched: for p = 2 rank 0's share over [1/2, 3/4] of the
+    Without ``seed`` the whole range is searched: for p = 2 rank 0's share over [1/2, 7/8] of the
     context; for p > 2 each inner boundary within half a part of the even one. With ``seed``
     (boundaries interpolated from a table) only ``window`` tokens either side of it are searched.
     """
@@ -174,8 +174,8 @@ def search(
         lo, hi = center[0] - half, center[0] + half
         if seed is None:
             # Rank 1 also attends to rank 0's tokens, so rank 0 never needs fewer than half (fig. 6a):
-            # search rank 0's share over [1/2, 3/4].
-            lo, hi = 0, context_len // 4
+            # search rank 0's share over [1/2, 7/8].
+            lo, hi = 0, 3 * context_len // 8
         lo = max(lo, -(base[1] - 1))
         hi = min(hi, context_len - base[1] - 1)
         if on_level is not None:
