@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr", "kvr-best", "kvr-nocomm")
+EXTRA_MODES = ("kvr-split",)  # kvr-best's partition with --kvr-attention split
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Job:
     warmup: int
     sweep: list[float] | None = None  # kvr-best: rank 0's share candidates to try first
     table: str | None = None  # kvr-<label>: partition interpolated from this table
+    kvr_attention: str = "masked"
 
 
 def environment(model: str, transport: str, threads: int, bandwidth: str) -> dict:
@@ -82,7 +84,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
     def measure(job: dict, partition: str, kind: str, index: int) -> float:
         nonlocal done
         cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition,
-                           "table": job["table"]})
+                           "table": job["table"], "kvr_attention": job["kvr_attention"]})
         result = run_on_world(cfg, world)
         ttft = [result.ttft_s if result is not None else None]
         if world.world_size > 1:
@@ -307,6 +309,8 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
                 jobs.append(Job("kvr-best", "kvr", ctx, "even", repeats, warmup, sweep=shares if nproc > 1 else None))
             elif mode == "kvr-nocomm":
                 jobs.append(Job("kvr-nocomm", "kvr-nocomm", ctx, "@best", repeats, warmup))
+            elif mode == "kvr-split":
+                jobs.append(Job("kvr-split", "kvr", ctx, "@best", repeats, warmup, kvr_attention="split"))
             elif mode != "single":
                 jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
     return jobs
@@ -324,7 +328,7 @@ def main() -> None:
     @click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True,
                   help="single runs at 1 thread and at p threads; kvr is the even partition; kvr-best sweeps "
                        "rank 0's share (--shares) and keeps the fastest; kvr-nocomm is the bound on kvr-best's "
-                       "partition.")
+                       "partition; kvr-split (not default) is kvr-best's partition with --kvr-attention split.")
     @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
     @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
     @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
@@ -350,9 +354,10 @@ def main() -> None:
         ctxs = [parse_tokens(c) for c in _list(contexts)]
         mode_list = _list(modes)
         table_paths = dict(t.split("=", 1) for t in tables)
-        bad = set(mode_list) - set(DEFAULT_MODES)
+        bad = set(mode_list) - set(DEFAULT_MODES) - set(EXTRA_MODES)
         if bad:
-            raise click.BadParameter(f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES)}")
+            raise click.BadParameter(
+                f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES + EXTRA_MODES)}")
         config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
                   "timeout_s": timeout_s, "device": "cpu"}
         out = Path(out_dir)

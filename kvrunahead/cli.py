@@ -70,6 +70,11 @@ def format_result(r: RunResult) -> str:
 @click.option("--partition", default="even", show_default=True,
               help="'even', boundaries (0,900,2048), ratios (0.6,0.4), one part per rank, or 'table': "
                    "interpolated from the partition table of this model and world size (kvr-search makes them).")
+@click.option("--kvr-attention", type=click.Choice(["masked", "split"]), default="masked", show_default=True,
+              help="kvr modes: masked = the model's SDPA over all prefix+own keys under the offset causal mask "
+                   "(the paper's); split = prefix block in full + own block causally, merged by log-sum-exp, "
+                   "skipping the masked half of the diagonal block (models using transformers' attention "
+                   "interface).")
 @click.option("--table", type=click.Path(exists=True, dir_okay=False),
               help="Partition table to use (implies --partition table). Default: found in partition_tables/.")
 @click.option("--force-table", is_flag=True, help="Use a table made for another model, world size or dtype.")

@@ -30,6 +30,7 @@ class Step:
     transport: Transport
     layout: KVLayout
     context_len: int
+    kvr_attention: str = "masked"
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ def _chain(step: Step, nocomm: bool = False) -> ChainLink:
     return link
 
 
+def _kvr(step: Step, link: ChainLink):
+    return kvr_prefill(step.model, step.input_ids, link, step.kvr_attention)
+
+
 def _single(step: Step, _):
     cache = DynamicCache()
     return last_token_logits(step.model, step.input_ids, past_key_values=cache), cache
@@ -80,11 +85,11 @@ MODES: dict[str, Mode] = {
         Mode("single", "one process, the reference", True, True, _contiguous, _last,
              lambda step: None, _single),
         Mode("kvr", "KV-Runahead: KV cache handed down a chain of ranks, any partition", False, True,
-             _contiguous, _last, _chain, lambda step, link: kvr_prefill(step.model, step.input_ids, link)),
+             _contiguous, _last, _chain, lambda step, link: _kvr(step, link)),
         Mode("kvr-nocomm", "KV-Runahead with its communication removed (prefix K,V given locally): "
              "the practical bound", False, True, _contiguous, _last,
              lambda step: _chain(step, nocomm=True),
-             lambda step, link: kvr_prefill(step.model, step.input_ids, link)),
+             lambda step, link: _kvr(step, link)),
         Mode("tsp", "tensor/sequence parallel: even parts, K,V all-gather, full masked score rows", True, True,
              tsp.token_ranges, tsp.emitter, lambda step: None, _gathering(tsp)),
         Mode("cp-allgather", "context parallel, zigzag chunks, K,V all-gather, visible keys only", True, True,

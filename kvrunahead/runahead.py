@@ -8,6 +8,7 @@ returns it, so attention sees the whole [0, end) cache under a causal mask offse
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -15,6 +16,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrunahead.attention import (
+    attend_with_lse,
+    attention_mode,
+    expand_kv,
+    merge_lse,
+    register,
+    require_attention_interface,
+)
 from kvrunahead.transport import ChainLink, KVLayout
 
 FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"  # "RANK:LAYER": raise inside that rank's cache update (failure tests)
@@ -130,22 +139,47 @@ def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, **
     return None
 
 
+SPLIT = "kvrunahead_kvr_split"
+ATTENTION = ("masked", "split")
+
+
+def split_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """KV-Runahead attention without the masked waste of fig. 5 (the custom kernel of section 4.1): the
+    prefix block is attended in full, the rank's own diagonal block causally, merged by log-sum-exp."""
+    n, heads = query.shape[2], query.shape[1]
+    start = key.shape[2] - n
+    k, v = expand_kv(key, heads), expand_kv(value, heads)
+    out, lse = attend_with_lse(query, k[:, :, start:], v[:, :, start:], causal=True, scale=scaling)
+    if start > 0:
+        prefix_out, prefix_lse = attend_with_lse(query, k[:, :, :start], v[:, :, :start], causal=False, scale=scaling)
+        out, lse = merge_lse(out, lse, prefix_out, prefix_lse)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+register(SPLIT, split_attention)
+
+
 @torch.no_grad()
 def kvr_prefill(
-    model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink
+    model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink, attention: str = "masked"
 ) -> tuple[torch.Tensor | None, RunaheadCache]:
     """Run this rank's part of a KV-Runahead prefill.
 
     ``input_ids`` are this rank's tokens ``[1, end - start]``; ``link.prefix_len`` is ``start``.
     Returns the last token's logits on the last rank (``None`` elsewhere: no logits are computed)
-    and the cache, which holds K,V for [0, end).
+    and the cache, which holds K,V for [0, end). ``attention="masked"`` is the paper's: the model's own
+    SDPA over all [0, end) keys under the offset causal mask; ``"split"`` skips the masked half of the
+    rank's diagonal block (models that use transformers' attention interface only).
     """
     start = link.prefix_len
     position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     cache = RunaheadCache(link)
-    link.start()
     last = link.rank == link.transport.world_size - 1
-    logits = forward_part(model, input_ids, last, position_ids=position_ids, past_key_values=cache)
+    if attention == "split":
+        require_attention_interface(model, "kvr --kvr-attention split")
+    link.start()
+    with attention_mode(model, SPLIT, None) if attention == "split" else contextlib.nullcontext():
+        logits = forward_part(model, input_ids, last, position_ids=position_ids, past_key_values=cache)
     link.finish()
     return logits, cache
 

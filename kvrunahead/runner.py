@@ -40,6 +40,7 @@ class RunConfig:
     prompt_text: str | None = None
     chat: bool = True
     partition: str = "even"
+    kvr_attention: str = "masked"  # or "split": skip the masked half of each rank's diagonal block
     table: str | None = None
     force_table: bool = False
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
@@ -230,7 +231,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     ranges = mode.token_ranges(partition)
     mine = ranges[rank]
     my_ids = torch.tensor([[t for a, e in mine for t in ids[a:e]]], device=device)
-    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids))
+    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), cfg.kvr_attention)
     state = mode.setup(step)
     emitter = mode.emitter(p)
     if p > 1:

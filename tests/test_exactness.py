@@ -13,6 +13,7 @@ BASELINES = {
     "cp-allgather": ["tiny-llama", "tiny-neox", "tiny-bigcode"],
     "ring": ["tiny-llama", "tiny-neox", "tiny-bigcode"],
 }
+SPLIT_MODELS = ["tiny-llama", "tiny-neox", "tiny-bigcode"]
 BASELINE_CASES = [(mode, model) for mode, models in BASELINES.items() for model in models]
 NEW_TOKENS = 6
 
@@ -50,6 +51,10 @@ def _cases(p: int) -> list[dict]:
                 cases.append({"name": f"{model}/{pname}/{dtype}", "config": _config(model, dtype, partition=spec)})
         for mode, model in BASELINE_CASES:
             cases.append({"name": f"{mode}/{model}/{dtype}", "config": _config(model, dtype, mode=mode)})
+    for model in SPLIT_MODELS:
+        for pname, spec in partitions(p).items():
+            cfg = _config(model, "float32", partition=spec, kvr_attention="split")
+            cases.append({"name": f"split/{model}/{pname}", "config": cfg})
     return cases
 
 
@@ -124,3 +129,10 @@ def test_ring_passes_on_every_block_but_its_successors(world):
 def test_kvr_without_communication_sends_nothing(world):
     _, results = world
     assert set(results["kvr-nocomm/tiny-llama/float32"]["bytes_sent"]) == {0}
+
+
+@pytest.mark.parametrize("model", SPLIT_MODELS)
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
+def test_kvr_with_split_attention_matches_single_process(world, model, pname):
+    v = world[1][f"split/{model}/{pname}"]["verification"]
+    assert v["max_abs_logit_diff"] <= 1e-4 and v["first_token_match"] and v["generated_match"], v
