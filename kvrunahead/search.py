@@ -153,7 +153,8 @@ def search(
 
     Without ``seed`` the whole range is searched: for p = 2 rank 0's share over [1/2, 7/8] of the
     context; for p > 2 each inner boundary within half a part of the even one. With ``seed``
-    (boundaries interpolated from a table) only ``window`` tokens either side of it are searched.
+    (boundaries interpolated from a table) only ``window`` tokens either side of it are searched. The even
+    partition is always measured first; ``SearchResult.all`` holds its TTFT.
     """
     if world_size < 2:
         raise ValueError("a partition search needs at least two ranks")
@@ -164,6 +165,7 @@ def search(
     if preload:
         ev.preload(preload)
     base = even_boundaries(context_len, world_size)
+    ev(base)  # the reference every table entry records (TTFT of KVR-E), and a candidate like any other
     if seed is not None:
         center = tuple(s - b for s, b in zip(seed[1:-1], base[1:-1]))
         half = window or 4 * min_stride

@@ -35,7 +35,7 @@ def run_search(opts: dict) -> None:
     from kvrunahead.launcher import detect_launcher, init_world, pick_backend
     from kvrunahead.models import resolve_config
     from kvrunahead.runner import RunConfig, resolve_device, run_on_world
-    from kvrunahead.search import search
+    from kvrunahead.search import even_boundaries, search
     from kvrunahead.tables import Table, TableEntry, TableMeta, config_hash
 
     device = resolve_device(opts["device"], 0)
@@ -81,14 +81,14 @@ def run_search(opts: dict) -> None:
         resumed = _share(json.loads(ckpt.read_text()) if ckpt is not None and ckpt.exists() else {}, world)
         result = search(measure, ctx, p, min_stride=opts["min_stride"], seed=seed, window=opts["window"],
                         checkpoint=ckpt, on_measure=on_measure, on_level=on_level, preload=resumed)
-        even = ",".join(map(str, _even(ctx, p)))
-        even_t = result.all.get(_even(ctx, p)) or measure(tuple(int(x) for x in even.split(",")))
+        even_t = result.all[even_boundaries(ctx, p)]
+        # Every rank adds the entry: the next length is seeded from this table, and all ranks must propose
+        # the same candidates.
+        table.add(TableEntry(context_len=ctx, boundaries=list(result.boundaries),
+                             ratios=[(hi - lo) / ctx for lo, hi in zip(result.boundaries, result.boundaries[1:])],
+                             ttft_s=result.ttft_s, even_ttft_s=even_t, evaluations=result.evaluations,
+                             search_s=round(result.search_s, 1), seeded=seed is not None))
         if lead:
-            entry = TableEntry(context_len=ctx, boundaries=list(result.boundaries),
-                               ratios=[(hi - lo) / ctx for lo, hi in zip(result.boundaries, result.boundaries[1:])],
-                               ttft_s=result.ttft_s, even_ttft_s=even_t, evaluations=result.evaluations,
-                               search_s=round(result.search_s, 1), seeded=seed is not None)
-            table.add(entry)
             table.save(out)
             click.echo(f"[ctx {ctx}] best {','.join(map(str, result.boundaries))}: TTFT {result.ttft_s:.3f} s "
                        f"(even {even_t:.3f} s), {result.evaluations} candidates, {result.search_s:.0f} s", err=True)
@@ -113,12 +113,6 @@ def _progress(ctx: int, seed, lead: bool):
                        + (f", seeded at {','.join(map(str, seed))}" if seed else ""), err=True)
 
     return on_measure, on_level
-
-
-def _even(ctx: int, p: int) -> tuple[int, ...]:
-    from kvrunahead.search import even_boundaries
-
-    return even_boundaries(ctx, p)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -21,8 +21,9 @@ def _table(world_size=2, model="tiny-llama", dtype="float32"):
 
 def test_a_length_between_entries_interpolates_their_ratios():
     lookup = _table().lookup(10240, name="t.json")
-    # 10k is halfway between 8k and 12k: rank 0's share is halfway between 0.56 and 0.60
-    assert lookup.partition.boundaries == (0, round(0.58 * 10240), 10240)
+    # 10k is halfway between 8k and 12k: rank 0's share is halfway between the entries' shares
+    # (0.56 and 0.60, as stored after rounding to tokens: 4588 / 8192 and 7373 / 12288)
+    assert lookup.partition.boundaries == (0, round((4588 / 8192 + 7373 / 12288) / 2 * 10240), 10240)
     assert "interpolated between entries 8192 and 12288" in lookup.source and lookup.warning is None
 
 
@@ -63,7 +64,7 @@ def test_a_forced_table_for_another_world_size_is_still_refused(tmp_path):
 
     _table().save(tmp_path / "t.json")
     result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "10240", "--table", str(tmp_path / "t.json"),
-                                       "--force-table", "--json", "--max-new-tokens", "1"])
+                                       "--force-table", "--allow-long-context", "--json", "--max-new-tokens", "1"])
     # world size 1 against a 2-rank table: refused even when forced, the parts cannot match
     assert result.exit_code == 2 and "2 parts" in result.output
 

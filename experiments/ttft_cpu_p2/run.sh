@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# TTFT of every prefill mode on this 2-core CPU: p = 2 ranks of 1 thread each, the default model,
+# contexts 1k..8k (the model's trained length), one warm-up and 3 timed runs per point.
+# Then the two transports on the same run, for the two point-to-point / all-gather modes.
+# Run it on a quiet machine: every number is a wall-clock TTFT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --repeats 3 --warmup 1 --out experiments/ttft_cpu_p2
+kvr-bench --ctx 2k,4k --nproc 2 --modes tsp,kvr --transports torch,mpi --repeats 3 --warmup 1 \
+  --out experiments/ttft_cpu_p2/transports
