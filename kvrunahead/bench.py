@@ -77,14 +77,24 @@ def worker(plan_file: str, out_prefix: str) -> None:
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
     base = plan["config"]
-    out = open(f"{out_prefix}.{world.rank}.jsonl", "w")
+    # Runs recorded by an interrupted sweep (--resume): every rank skips the same ones.
+    recorded: dict[str, float] = plan.get("recorded", {})
+    out = open(f"{out_prefix}.{world.rank}.jsonl", "a" if recorded else "w")
     total = plan["total_runs"]
     done = 0
+    rewarm = bool(recorded)  # fresh ranks after a resume: one untimed run before the first recorded one
 
     def measure(job: dict, partition: str, kind: str, index: int) -> float:
-        nonlocal done
+        nonlocal done, rewarm
+        key = run_key(job["context_len"], job["label"], kind, index)
+        if key in recorded:
+            done += 1
+            return recorded[key]
         cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition,
                            "table": job["table"], "kvr_attention": job["kvr_attention"]})
+        if rewarm:
+            run_on_world(cfg, world)
+            rewarm = False
         result = run_on_world(cfg, world)
         ttft = [result.ttft_s if result is not None else None]
         if world.world_size > 1:
@@ -130,19 +140,45 @@ def worker(plan_file: str, out_prefix: str) -> None:
 
 # ---------------------------------------------------------------- orchestrator
 
+def run_key(context_len: int, label: str, kind: str, index: int) -> str:
+    return f"{context_len}|{label}|{kind}|{index}"
+
+
+def recorded_rows(out_prefix: Path, nproc: int) -> dict[str, float]:
+    """TTFT of every run an interrupted sweep already wrote (for --resume). A torn last line is dropped."""
+    recorded = {}
+    for r in range(nproc):
+        path = Path(f"{out_prefix}.{r}.jsonl")
+        if not path.exists():
+            continue
+        good = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            good.append(line)
+            recorded[run_key(row["context_len"], row["label"], row["kind"], row["index"])] = row["ttft_s"]
+        path.write_text("".join(x + "\n" for x in good))
+    return recorded
+
+
 def _runs_in(jobs: list[Job]) -> int:
     return sum(j.repeats + j.warmup + len(j.sweep or []) for j in jobs)
 
 
 def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
-              timeout_s: float) -> list[dict]:
+              timeout_s: float, resume: bool = False) -> list[dict]:
     from kvrunahead.launcher import free_port
 
     tag = f"p{nproc}_t{threads}_{transport}"
     plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
+    recorded = recorded_rows(out_prefix, nproc) if resume else {}
+    if recorded:
+        log.info("resuming world %s: %d of %d runs already recorded", tag, len(recorded), _runs_in(jobs))
     plan = {"config": {**config, "threads": threads, "transport": transport}, "jobs": [asdict(j) for j in jobs],
             "env": {**env, "threads_per_rank": threads, "transport": transport}, "timeout_s": timeout_s,
-            "total_runs": _runs_in(jobs)}
+            "total_runs": _runs_in(jobs), "recorded": recorded}
     plan_file.write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
     if transport == "mpi":
@@ -162,8 +198,9 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     rows = []
     for r in range(nproc):
         path = Path(f"{out_prefix}.{r}.jsonl")
-        rows += [json.loads(line) for line in path.read_text().splitlines()]
-        path.unlink()
+        if path.exists():
+            rows += [json.loads(line) for line in path.read_text().splitlines()]
+            path.unlink()
     plan_file.unlink()
     return rows
 
@@ -342,8 +379,11 @@ def main() -> None:
     @click.option("--allow-long-context", is_flag=True)
     @click.option("--timeout", "timeout_s", default=600.0, show_default=True)
     @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
+    @click.option("--resume", is_flag=True,
+                  help="Keep the runs an interrupted sweep with the same arguments left in --out and measure "
+                       "only the missing ones (the fresh ranks get one untimed run first).")
     def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
-            allow_long_context, timeout_s, out_dir):
+            allow_long_context, timeout_s, out_dir, resume):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
         \b
@@ -368,13 +408,13 @@ def main() -> None:
                 jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths)
                 click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
                 env = environment(model, transport, threads, bandwidth)
-                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s)
+                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume)
         if "single" in mode_list:
             for t in sorted({1, *(_list(nprocs, int))}):
                 jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]
                 click.echo(f"single process, {t} thread(s): {_runs_in(jobs)} runs", err=True)
                 rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, bandwidth), out,
-                                  timeout_s)
+                                  timeout_s, resume)
         summary = summarize(rows)
         add_bounds(summary)
         write_outputs(rows, summary, out)

@@ -55,3 +55,24 @@ def test_tiny_sweep_writes_rows_summary_and_plot(tmp_path):
                                              "kvr-nocomm"}
     assert (tmp_path / "ttft_torch.png").stat().st_size > 10_000
     assert "[1/17] ctx    128" in proc.stderr  # progress, one line per run
+
+
+def test_resume_measures_only_the_missing_runs(tmp_path):
+    args = ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--repeats", "2", "--warmup", "1",
+            "--modes", "tsp,kvr", "--out", str(tmp_path)]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    # An interrupted sweep: the last timed kvr-even run is missing and the line before it is torn.
+    kept = [r for r in rows if not (r["label"] == "kvr-even" and r["index"] == 1 and r["kind"] == "timed")]
+    (tmp_path / "rows_p2_t1_torch.1.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in kept) + '{"context_len": 128, "lab')
+    again = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "5 of 6 runs already recorded" in again.stderr
+    assert again.stderr.count("[6/6]") == 1 and "[1/6]" not in again.stderr  # only the missing run is measured
+    resumed = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(resumed) == 6
+    assert sorted(r["ttft_s"] for r in kept) == sorted(r["ttft_s"] for r in resumed if r in kept)
+    assert {(r["label"], r["kind"], r["index"]) for r in resumed} == {(r["label"], r["kind"], r["index"]) for r in rows}
