@@ -76,3 +76,9 @@ def test_resume_measures_only_the_missing_runs(tmp_path):
     assert len(resumed) == 6
     assert sorted(r["ttft_s"] for r in kept) == sorted(r["ttft_s"] for r in resumed if r in kept)
     assert {(r["label"], r["kind"], r["index"]) for r in resumed} == {(r["label"], r["kind"], r["index"]) for r in rows}
+
+
+def test_kvr_attention_applies_to_every_kvr_job():
+    jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5], 2, {"P": "t.json"}, "split")
+    assert {j.label: j.kvr_attention for j in jobs} == {
+        "kvr-P": "split", "tsp": "masked", "kvr-even": "split", "kvr-best": "split", "kvr-nocomm": "split"}
