@@ -170,7 +170,7 @@ def _runs_in(jobs: list[Job]) -> int:
 
 def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
               timeout_s: float, resume: bool = False) -> list[dict]:
-    from kvrunahead.launcher import free_port
+    from kvrunahead.launcher import free_port, rank_env
 
     tag = f"p{nproc}_t{threads}_{transport}"
     plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
@@ -188,9 +188,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     else:
         port = free_port()
         procs = [
-            subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads)))
+            subprocess.Popen(cmd, env=rank_env(r, nproc, port, OMP_NUM_THREADS=str(threads)))
             for r in range(nproc)
         ]
     codes = [p.wait() for p in procs]
