@@ -79,6 +79,14 @@ def zigzag_ranges(context_len: int, world_size: int) -> list[list[tuple[int, int
     return [[chunks.part(i), chunks.part(2 * world_size - 1 - i)] for i in range(world_size)]
 
 
+def zigzag_token_ranges(partition: Partition) -> list[list[tuple[int, int]]]:
+    return zigzag_ranges(partition.context_len, partition.world_size)
+
+
+def zigzag_emitter(world_size: int) -> int:
+    return 0  # rank 0 holds chunk 2p-1, the end of the prompt
+
+
 def causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, device) -> torch.Tensor:
     """Boolean ``[q_len, k_len]``: key position j is visible to query position i when j <= i."""
     q = torch.arange(q_start, q_start + q_len, device=device)[:, None]

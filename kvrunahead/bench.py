@@ -104,6 +104,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
         done += 1
         if result is not None:
             row = {**plan["env"], "label": job["label"], "mode": job["mode"], "kind": kind, "index": index,
+                   "kvr_attention": job["kvr_attention"] if job["mode"].startswith("kvr") else None,
                    **{k: v for k, v in result.to_dict().items() if k not in ("ranks", "verification")},
                    "ranks": [asdict(r) for r in result.ranks]}
             out.write(json.dumps(row) + "\n")
@@ -169,7 +170,7 @@ def _runs_in(jobs: list[Job]) -> int:
 
 def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
               timeout_s: float, resume: bool = False) -> list[dict]:
-    from kvrunahead.launcher import free_port
+    from kvrunahead.launcher import free_port, rank_env
 
     tag = f"p{nproc}_t{threads}_{transport}"
     plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
@@ -187,9 +188,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     else:
         port = free_port()
         procs = [
-            subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                                           LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads)))
+            subprocess.Popen(cmd, env=rank_env(r, nproc, port, OMP_NUM_THREADS=str(threads)))
             for r in range(nproc)
         ]
     codes = [p.wait() for p in procs]
@@ -217,10 +216,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         ranks = rs[0]["ranks"]
         out.append({
             "context_len": ctx, "world_size": p, "label": label, "transport": transport,
-            "threads_per_rank": rs[0]["threads_per_rank"], "runs": len(t),
+            "threads_per_rank": rs[0]["threads_per_rank"], "kvr_attention": rs[0].get("kvr_attention"),
+            "runs": len(t),
             "ttft_median_s": statistics.median(t), "ttft_min_s": min(t), "ttft_max_s": max(t),
             "boundaries": ",".join(map(str, rs[0]["boundaries"])),
             "max_wait_s": statistics.median(max(r["wait_s"] for r in x["ranks"]) for x in rs),
+            # The busiest rank's own work (compute_s excludes waits and sends): for kvr-nocomm the time
+            # the slowest rank needs even when nobody waits for anybody.
+            "slowest_rank_s": statistics.median(max(r["compute_s"] for r in x["ranks"]) for x in rs),
             "bytes_sent_total": sum(r["bytes_sent"] for r in ranks),
         })
     return out
@@ -239,6 +242,10 @@ def add_bounds(summary: list[dict]) -> None:
         nocomm = by.get((s["context_len"], "kvr-nocomm", s["transport"]))
         is_kvr = s["label"].startswith("kvr-") and s["label"] != "kvr-nocomm"
         s["over_nocomm_bound"] = s["ttft_median_s"] / nocomm["ttft_median_s"] - 1 if nocomm and is_kvr else None
+        # The bound above lets the last rank start with its prefix in hand, so it also removes the wait for the
+        # earlier ranks' compute; this one keeps that wait and removes only the transfer.
+        s["over_nocomm_slowest"] = (s["ttft_median_s"] / nocomm["slowest_rank_s"] - 1
+                                    if nocomm and is_kvr else None)
 
 
 def write_outputs(rows: list[dict], summary: list[dict], out: Path) -> None:
@@ -270,14 +277,16 @@ def _csv(path: Path, rows: list[dict]) -> None:
 
 def markdown_table(summary: list[dict]) -> str:
     lines = ["| context | p | mode | transport | TTFT median s | min | max | vs TSP | over no-comm bound | "
-             "TTFT*(p) s | partition |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "over slowest no-comm rank | TTFT*(p) s | partition |", "|---" * 12 + "|"]
     for s in summary:
         def f(x, fmt):
             return "" if x is None else format(x, fmt)
+        label = s["label"] + (" (split)" if s.get("kvr_attention") == "split" and s["label"] != "kvr-split" else "")
         lines.append(
-            f"| {s['context_len']} | {s['world_size']} | {s['label']} | {s['transport']} | "
+            f"| {s['context_len']} | {s['world_size']} | {label} | {s['transport']} | "
             f"{s['ttft_median_s']:.3f} | {s['ttft_min_s']:.3f} | {s['ttft_max_s']:.3f} | "
             f"{f(s['speedup_over_tsp'], '.2f')}x | {f(s['over_nocomm_bound'], '+.1%')} | "
+            f"{f(s.get('over_nocomm_slowest'), '+.1%')} | "
             f"{f(s['ttft_star_s'], '.3f')} | {s['boundaries']} |"
         )
     return "\n".join(lines) + "\n"
@@ -334,7 +343,7 @@ def _list(text: str, cast=str) -> list:
 
 
 def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
-               nproc: int, tables: dict[str, str] | None = None) -> list[Job]:
+               nproc: int, tables: dict[str, str] | None = None, kvr_attention: str = "masked") -> list[Job]:
     jobs = []
     for ctx in contexts:
         for label, path in (tables or {}).items():
@@ -350,6 +359,9 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
                 jobs.append(Job("kvr-split", "kvr", ctx, "@best", repeats, warmup, kvr_attention="split"))
             elif mode != "single":
                 jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
+    for job in jobs:
+        if job.mode in ("kvr", "kvr-nocomm") and job.label != "kvr-split":
+            job.kvr_attention = kvr_attention
     return jobs
 
 
@@ -376,6 +388,9 @@ def main() -> None:
                   help="Label of the network setting, recorded in every row (shaping is done outside).")
     @click.option("--table", "tables", multiple=True, metavar="LABEL=PATH",
                   help="Also run kvr with the partition interpolated from a table, reported as kvr-LABEL.")
+    @click.option("--kvr-attention", type=click.Choice(["masked", "split"]), default="masked", show_default=True,
+                  help="Attention of every kvr job (kvr-even, kvr-best and its sweep, kvr-nocomm, tables); "
+                       "recorded in every row.")
     @click.option("--allow-long-context", is_flag=True)
     @click.option("--timeout", "timeout_s", default=600.0, show_default=True)
     @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
@@ -383,7 +398,7 @@ def main() -> None:
                   help="Keep the runs an interrupted sweep with the same arguments left in --out and measure "
                        "only the missing ones (the fresh ranks get one untimed run first).")
     def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
-            allow_long_context, timeout_s, out_dir, resume):
+            kvr_attention, allow_long_context, timeout_s, out_dir, resume):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
         \b
@@ -405,7 +420,8 @@ def main() -> None:
         rows: list[dict] = []
         for transport in _list(transports):
             for p in _list(nprocs, int):
-                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths)
+                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths,
+                                  kvr_attention)
                 click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
                 env = environment(model, transport, threads, bandwidth)
                 rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume)

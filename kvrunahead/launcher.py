@@ -111,6 +111,12 @@ def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment torchrun gives a local rank (rendezvous on 127.0.0.1:``port``), plus ``extra``."""
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+
+
 def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli") -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
@@ -120,17 +126,8 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
     port = free_port()
     procs = []
     for rank in range(nproc):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            KVRUNAHEAD_SPAWNED="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv],
+                                      env=rank_env(rank, nproc, port, KVRUNAHEAD_SPAWNED="1")))
     failed_at = None
     code = 0
     try:

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead import cp_allgather, ring, tsp
-from kvrunahead.attention import require_attention_interface
+from kvrunahead.attention import require_attention_interface, zigzag_emitter, zigzag_token_ranges
 from kvrunahead.partition import Partition
 from kvrunahead.runahead import LocalPrefixLink, kvr_prefill, last_token_logits, local_prefixes
 from kvrunahead.transport import ChainLink, KVLayout, Transport
@@ -93,10 +93,10 @@ MODES: dict[str, Mode] = {
         Mode("tsp", "tensor/sequence parallel: even parts, K,V all-gather, full masked score rows", True, True,
              tsp.token_ranges, tsp.emitter, lambda step: None, _gathering(tsp)),
         Mode("cp-allgather", "context parallel, zigzag chunks, K,V all-gather, visible keys only", True, True,
-             cp_allgather.token_ranges_for, cp_allgather.emitter,
+             zigzag_token_ranges, zigzag_emitter,
              lambda step: require_attention_interface(step.model, "cp-allgather"), _gathering(cp_allgather)),
         Mode("ring", "ring attention, zigzag chunks, K,V passed around the ring, log-sum-exp merge", True, False,
-             ring.token_ranges_for, ring.emitter,
+             zigzag_token_ranges, zigzag_emitter,
              lambda step: require_attention_interface(step.model, "ring"), _gathering(ring)),
     ]
 }

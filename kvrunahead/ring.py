@@ -21,9 +21,8 @@ from kvrunahead.attention import (
     expand_kv,
     merge_lse,
     register,
-    zigzag_ranges,
+    zigzag_emitter,
 )
-from kvrunahead.partition import Partition
 from kvrunahead.runahead import forward_part
 from kvrunahead.transport import Transport
 from kvrunahead.tsp import positions
@@ -83,21 +82,13 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
 register(IMPLEMENTATION, ring_attention)
 
 
-def token_ranges_for(partition: Partition) -> list[list[tuple[int, int]]]:
-    return zigzag_ranges(partition.context_len, partition.world_size)
-
-
-def emitter(world_size: int) -> int:
-    return 0  # rank 0 holds chunk 2p-1, the end of the prompt
-
-
 @torch.no_grad()
 def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, context_len: int):
     mine = ranges[transport.rank]
     cache = DynamicCache()  # holds this rank's own chunks only
     with attention_mode(model, IMPLEMENTATION, _State(transport, ranges)):
         logits = forward_part(
-            model, input_ids, transport.rank == emitter(transport.world_size),
+            model, input_ids, transport.rank == zigzag_emitter(transport.world_size),
             position_ids=positions(mine, input_ids.device), past_key_values=cache,
         )
     transport.drain()

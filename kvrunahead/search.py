@@ -137,6 +137,34 @@ def grid_search(ev: Evaluator, context_len: int, world_size: int, center: tuple[
         half_width, stride = stride, max(min_stride, stride // 2)
 
 
+MAX_SLIDES = 4
+
+
+def _search_window(ev: Evaluator, context_len: int, world_size: int, center: tuple[int, ...] | None, half: int,
+                   min_stride: int, on_level: Callable[[int, int, int], None] | None) -> int:
+    """One search of the deltas within ``half`` tokens of ``center`` (None: the whole range); returns levels."""
+    base = even_boundaries(context_len, world_size)
+    if world_size == 2:
+        if center is None:
+            # Rank 1 also attends to rank 0's tokens, so rank 0 never needs fewer than half (fig. 6a):
+            # search rank 0's share over [1/2, 7/8].
+            lo, hi = 0, 3 * context_len // 8
+        else:
+            lo, hi = center[0] - half, center[0] + half
+        lo = max(lo, -(base[1] - 1))
+        hi = min(hi, context_len - base[1] - 1)
+        if on_level is not None:
+            on_level(1, min_stride, (hi - lo) // min_stride + 1)
+        golden_section(ev, context_len, lo, hi, min_stride)
+        return 1
+    # Coarsest level: at most 5 points per boundary (fig. 6b), strides a power of two times the minimum.
+    stride = min_stride
+    while stride * 2 < half:
+        stride *= 2
+    return grid_search(ev, context_len, world_size, center or (0,) * (world_size - 1), half, stride, min_stride,
+                       on_level)
+
+
 def search(
     measure: Callable[[Boundaries], float],
     context_len: int,
@@ -153,8 +181,9 @@ def search(
 
     Without ``seed`` the whole range is searched: for p = 2 rank 0's share over [1/2, 7/8] of the
     context; for p > 2 each inner boundary within half a part of the even one. With ``seed``
-    (boundaries interpolated from a table) only ``window`` tokens either side of it are searched. The even
-    partition is always measured first; ``SearchResult.all`` holds its TTFT.
+    (boundaries interpolated from a table) only ``window`` tokens either side of it are searched, and the
+    window slides when the best point lies on its edge. The even partition is always measured first;
+    ``SearchResult.all`` holds its TTFT.
     """
     if world_size < 2:
         raise ValueError("a partition search needs at least two ranks")
@@ -166,29 +195,20 @@ def search(
         ev.preload(preload)
     base = even_boundaries(context_len, world_size)
     ev(base)  # the reference every table entry records (TTFT of KVR-E), and a candidate like any other
-    if seed is not None:
-        center = tuple(s - b for s, b in zip(seed[1:-1], base[1:-1]))
+    if seed is None:
+        levels = _search_window(ev, context_len, world_size, None, context_len // (2 * world_size), min_stride,
+                                on_level)
+    else:
+        # A seeded window is slid while its best point lies on its edge (the seed was off by more than the
+        # window), up to MAX_SLIDES times; points measured before are not measured again.
         half = window or 4 * min_stride
-    else:
-        center = (0,) * (world_size - 1)
-        half = context_len // (2 * world_size)
-    if world_size == 2:
-        lo, hi = center[0] - half, center[0] + half
-        if seed is None:
-            # Rank 1 also attends to rank 0's tokens, so rank 0 never needs fewer than half (fig. 6a):
-            # search rank 0's share over [1/2, 7/8].
-            lo, hi = 0, 3 * context_len // 8
-        lo = max(lo, -(base[1] - 1))
-        hi = min(hi, context_len - base[1] - 1)
-        if on_level is not None:
-            on_level(1, min_stride, (hi - lo) // min_stride + 1)
-        golden_section(ev, context_len, lo, hi, min_stride)
-        levels = 1
-    else:
-        # Coarsest level: at most 5 points per boundary (fig. 6b), strides a power of two times the minimum.
-        stride = min_stride
-        while stride * 2 < half:
-            stride *= 2
-        levels = grid_search(ev, context_len, world_size, center, half, stride, min_stride, on_level)
+        center = tuple(s - b for s, b in zip(seed[1:-1], base[1:-1]))
+        levels = 0
+        for _ in range(1 + MAX_SLIDES):
+            levels += _search_window(ev, context_len, world_size, center, half, min_stride, on_level)
+            best = tuple(x - y for x, y in zip(ev.best()[0][1:-1], base[1:-1]))
+            if all(abs(x - c) < half - min_stride for x, c in zip(best, center)) or best == center:
+                break
+            center = best
     best, ttft = ev.best()
     return SearchResult(best, ttft, len(ev.results), time.perf_counter() - t0, levels, dict(ev.results))

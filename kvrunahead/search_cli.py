@@ -70,7 +70,7 @@ def run_search(opts: dict) -> None:
         seed = None
         seeds = Table.load(Path(opts["seed_table"])) if opts["seed_table"] else table
         if opts["seeded"] and seeds.entries:
-            seed = seeds.lookup(ctx).partition.boundaries
+            seed = seeds.search_seed(ctx)
         on_measure, on_level = _progress(ctx, seed, lead)
         ckpt = ckpt_dir / f"{ctx}.json" if lead else None
         if ckpt is not None:

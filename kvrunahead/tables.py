@@ -103,6 +103,20 @@ class Table:
         return Lookup(Partition.from_ratios(nearest.ratios, context_len), f"{name}, nearest entry "
                       f"{nearest.context_len}", warning)
 
+    def search_seed(self, context_len: int) -> tuple[int, ...]:
+        """Where a partition search for ``context_len`` starts: the lookup inside the table's range; beyond it
+        the ratios of the two nearest entries extrapolated linearly (the optimal skew keeps growing with the
+        context), each part kept at least 1/(4p) of the context. Only a starting point: the search corrects it."""
+        below = [e for e in self.entries if e.context_len < context_len]
+        above = [e for e in self.entries if e.context_len > context_len]
+        if len(self.entries) < 2 or (below and above) or any(e.context_len == context_len for e in self.entries):
+            return self.lookup(context_len).partition.boundaries
+        a, b = (below[-2], below[-1]) if below else (above[0], above[1])
+        w = (context_len - a.context_len) / (b.context_len - a.context_len)
+        floor = 1 / (4 * len(a.ratios))
+        ratios = [max(floor, (1 - w) * x + w * y) for x, y in zip(a.ratios, b.ratios)]
+        return Partition.from_ratios([r / sum(ratios) for r in ratios], context_len).boundaries
+
     def check(self, model: str, config_hash: str, world_size: int, dtype: str, name: str = "table") -> None:
         m = self.meta
         problems = []

@@ -10,22 +10,13 @@ import time
 from pathlib import Path
 
 from kvrunahead.launcher import free_port
+from kvrunahead.launcher import rank_env as launcher_rank_env
 
 HERE = Path(__file__).parent
 
 
 def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        **extra,
-    )
+    return launcher_rank_env(rank, world_size, port, OMP_NUM_THREADS="1", **extra)
 
 
 def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 240) -> dict:

@@ -9,10 +9,11 @@ import pytest
 from kvrunahead.bench import add_bounds, build_jobs, markdown_table, summarize
 
 
-def _row(ctx, label, ttft, p=2, kind="timed", transport="torch"):
+def _row(ctx, label, ttft, p=2, kind="timed", transport="torch", compute=(1.0, 1.0)):
     return {"context_len": ctx, "world_size": p, "label": label, "kind": kind, "transport": transport,
             "ttft_s": ttft, "threads_per_rank": 1, "boundaries": [0, ctx // 2, ctx],
-            "ranks": [{"wait_s": 0.1, "bytes_sent": 10}, {"wait_s": 0.3, "bytes_sent": 0}]}
+            "ranks": [{"wait_s": 0.1, "bytes_sent": 10, "compute_s": compute[0]},
+                      {"wait_s": 0.3, "bytes_sent": 0, "compute_s": compute[1]}]}
 
 
 def test_summary_takes_median_min_max_of_timed_runs_only():
@@ -23,13 +24,14 @@ def test_summary_takes_median_min_max_of_timed_runs_only():
 
 def test_bounds_follow_eq_3_and_the_no_communication_run():
     rows = [_row(1024, "single-1t", 8.0, p=1, transport="local"), _row(1024, "tsp", 6.0),
-            _row(1024, "kvr-best", 4.0), _row(1024, "kvr-nocomm", 3.2)]
+            _row(1024, "kvr-best", 4.0), _row(1024, "kvr-nocomm", 3.2, compute=(3.6, 3.2))]
     summary = summarize(rows)
     add_bounds(summary)
     best = next(s for s in summary if s["label"] == "kvr-best")
     assert best["ttft_star_s"] == pytest.approx(8.0 / 2 * (1 / 2 + 1 / 4))  # TTFT(1)/2 (1/p + 1/p^2)
     assert best["speedup_over_tsp"] == pytest.approx(1.5)
     assert best["over_nocomm_bound"] == pytest.approx(0.25)
+    assert best["over_nocomm_slowest"] == pytest.approx(4.0 / 3.6 - 1)  # rank 0 is the slowest without comm
     assert "| 1024 | 2 | kvr-best | torch | 4.000 |" in markdown_table(summary)
 
 
@@ -76,3 +78,9 @@ def test_resume_measures_only_the_missing_runs(tmp_path):
     assert len(resumed) == 6
     assert sorted(r["ttft_s"] for r in kept) == sorted(r["ttft_s"] for r in resumed if r in kept)
     assert {(r["label"], r["kind"], r["index"]) for r in resumed} == {(r["label"], r["kind"], r["index"]) for r in rows}
+
+
+def test_kvr_attention_applies_to_every_kvr_job():
+    jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5], 2, {"P": "t.json"}, "split")
+    assert {j.label: j.kvr_attention for j in jobs} == {
+        "kvr-P": "split", "tsp": "masked", "kvr-even": "split", "kvr-best": "split", "kvr-nocomm": "split"}

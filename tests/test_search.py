@@ -102,3 +102,15 @@ def test_evaluator_memoises():
     ev((0, 5, 10))
     ev((0, 5, 10))
     assert ev.measured == 1
+
+
+@pytest.mark.parametrize("p, c, opt, seed", [
+    (2, 16384, (0, 9728, 16384), (0, 8600, 16384)),  # the seed is off by more than the window
+    (3, 6144, (0, 2600, 4480, 6144), (0, 2048, 4096, 6144)),
+])
+def test_a_seeded_window_slides_to_an_optimum_beyond_its_edge(p, c, opt, seed):
+    f = lambda b: sum((x - o) ** 2 for x, o in zip(b, opt)) + 1.0  # noqa: E731
+    measure = Counting(f)
+    result = search(measure, c, p, min_stride=64, seed=seed, window=256)
+    assert all(abs(x - o) <= 64 for x, o in zip(result.boundaries, opt)), result
+    assert len(measure.calls) == len(set(measure.calls))

@@ -75,3 +75,11 @@ def test_kvr_prefill_refuses_a_table_for_another_world_size(tmp_path):
     _table(world_size=2).save(tmp_path / "t.json")
     result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "1k", "--table", str(tmp_path / "t.json")])
     assert result.exit_code == 2 and "made for world size 2, not 1" in result.output
+
+
+def test_a_search_seed_beyond_the_table_extrapolates_the_two_nearest_entries():
+    t = _table()  # 8192: 4588 (0.560), 12288: 7373 (0.600)
+    r8, r12 = 4588 / 8192, 7373 / 12288
+    assert t.search_seed(16384) == (0, round((r12 + (r12 - r8)) * 16384), 16384)  # one step further out
+    assert t.search_seed(10240) == t.lookup(10240).partition.boundaries  # inside: the interpolation
+    assert t.search_seed(4096)[1] == round((r8 - (r12 - r8)) * 4096)
