@@ -397,8 +397,10 @@ def main() -> None:
     @click.option("--resume", is_flag=True,
                   help="Keep the runs an interrupted sweep with the same arguments left in --out and measure "
                        "only the missing ones (the fresh ranks get one untimed run first).")
+    @click.option("--replot", is_flag=True,
+                  help="Measure nothing: rebuild summary.csv/md and the plots from the runs.jsonl in --out.")
     def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
-            kvr_attention, allow_long_context, timeout_s, out_dir, resume):
+            kvr_attention, allow_long_context, timeout_s, out_dir, resume, replot):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
         \b
@@ -416,6 +418,16 @@ def main() -> None:
         config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
                   "timeout_s": timeout_s, "device": "cpu"}
         out = Path(out_dir)
+        if replot:
+            runs = out / "runs.jsonl"
+            if not runs.exists():
+                raise click.UsageError(f"--replot: no {runs}")
+            rows = [json.loads(line) for line in runs.read_text().splitlines()]
+            summary = summarize(rows)
+            add_bounds(summary)
+            write_outputs(rows, summary, out)
+            click.echo(markdown_table(summary))
+            return
         out.mkdir(parents=True, exist_ok=True)
         rows: list[dict] = []
         for transport in _list(transports):

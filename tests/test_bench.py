@@ -84,3 +84,15 @@ def test_kvr_attention_applies_to_every_kvr_job():
     jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5], 2, {"P": "t.json"}, "split")
     assert {j.label: j.kvr_attention for j in jobs} == {
         "kvr-P": "split", "tsp": "masked", "kvr-even": "split", "kvr-best": "split", "kvr-nocomm": "split"}
+
+
+def test_replot_rebuilds_the_summary_from_the_runs(tmp_path):
+    rows = [_row(1024, "tsp", t) for t in (3.0, 1.0, 2.0)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run(["kvr-bench", "--replot", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1024 | 2 | tsp | torch | 2.000 | 1.000 | 3.000 |" in (tmp_path / "summary.md").read_text()
+    missing = subprocess.run(["kvr-bench", "--replot", "--out", str(tmp_path / "none")], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "no " in missing.stderr
