@@ -322,6 +322,8 @@ def plot(summary: list[dict], out: Path) -> None:
             if pts:
                 axes[2].plot([c / 1024 for c, _ in pts], [100 * s["over_nocomm_bound"] for _, s in pts], marker="o",
                              label=f"{label} over kvr-nocomm")
+                axes[2].plot([c / 1024 for c, _ in pts], [100 * s["over_nocomm_slowest"] for _, s in pts],
+                             marker="x", ls="--", label=f"{label} over kvr-nocomm's slowest rank")
         p = max(s["world_size"] for s in rows)
         axes[0].set(title=f"TTFT, p={p} ({transport})", xlabel="context (k tokens)", ylabel="seconds")
         axes[1].axhline(1.0, color="grey", lw=0.8)
