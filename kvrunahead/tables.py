@@ -106,7 +106,9 @@ class Table:
     def search_seed(self, context_len: int) -> tuple[int, ...]:
         """Where a partition search for ``context_len`` starts: the lookup inside the table's range; beyond it
         the ratios of the two nearest entries extrapolated linearly (the optimal skew keeps growing with the
-        context), each part kept at least 1/(4p) of the context. Only a starting point: the search corrects it."""
+        context), each part kept at least 1/(4p) of the context. An extrapolation that gives a later rank
+        more than an earlier one (noisy entries; never optimal, fig. 10) falls back to the nearest entry.
+        Only a starting point: the search corrects it."""
         below = [e for e in self.entries if e.context_len < context_len]
         above = [e for e in self.entries if e.context_len > context_len]
         if len(self.entries) < 2 or (below and above) or any(e.context_len == context_len for e in self.entries):
@@ -115,6 +117,8 @@ class Table:
         w = (context_len - a.context_len) / (b.context_len - a.context_len)
         floor = 1 / (4 * len(a.ratios))
         ratios = [max(floor, (1 - w) * x + w * y) for x, y in zip(a.ratios, b.ratios)]
+        if any(later > earlier for earlier, later in zip(ratios, ratios[1:])):
+            return self.lookup(context_len).partition.boundaries
         return Partition.from_ratios([r / sum(ratios) for r in ratios], context_len).boundaries
 
     def check(self, model: str, config_hash: str, world_size: int, dtype: str, name: str = "table") -> None:

@@ -83,3 +83,10 @@ def test_a_search_seed_beyond_the_table_extrapolates_the_two_nearest_entries():
     assert t.search_seed(16384) == (0, round((r12 + (r12 - r8)) * 16384), 16384)  # one step further out
     assert t.search_seed(10240) == t.lookup(10240).partition.boundaries  # inside: the interpolation
     assert t.search_seed(4096)[1] == round((r8 - (r12 - r8)) * 4096)
+
+
+def test_a_search_seed_that_would_favour_a_later_rank_falls_back_to_the_nearest_entry():
+    t = _table()
+    t.entries[1] = TableEntry(12288, [0, 6200, 12288], [6200 / 12288, 1 - 6200 / 12288], 1.0, 1.2, 10, 5.0)
+    # 0.560 at 8k, 0.505 at 12k: extrapolated to 20k, rank 0 would get less than half
+    assert t.search_seed(20480) == t.lookup(20480).partition.boundaries
