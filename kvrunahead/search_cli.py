@@ -57,6 +57,11 @@ def run_search(opts: dict) -> None:
     ckpt_dir = out.with_suffix(".search")
 
     for ctx in opts["contexts"]:
+        if opts["resume"] and any(e.context_len == ctx for e in table.entries):
+            if lead:
+                click.echo(f"[ctx {ctx}] already in {out}: kept (--resume)", err=True)
+            continue
+
         def measure(b, ctx=ctx) -> float:
             cfg = RunConfig(**{**base.__dict__, "context_len": ctx, "partition": ",".join(map(str, b))})
             times = []

@@ -40,3 +40,6 @@ def test_resume_reuses_the_checkpoint(tmp_path):
     assert again.returncode == 0, again.stderr
     assert re.search(r"candidate +\d+ ", first.stderr) and not re.search(r"candidate +\d+ ", again.stderr)
     assert json.loads(table.read_text())["entries"][0]["evaluations"] == n
+    kept = _search("--ctx", "256", "--out", str(table), "--resume")  # a length the table has is kept as it is
+    assert kept.returncode == 0 and "[ctx 256] already in" in kept.stderr, kept.stderr
+    assert not re.search(r"candidate +\d+ ", kept.stderr)
