@@ -72,7 +72,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
     import torch.distributed as dist
 
     from kvrunahead.launcher import detect_launcher, init_world
-    from kvrunahead.runner import RunConfig, run_on_world
+    from kvrunahead.runner import RunConfig, leave_world, run_on_world
 
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
@@ -136,7 +136,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
     out.close()
     if world.world_size > 1:
         dist.barrier()
-        dist.destroy_process_group()
+    leave_world()
 
 
 # ---------------------------------------------------------------- orchestrator

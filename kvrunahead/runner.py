@@ -206,9 +206,15 @@ def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
     try:
         return run_on_world(cfg, world)
     finally:
-        _TRANSPORTS.clear()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
+
+
+def leave_world() -> None:
+    """Drop the cached transports and destroy every process group: a rank that exits with gloo's threads
+    still running can abort ("terminate called without an active exception")."""
+    _TRANSPORTS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:

@@ -30,13 +30,14 @@ def _share(value, world) -> object:
 
 
 def run_search(opts: dict) -> None:
+    import torch.distributed as dist
+
     from kvrunahead import __version__
     from kvrunahead.bench import environment
     from kvrunahead.launcher import detect_launcher, init_world, pick_backend
     from kvrunahead.models import resolve_config
-    from kvrunahead.runner import RunConfig, resolve_device, run_on_world
-    from kvrunahead.search import even_boundaries, search
-    from kvrunahead.tables import Table, TableEntry, TableMeta, config_hash
+    from kvrunahead.runner import RunConfig, leave_world, resolve_device
+    from kvrunahead.tables import Table, TableMeta, config_hash
 
     device = resolve_device(opts["device"], 0)
     world = init_world(detect_launcher(), pick_backend(device), opts["timeout_s"])
@@ -54,8 +55,21 @@ def run_search(opts: dict) -> None:
         bandwidth=opts["bandwidth"], version=__version__))
     if table.meta.world_size != p:
         raise click.ClickException(f"{out} is a table for world size {table.meta.world_size}, not {p}")
-    ckpt_dir = out.with_suffix(".search")
+    try:
+        _search_lengths(opts, world, base, table, out, lead)
+        if world.world_size > 1:
+            dist.barrier()
+    finally:
+        leave_world()
 
+
+def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> None:
+    from kvrunahead.runner import RunConfig, run_on_world
+    from kvrunahead.search import even_boundaries, search
+    from kvrunahead.tables import Table, TableEntry
+
+    p = world.world_size
+    ckpt_dir = out.with_suffix(".search")
     for ctx in opts["contexts"]:
         if opts["resume"] and any(e.context_len == ctx for e in table.entries):
             if lead:
