@@ -17,12 +17,12 @@ SEARCH=(kvr-search --nproc 2 --repeats 2 --warmup 0)
 "${SEARCH[@]}" --ctx 1k,2k,4k --out "$TABLE" "$@"
 "${SEARCH[@]}" --ctx 8k --no-seeded --out "$TABLE" "$@"
 
-# 2. A held-out length searched directly over the whole range (KVR-S), and seeded from the table.
-"${SEARCH[@]}" --ctx 6k --no-seeded --out "$OUT/direct.json" "$@"
-"${SEARCH[@]}" --ctx 6k --seed-table "$TABLE" --out "$OUT/seeded.json" "$@"
+# 2. Held-out lengths searched directly over the whole range (KVR-S), and seeded from the table.
+"${SEARCH[@]}" --ctx 3k,6k --no-seeded --out "$OUT/direct.json" "$@"
+"${SEARCH[@]}" --ctx 3k,6k --seed-table "$TABLE" --out "$OUT/seeded.json" "$@"
 
-# 3. TTFT at the held-out length: KVR-P (interpolated from the table) against KVR-S, KVR-E and TSP.
-kvr-bench --ctx 6k --nproc 2 --modes tsp,kvr --table P="$TABLE" --table S="$OUT/direct.json" \
+# 3. TTFT at the held-out lengths: KVR-P (interpolated from the table) against KVR-S, KVR-E and TSP.
+kvr-bench --ctx 3k,6k --nproc 2 --modes tsp,kvr --table P="$TABLE" --table S="$OUT/direct.json" \
   --out "$OUT/heldout" "$@"
 
 # 4. TTFT at the table's lengths: KVR-S (the table's entries) against KVR-E and TSP, in one run.
