@@ -115,7 +115,9 @@ def worker(plan_file: str, out_prefix: str) -> None:
         return ttft[0]
 
     best: dict[int, str] = {}  # context length -> the partition kvr-best settled on
-    for job in plan["jobs"]:
+
+    def prepare(job: dict) -> str:
+        """The job's partition (after its sweep, if any), then its warm-up runs."""
         partition = job["partition"]
         if partition == "@best":
             partition = best.get(job["context_len"], "even")
@@ -131,8 +133,14 @@ def worker(plan_file: str, out_prefix: str) -> None:
             best[job["context_len"]] = partition
         for i in range(job["warmup"]):
             measure(job, partition, "warmup", i)
-        for i in range(job["repeats"]):
-            measure(job, partition, "timed", i)
+        return partition
+
+    for group in job_groups(plan["jobs"], plan.get("interleave", False)):
+        partitions = [prepare(job) for job in group]
+        for i in range(max(job["repeats"] for job in group)):
+            for job, partition in zip(group, partitions):
+                if i < job["repeats"]:
+                    measure(job, partition, "timed", i)
     out.close()
     if world.world_size > 1:
         dist.barrier()
@@ -140,6 +148,17 @@ def worker(plan_file: str, out_prefix: str) -> None:
 
 
 # ---------------------------------------------------------------- orchestrator
+
+def job_groups(jobs: list[dict], interleave: bool) -> list[list[dict]]:
+    """Jobs measured together: alone, or (interleave) every job of one context length, whose timed runs then
+    alternate (a, b, c, a, b, c, ...) so that a drift of the machine's speed hits every mode alike."""
+    if not interleave:
+        return [[job] for job in jobs]
+    groups: dict[int, list[dict]] = {}
+    for job in jobs:
+        groups.setdefault(job["context_len"], []).append(job)
+    return list(groups.values())
+
 
 def run_key(context_len: int, label: str, kind: str, index: int) -> str:
     return f"{context_len}|{label}|{kind}|{index}"
@@ -169,7 +188,7 @@ def _runs_in(jobs: list[Job]) -> int:
 
 
 def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
-              timeout_s: float, resume: bool = False) -> list[dict]:
+              timeout_s: float, resume: bool = False, interleave: bool = False) -> list[dict]:
     from kvrunahead.launcher import free_port, rank_env
 
     tag = f"p{nproc}_t{threads}_{transport}"
@@ -178,7 +197,8 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     if recorded:
         log.info("resuming world %s: %d of %d runs already recorded", tag, len(recorded), _runs_in(jobs))
     plan = {"config": {**config, "threads": threads, "transport": transport}, "jobs": [asdict(j) for j in jobs],
-            "env": {**env, "threads_per_rank": threads, "transport": transport}, "timeout_s": timeout_s,
+            "env": {**env, "threads_per_rank": threads, "transport": transport, "interleaved": interleave},
+            "timeout_s": timeout_s, "interleave": interleave,
             "total_runs": _runs_in(jobs), "recorded": recorded}
     plan_file.write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
@@ -399,10 +419,14 @@ def main() -> None:
     @click.option("--resume", is_flag=True,
                   help="Keep the runs an interrupted sweep with the same arguments left in --out and measure "
                        "only the missing ones (the fresh ranks get one untimed run first).")
+    @click.option("--interleave", is_flag=True,
+                  help="Alternate the timed runs of all modes at one context length (after every mode's sweep "
+                       "and warm-up) instead of running each mode's repeats back to back: fairer ratios on a "
+                       "machine whose speed drifts. Recorded in every row.")
     @click.option("--replot", is_flag=True,
                   help="Measure nothing: rebuild summary.csv/md and the plots from the runs.jsonl in --out.")
     def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
-            kvr_attention, allow_long_context, timeout_s, out_dir, resume, replot):
+            kvr_attention, allow_long_context, timeout_s, out_dir, resume, interleave, replot):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
         \b
@@ -438,7 +462,7 @@ def main() -> None:
                                   kvr_attention)
                 click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
                 env = environment(model, transport, threads, bandwidth)
-                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume)
+                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume, interleave)
         if "single" in mode_list:
             for t in sorted({1, *(_list(nprocs, int))}):
                 jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]

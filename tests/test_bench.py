@@ -96,3 +96,22 @@ def test_replot_rebuilds_the_summary_from_the_runs(tmp_path):
     missing = subprocess.run(["kvr-bench", "--replot", "--out", str(tmp_path / "none")], capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and "no " in missing.stderr
+
+
+def test_interleave_alternates_the_timed_runs_of_one_context(tmp_path):
+    proc = subprocess.run(
+        ["kvr-bench", "--model", "tiny-llama", "--ctx", "64,128", "--repeats", "2", "--warmup", "1",
+         "--modes", "tsp,kvr", "--interleave", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    order = [(r["context_len"], r["label"], r["kind"], r["index"]) for r in rows]
+    assert order == [
+        (64, "tsp", "warmup", 0), (64, "kvr-even", "warmup", 0),
+        (64, "tsp", "timed", 0), (64, "kvr-even", "timed", 0), (64, "tsp", "timed", 1), (64, "kvr-even", "timed", 1),
+        (128, "tsp", "warmup", 0), (128, "kvr-even", "warmup", 0),
+        (128, "tsp", "timed", 0), (128, "kvr-even", "timed", 0), (128, "tsp", "timed", 1),
+        (128, "kvr-even", "timed", 1),
+    ]
+    assert all(r["interleaved"] for r in rows)

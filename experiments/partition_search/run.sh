@@ -22,12 +22,14 @@ SEARCH=(kvr-search --nproc 2 --repeats 2 --warmup 0)
 "${SEARCH[@]}" --ctx 3k,6k --no-seeded --out "$OUT/direct.json" "$@"
 "${SEARCH[@]}" --ctx 3k,6k --seed-table "$TABLE" --out "$OUT/seeded.json" "$@"
 
-# 3. TTFT at the held-out lengths: KVR-P (interpolated from the table) against KVR-S, KVR-E and TSP.
+# 3. TTFT at the held-out lengths: KVR-P (interpolated from the table) against KVR-S, KVR-E and TSP, the
+#    timed runs of the four alternating so that a drift of the machine's speed hits them alike.
 kvr-bench --ctx 3k,6k --nproc 2 --modes tsp,kvr --table P="$TABLE" --table S="$OUT/direct.json" \
-  --out "$OUT/heldout" "$@"
+  --repeats 5 --interleave --out "$OUT/heldout" "$@"
 
 # 4. TTFT at the table's lengths: KVR-S (the table's entries) against KVR-E and TSP, in one run.
-kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --modes tsp,kvr --table S="$TABLE" --out "$OUT/table_lengths" "$@"
+kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --modes tsp,kvr --table S="$TABLE" --interleave \
+  --out "$OUT/table_lengths" "$@"
 
 # Every candidate each search measured (its checkpoints), kept beside the results.
 mkdir -p "$OUT/candidates"
