@@ -78,7 +78,7 @@ class Transport:
 
     def all_gather(self, inp: torch.Tensor) -> torch.Tensor:
         """``[world_size, *inp.shape]``: every rank's ``inp``, in rank order."""
-        # Blocks concatenated along dim 0, the layout all_gather_into_tensor expects.
+        # Blocks concatenated along dim 0, the layout the all-gather into one tensor expects.
         out = torch.empty((self.world_size * inp.shape[0], *inp.shape[1:]), dtype=inp.dtype, device=inp.device)
         start = time.perf_counter()
         self._all_gather(out, inp.contiguous())
@@ -133,7 +133,9 @@ class TorchTransport(Transport):
         return dist.irecv(t, src=src, group=self._group(self.rank, src), tag=tag)
 
     def _all_gather(self, out, inp):
-        dist.all_gather_into_tensor(out, inp)
+        # torch >= 2.13 names it all_gather_single (the old name warns); older releases only have the old one.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, inp)
 
     def exchange(self, send, dst, recv, src, tag):
         if self.backend != "nccl":
