@@ -1,0 +1,27 @@
+"""Device, dtype and backend choice of a rank, with CUDA present (mocked: CI has no GPU) and absent."""
+
+import pytest
+import torch
+
+from kvrunahead.launcher import pick_backend
+from kvrunahead.runner import InputError, RunConfig, resolve_device, resolve_dtype
+
+
+def test_with_cuda_each_local_rank_takes_its_gpu_in_bfloat16_over_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    devices = [resolve_device("auto", local_rank) for local_rank in range(8)]
+    assert devices == [torch.device("cuda", i) for i in range(8)]
+    assert resolve_device("auto", 9) == torch.device("cuda", 1)  # more local ranks than GPUs: wrap around
+    assert pick_backend(devices[0]) == "nccl"
+    assert resolve_dtype(RunConfig(), devices[0]) == torch.bfloat16
+    assert resolve_dtype(RunConfig(dtype="float16"), devices[0]) == torch.float16
+
+
+def test_without_cuda_ranks_run_on_cpu_in_float32_over_gloo(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device = resolve_device("auto", 3)
+    assert device == torch.device("cpu") and pick_backend(device) == "gloo"
+    assert resolve_dtype(RunConfig(), device) == torch.float32
+    with pytest.raises(InputError, match="CUDA is not available"):
+        resolve_device("cuda", 0)
