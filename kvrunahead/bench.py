@@ -322,7 +322,9 @@ def plot(summary: list[dict], out: Path) -> None:
     for transport in sorted({s["transport"] for s in summary} - {"local"}):
         rows = [s for s in summary if s["transport"] in (transport, "local")]
         labels = list(dict.fromkeys(s["label"] for s in rows))
-        fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+        # The third panel only where a no-communication bound was measured.
+        bounded = any(s.get("over_nocomm_bound") is not None for s in rows)
+        fig, axes = plt.subplots(1, 3 if bounded else 2, figsize=(17, 5) if bounded else (11.5, 5))
         for label in labels:
             pts = sorted(((s["context_len"], s) for s in rows if s["label"] == label), key=lambda x: x[0])
             x = [c / 1024 for c, _ in pts]
@@ -336,7 +338,7 @@ def plot(summary: list[dict], out: Path) -> None:
                       if s["label"] == "kvr-best" and s["ttft_star_s"])
         if star:
             axes[0].plot([c / 1024 for c, _ in star], [t for _, t in star], "k--", label="TTFT*(p), eq. 3")
-        for label in ("kvr-best", "kvr-even"):
+        for label in ("kvr-best", "kvr-even") if bounded else ():
             pts = sorted(((s["context_len"], s) for s in rows
                           if s["label"] == label and s["over_nocomm_bound"] is not None), key=lambda x: x[0])
             if pts:
@@ -348,8 +350,9 @@ def plot(summary: list[dict], out: Path) -> None:
         axes[0].set(title=f"TTFT, p={p} ({transport})", xlabel="context (k tokens)", ylabel="seconds")
         axes[1].axhline(1.0, color="grey", lw=0.8)
         axes[1].set(title="speedup over TSP (median / median)", xlabel="context (k tokens)", ylabel="x")
-        axes[2].axhline(0.0, color="grey", lw=0.8)
-        axes[2].set(title="distance to the no-communication bound", xlabel="context (k tokens)", ylabel="%")
+        if bounded:
+            axes[2].axhline(0.0, color="grey", lw=0.8)
+            axes[2].set(title="distance to the no-communication bound", xlabel="context (k tokens)", ylabel="%")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
