@@ -114,7 +114,10 @@ def parse_partition(spec: str, context_len: int, world_size: int) -> Partition:
         return Partition.from_ratios(ratios, context_len)
     bounds = tuple(int(s) for s in items)
     if len(bounds) - 1 != world_size:
-        raise PartitionError(f"partition has {len(bounds) - 1} parts but the world size is {world_size}")
+        raise PartitionError(
+            f"partition has {len(bounds) - 1} parts but the world size is {world_size} "
+            f"({world_size} ranks need {world_size + 1} boundaries from 0 to {context_len}, "
+            f"e.g. {','.join(map(str, Partition.even(context_len, world_size).boundaries))})")
     if bounds[-1] != context_len:
         raise PartitionError(f"boundaries must end at the context length {context_len}, got {bounds[-1]}")
     return Partition(bounds)
