@@ -135,7 +135,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
             measure(job, partition, "warmup", i)
         return partition
 
-    for group in job_groups(plan["jobs"], plan.get("interleave", False)):
+    for group in job_groups(plan["jobs"], plan["env"]["interleaved"]):
         partitions = [prepare(job) for job in group]
         for i in range(max(job["repeats"] for job in group)):
             for job, partition in zip(group, partitions):
@@ -198,7 +198,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
         log.info("resuming world %s: %d of %d runs already recorded", tag, len(recorded), _runs_in(jobs))
     plan = {"config": {**config, "threads": threads, "transport": transport}, "jobs": [asdict(j) for j in jobs],
             "env": {**env, "threads_per_rank": threads, "transport": transport, "interleaved": interleave},
-            "timeout_s": timeout_s, "interleave": interleave,
+            "timeout_s": timeout_s,
             "total_runs": _runs_in(jobs), "recorded": recorded}
     plan_file.write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
@@ -323,7 +323,7 @@ def plot(summary: list[dict], out: Path) -> None:
         rows = [s for s in summary if s["transport"] in (transport, "local")]
         labels = list(dict.fromkeys(s["label"] for s in rows))
         # The third panel only where a no-communication bound was measured.
-        bounded = any(s.get("over_nocomm_bound") is not None for s in rows)
+        bounded = any(s["over_nocomm_bound"] is not None for s in rows)
         fig, axes = plt.subplots(1, 3 if bounded else 2, figsize=(17, 5) if bounded else (11.5, 5))
         for label in labels:
             pts = sorted(((s["context_len"], s) for s in rows if s["label"] == label), key=lambda x: x[0])
@@ -338,7 +338,7 @@ def plot(summary: list[dict], out: Path) -> None:
                       if s["label"] == "kvr-best" and s["ttft_star_s"])
         if star:
             axes[0].plot([c / 1024 for c, _ in star], [t for _, t in star], "k--", label="TTFT*(p), eq. 3")
-        for label in ("kvr-best", "kvr-even") if bounded else ():
+        for label in ("kvr-best", "kvr-even"):
             pts = sorted(((s["context_len"], s) for s in rows
                           if s["label"] == label and s["over_nocomm_bound"] is not None), key=lambda x: x[0])
             if pts:

@@ -10,6 +10,7 @@ so far against the number of candidates measured, i.e. how fast the search conve
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
 
 import click
@@ -42,12 +43,9 @@ def plot(curves: dict[str, list[tuple[list[int], float]]], png: Path) -> None:
         base = next((t for b, t in evals if tuple(b) == even_boundaries(ctx, p)), min(t for _, t in evals))
         pts = sorted((b[1] / ctx, t / base) for b, t in evals)
         line = left.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, label=label)[0]
-        bx, by = min(pts, key=lambda p: p[1])
+        bx, by = min(pts, key=lambda pt: pt[1])
         left.plot([bx], [by], "o", ms=10, mfc="none", color=line.get_color())
-        best, run = float("inf"), []
-        for _, t in evals:
-            best = min(best, t)
-            run.append(best)
+        run = list(accumulate((t for _, t in evals), min))  # best TTFT after each candidate
         right.plot(range(1, len(run) + 1), run, "o-", ms=3, color=line.get_color(), label=label)
     left.set_xlabel("share of the context on rank 0")
     left.set_ylabel("TTFT / TTFT of the even partition")

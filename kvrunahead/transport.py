@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 TRANSPORTS = ("torch", "mpi")
+# torch >= 2.13 names the all-gather into one tensor all_gather_single (the old name warns); older releases
+# only have the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -133,9 +136,7 @@ class TorchTransport(Transport):
         return dist.irecv(t, src=src, group=self._group(self.rank, src), tag=tag)
 
     def _all_gather(self, out, inp):
-        # torch >= 2.13 names it all_gather_single (the old name warns); older releases only have the old one.
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, inp)
+        _all_gather_single(out, inp)
 
     def exchange(self, send, dst, recv, src, tag):
         if self.backend != "nccl":

@@ -7,4 +7,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 kvr-bench --ctx 8k --nproc 2 --modes tsp,cp-allgather,ring,kvr-best,kvr-nocomm --kvr-attention split \
-  --shares 0.56,0.60,0.64,0.68,0.72,0.76 --repeats 3 --warmup 1 --interleave --out experiments/ttft_cpu_p2_split "$@"
+  --shares 0.56,0.60,0.64,0.68,0.72,0.76 --repeats 3 --warmup 1 --interleave \
+  --out experiments/ttft_cpu_p2_split "$@"
