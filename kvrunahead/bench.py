@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr", "kvr-best", "kvr-nocomm")
+DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr-default", "kvr", "kvr-best", "kvr-nocomm")
 EXTRA_MODES = ("kvr-split",)  # kvr-best's partition with --kvr-attention split
 
 
@@ -36,7 +36,8 @@ class Job:
     warmup: int
     sweep: list[float] | None = None  # kvr-best: rank 0's share candidates to try first
     table: str | None = None  # kvr-<label>: partition interpolated from this table
-    kvr_attention: str = "masked"
+    kvr_attention: str = "auto"
+    threads: int | None = None  # single-Nt inside a world of ranks: rank 0 runs it at N threads, the rest idle
 
 
 def environment(model: str, transport: str, threads: int, bandwidth: str) -> dict:
@@ -71,8 +72,8 @@ def environment(model: str, transport: str, threads: int, bandwidth: str) -> dic
 def worker(plan_file: str, out_prefix: str) -> None:
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world
-    from kvrunahead.runner import RunConfig, leave_world, run_on_world
+    from kvrunahead.launcher import World, detect_launcher, init_world
+    from kvrunahead.runner import RunConfig, leave_world, patient_barrier, run_on_world
 
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
@@ -93,9 +94,9 @@ def worker(plan_file: str, out_prefix: str) -> None:
         cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition,
                            "table": job["table"], "kvr_attention": job["kvr_attention"]})
         if rewarm:
-            run_on_world(cfg, world)
+            one_run(cfg, job)
             rewarm = False
-        result = run_on_world(cfg, world)
+        result = one_run(cfg, job)
         ttft = [result.ttft_s if result is not None else None]
         if world.world_size > 1:
             gathered = [None] * world.world_size
@@ -104,8 +105,9 @@ def worker(plan_file: str, out_prefix: str) -> None:
         done += 1
         if result is not None:
             row = {**plan["env"], "label": job["label"], "mode": job["mode"], "kind": kind, "index": index,
-                   "kvr_attention": job["kvr_attention"] if job["mode"].startswith("kvr") else None,
                    **{k: v for k, v in result.to_dict().items() if k not in ("ranks", "verification")},
+                   # the attention that ran (an "auto" job records what it resolved to)
+                   "kvr_attention": result.kvr_attention.split()[0] if result.kvr_attention else None,
                    "ranks": [asdict(r) for r in result.ranks]}
             out.write(json.dumps(row) + "\n")
             out.flush()
@@ -113,6 +115,18 @@ def worker(plan_file: str, out_prefix: str) -> None:
                   f"partition {','.join(map(str, result.boundaries))}: TTFT {result.ttft_s:.3f} s",
                   file=sys.stderr, flush=True)
         return ttft[0]
+
+    def one_run(cfg, job: dict):
+        if job["mode"] != "single" or world.world_size == 1:
+            return run_on_world(cfg, world)
+        # A single process among the timed runs of the ranks (interleaved): rank 0 runs it alone at the job's
+        # threads while the other ranks wait idle in a barrier, so it has the cores a lone process would.
+        result = None
+        if world.rank == 0:
+            cfg.threads = job["threads"]
+            result = run_on_world(cfg, World(0, 1, 0, 1, "single"))
+        patient_barrier(cfg)
+        return result
 
     best: dict[int, str] = {}  # context length -> the partition kvr-best settled on
 
@@ -368,13 +382,21 @@ def _list(text: str, cast=str) -> list:
 
 
 def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
-               nproc: int, tables: dict[str, str] | None = None, kvr_attention: str = "masked") -> list[Job]:
+               nproc: int, tables: dict[str, str] | None = None, kvr_attention: str = "auto",
+               singles_in_world: bool = False) -> list[Job]:
+    """The jobs of one world of ``nproc`` ranks. With ``singles_in_world`` (interleaved sweeps) the single
+    process at 1 and at ``nproc`` threads is measured among them; otherwise in worlds of its own."""
     jobs = []
     for ctx in contexts:
+        if singles_in_world and "single" in modes and nproc > 1:
+            for t in sorted({1, nproc}):
+                jobs.append(Job(f"single-{t}t", "single", ctx, "even", repeats, warmup, threads=t))
         for label, path in (tables or {}).items():
             jobs.append(Job(f"kvr-{label}", "kvr", ctx, "table", repeats, warmup, table=path))
         for mode in modes:
-            if mode == "kvr":
+            if mode == "kvr-default":
+                jobs.append(Job("kvr-default", "kvr", ctx, "auto", repeats, warmup))
+            elif mode == "kvr":
                 jobs.append(Job("kvr-even", "kvr", ctx, "even", repeats, warmup))
             elif mode == "kvr-best":
                 jobs.append(Job("kvr-best", "kvr", ctx, "even", repeats, warmup, sweep=shares if nproc > 1 else None))
@@ -385,7 +407,7 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
             elif mode != "single":
                 jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
     for job in jobs:
-        if job.mode in ("kvr", "kvr-nocomm") and job.label != "kvr-split":
+        if job.mode in ("kvr", "kvr-nocomm") and job.label not in ("kvr-split", "kvr-default"):
             job.kvr_attention = kvr_attention
     return jobs
 
@@ -393,16 +415,18 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
 def main() -> None:
     import click
 
-    from kvrunahead.prompt import parse_tokens
+    from kvrunahead.prompt import PromptError, parse_tokens
 
     @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
     @click.option("--model", default="smollm2-135m", show_default=True)
     @click.option("--ctx", "contexts", default="1k,2k,4k,8k", show_default=True, help="Context lengths.")
     @click.option("--nproc", "nprocs", default="2", show_default=True, help="World sizes.")
     @click.option("--modes", default=",".join(DEFAULT_MODES), show_default=True,
-                  help="single runs at 1 thread and at p threads; kvr is the even partition; kvr-best sweeps "
-                       "rank 0's share (--shares) and keeps the fastest; kvr-nocomm is the bound on kvr-best's "
-                       "partition; kvr-split (not default) is kvr-best's partition with --kvr-attention split.")
+                  help="single runs at 1 thread and at p threads (with --interleave among the ranks' runs, the "
+                       "other ranks idle); kvr-default is kvr-prefill's defaults (--partition auto, "
+                       "--kvr-attention auto); kvr is the even partition; kvr-best sweeps rank 0's share (--shares) "
+                       "and keeps the fastest; kvr-nocomm is the bound on kvr-best's partition; kvr-split (not "
+                       "default) is kvr-best's partition with --kvr-attention split.")
     @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
     @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
     @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
@@ -413,9 +437,10 @@ def main() -> None:
                   help="Label of the network setting, recorded in every row (shaping is done outside).")
     @click.option("--table", "tables", multiple=True, metavar="LABEL=PATH",
                   help="Also run kvr with the partition interpolated from a table, reported as kvr-LABEL.")
-    @click.option("--kvr-attention", type=click.Choice(["masked", "split"]), default="masked", show_default=True,
-                  help="Attention of every kvr job (kvr-even, kvr-best and its sweep, kvr-nocomm, tables); "
-                       "recorded in every row.")
+    @click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto",
+                  show_default=True,
+                  help="Attention of the kvr jobs (kvr-even, kvr-best and its sweep, kvr-nocomm, tables; "
+                       "kvr-default always takes auto); what ran is recorded in every row.")
     @click.option("--allow-long-context", is_flag=True)
     @click.option("--timeout", "timeout_s", default=600.0, show_default=True)
     @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
@@ -437,13 +462,30 @@ def main() -> None:
           kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --out experiments/ttft_cpu_p2
         """
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        ctxs = [parse_tokens(c) for c in _list(contexts)]
+        def fail(message: str):
+            click.echo(f"kvr-bench: error: {message}", err=True)
+            sys.exit(2)
+
+        try:
+            ctxs = [parse_tokens(c) for c in _list(contexts)]
+            world_sizes = _list(nprocs, int)
+        except (PromptError, ValueError) as e:
+            fail(str(e))
+        for name, value, least in (("--threads", threads, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
+            if value < least:
+                fail(f"{name} must be at least {least}, got {value}")
+        if not replot and (not ctxs or not world_sizes or min(world_sizes) < 1):
+            fail("--ctx and --nproc need at least one value each, and world sizes of at least 1")
         mode_list = _list(modes)
+        if any("=" not in t for t in tables):
+            fail("--table takes LABEL=PATH")
         table_paths = dict(t.split("=", 1) for t in tables)
         bad = set(mode_list) - set(DEFAULT_MODES) - set(EXTRA_MODES)
         if bad:
-            raise click.BadParameter(
-                f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES + EXTRA_MODES)}")
+            fail(f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES + EXTRA_MODES)}")
+        for label, path in table_paths.items():
+            if not Path(path).is_file():
+                fail(f"--table {label}={path}: no such file")
         config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
                   "timeout_s": timeout_s, "device": "cpu"}
         out = Path(out_dir)
@@ -459,15 +501,20 @@ def main() -> None:
             return
         out.mkdir(parents=True, exist_ok=True)
         rows: list[dict] = []
+        singles_left = {1, *world_sizes} if "single" in mode_list else set()
         for transport in _list(transports):
-            for p in _list(nprocs, int):
+            for p in world_sizes:
+                # Interleaved: the single process at 1 and p threads is timed among the ranks' runs (once).
+                in_world = interleave and p > 1 and {1, p} <= singles_left
                 jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths,
-                                  kvr_attention)
+                                  kvr_attention, singles_in_world=in_world)
+                if in_world:
+                    singles_left -= {1, p}
                 click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
                 env = environment(model, transport, threads, bandwidth)
                 rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume, interleave)
-        if "single" in mode_list:
-            for t in sorted({1, *(_list(nprocs, int))}):
+        if singles_left:
+            for t in sorted(singles_left):
                 jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]
                 click.echo(f"single process, {t} thread(s): {_runs_in(jobs)} runs", err=True)
                 rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, bandwidth), out,

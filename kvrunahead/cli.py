@@ -31,9 +31,14 @@ def format_result(r: RunResult) -> str:
         f"   transport {r.transport}",
         f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}"
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
-        f"context      {r.context_len} tokens",
+        f"context      {r.context_len} tokens" + (f"   ({r.rope_extension})" if r.rope_extension else ""),
+    ]
+    if r.kvr_attention:
+        lines.append(f"attention    {r.kvr_attention}")
+    lines += [
         f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
-        f"ratios {[round(x, 3) for x in r.ratios]}   ({r.partition_source})",
+        f"ratios {[round(x, 3) for x in r.ratios]}",
+        f"             from {r.partition_source}",
         f"TTFT         {r.ttft_s * 1e3:.1f} ms",
         "rank  tokens   compute ms   wait ms   send ms   sent         peak mem",
     ]
@@ -51,8 +56,22 @@ def format_result(r: RunResult) -> str:
             f"(atol {v.atol:g}), first token {'matches' if v.first_token_match else 'differs'}, "
             f"generated tokens {'match' if v.generated_match else 'differ'}; "
             f"single-process TTFT {v.single_ttft_s * 1e3:.1f} ms at {r.threads_per_rank} thread(s)"
+            + (f", {v.single_all_threads_ttft_s * 1e3:.1f} ms at {v.single_all_threads} threads (all ranks' "
+               f"threads in one process)" if v.single_all_threads_ttft_s is not None else "")
         )
     return "\n".join(lines)
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of a prompt file; one-line errors for an empty file or one that is not UTF-8 text."""
+    data = open(path, "rb").read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    if not text.strip():
+        raise InputError(f"{path} is empty (or only whitespace): nothing to prefill")
+    return text
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -67,14 +86,16 @@ def format_result(r: RunResult) -> str:
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
               help="Text to use as the document instead of the shipped English text.")
 @click.option("--no-chat", is_flag=True, help="Use the raw text, not wrapped in the model's chat template.")
-@click.option("--partition", default="even", show_default=True,
-              help="'even', boundaries (0,900,2048), ratios (0.6,0.4), one part per rank, or 'table': "
-                   "interpolated from the partition table of this model and world size (kvr-search makes them).")
-@click.option("--kvr-attention", type=click.Choice(["masked", "split"]), default="masked", show_default=True,
-              help="kvr modes: masked = the model's SDPA over all prefix+own keys under the offset causal mask "
-                   "(the paper's); split = prefix block in full + own block causally, merged by log-sum-exp, "
-                   "skipping the masked half of the diagonal block (models using transformers' attention "
-                   "interface).")
+@click.option("--partition", default="auto", show_default=True,
+              help="auto: interpolated from the partition table searched for this model, world size, dtype, "
+                   "attention, device kind and network (partition_tables/, made by kvr-search), or where none "
+                   "covers the context, balanced by a cost estimate of the ranks' work; 'table': a table or an "
+                   "error; 'even'; boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
+@click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto", show_default=True,
+              help="kvr modes: split = prefix block in full + own block causally, merged by log-sum-exp, "
+                   "skipping the masked half of the diagonal block (needs a model using transformers' attention "
+                   "interface); masked = the model's SDPA over all prefix+own keys under the offset causal mask "
+                   "(the paper's); auto = split where the model allows it, else masked.")
 @click.option("--table", type=click.Path(exists=True, dir_okay=False),
               help="Partition table to use (implies --partition table). Default: found in partition_tables/.")
 @click.option("--force-table", is_flag=True, help="Use a table made for another model, world size or dtype.")
@@ -95,7 +116,9 @@ def format_result(r: RunResult) -> str:
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
               help="Seconds any rank waits on another before failing (start-up, barrier, receive).")
 @click.option("--allow-long-context", is_flag=True,
-              help="Run a context longer than the model's trained positions.")
+              help="Run a context longer than the model's trained positions as it is. Without it such a context "
+                   "gets the rotary embedding extended by YaRN with the smallest whole factor that covers it "
+                   "(up to x4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
@@ -126,7 +149,7 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
             raise InputError("--max-new-tokens must be at least 1")
         if nproc < 1:
             raise InputError("--nproc must be at least 1")
-        text = open(prompt_file, encoding="utf-8").read() if prompt_file else None
+        text = read_prompt_file(prompt_file) if prompt_file else None
         from kvrunahead.prompt import PromptError, parse_tokens
 
         try:

@@ -21,6 +21,8 @@ from transformers import (
     PretrainedConfig,
 )
 
+from kvrunahead.rope import RopeExtension, extended
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -42,6 +44,11 @@ PRESETS: dict[str, callable] = {
     "tiny-llama": lambda: _tiny(
         LlamaConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2,
+    ),
+    # Trained for 48 positions: longer prompts exercise the YaRN extension on a tiny model.
+    "tiny-llama-short": lambda: LlamaConfig(
+        vocab_size=ByteTokenizer.VOCAB_SIZE, max_position_embeddings=48, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     ),
     "tiny-neox": lambda: _tiny(
         GPTNeoXConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -161,15 +168,18 @@ def resolve_config(name: str) -> PretrainedConfig:
     )
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
-    """Load a model by preset name or local directory, in eval mode, with SDPA attention."""
-    config = resolve_config(name)
+def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               rope: RopeExtension | None = None) -> LoadedModel:
+    """Load a model by preset name or local directory, in eval mode, with SDPA attention (and its rotary
+    embedding extended by ``rope``, for contexts beyond the trained positions)."""
+    config = extended(resolve_config(name), rope)
     if name in PRESETS:
         torch.manual_seed(seed)  # every rank builds the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         eos: frozenset[int] = frozenset()
     else:
-        model = AutoModelForCausalLM.from_pretrained(_model_path(name), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(_model_path(name), config=config, dtype=dtype,
+                                                     attn_implementation="sdpa")
         eos_id = model.generation_config.eos_token_id
         eos = frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
     model.to(device).eval()
@@ -186,5 +196,8 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(_model_path(name))
 
 
-def max_context(config: PretrainedConfig) -> int | None:
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+def uses_attention_interface(config: PretrainedConfig) -> bool:
+    """Whether the model class routes attention through transformers' AttentionInterface (read from the
+    class, without building the model; the runtime probes the built model again before relying on it)."""
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return bool(getattr(cls, "_supports_attention_backend", False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import resource
@@ -13,13 +14,22 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from kvrunahead.cost import estimated_partition
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.models import LoadedModel, ModelError, load_model, load_tokenizer, max_context, resolve_config
+from kvrunahead.models import (
+    LoadedModel,
+    ModelError,
+    load_model,
+    load_tokenizer,
+    resolve_config,
+    uses_attention_interface,
+)
 from kvrunahead.modes import MODES, Step
-from kvrunahead.partition import Partition, PartitionError, parse_partition
+from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
+from kvrunahead.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
-from kvrunahead.tables import Lookup, Table, TableError, config_hash, find_table
+from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
 from kvrunahead.transport import TRANSPORTS, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -39,8 +49,8 @@ class RunConfig:
     context_len: int | None = 2048
     prompt_text: str | None = None
     chat: bool = True
-    partition: str = "even"
-    kvr_attention: str = "masked"  # or "split": skip the masked half of each rank's diagonal block
+    partition: str = "auto"  # a matching table, else the cost estimate; or even, boundaries, ratios, table
+    kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
     table: str | None = None
     force_table: bool = False
     dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
@@ -50,8 +60,9 @@ class RunConfig:
     verify: bool = False
     atol: float | None = None
     timeout_s: float = 60.0
-    allow_long_context: bool = False
+    allow_long_context: bool = False  # beyond the trained positions without a RoPE extension
     seed: int = 0
+    network: str | None = None  # the network label tables are matched on; None: loopback for one host
 
 
 @dataclass
@@ -69,7 +80,9 @@ class RankStats:
 
 @dataclass
 class Verification:
-    single_ttft_s: float
+    single_ttft_s: float  # at the threads of one rank
+    single_all_threads_ttft_s: float | None  # at the threads of all ranks together (what one process gets)
+    single_all_threads: int
     max_abs_logit_diff: float
     atol: float
     first_token_match: bool
@@ -94,6 +107,8 @@ class RunResult:
     threads_per_rank: int
     oversubscribed: bool  # more busy threads on the node than cores: timings are not meaningful
     context_len: int
+    rope_extension: str | None  # "RoPE extended by YaRN x2 beyond the 8192 trained positions"
+    kvr_attention: str | None  # kvr modes: the attention that ran, and why
     boundaries: list[int]
     partition_source: str
     partition_warning: str | None
@@ -142,52 +157,114 @@ def default_threads(local_world_size: int) -> int:
 class Prepared:
     ids: list[int]
     partition: Partition
-    partition_source: str  # "even", "explicit", or the table and entries it came from
+    partition_source: str  # "even", "explicit", the table and entries, or the cost estimate and why
     warning: str | None = None
+    rope: RopeExtension | None = None
+    kvr_attention: str = "masked"
+    attention_source: str = ""
 
 
 def _dtype_name(cfg: RunConfig) -> str:
-    return cfg.dtype or ("bfloat16" if cfg.device != "cpu" and torch.cuda.is_available() else "float32")
+    return cfg.dtype or ("bfloat16" if _device_kind(cfg) == "cuda" else "float32")
 
 
-def _table_partition(cfg: RunConfig, config, context_len: int, world_size: int) -> Lookup:
-    path = Path(cfg.table) if cfg.table else find_table(cfg.model, config_hash(config), world_size, _dtype_name(cfg))
+def _device_kind(cfg: RunConfig) -> str:
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def network_label(cfg: RunConfig, world_size: int, local_world_size: int) -> str:
+    """The network a run's tables must have been searched on: given, else loopback when all ranks share a host."""
+    if cfg.network:
+        return cfg.network
+    return "loopback" if local_world_size == world_size else "unlabelled"
+
+
+def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
+    """The kvr attention to run and why: split (the faster, exact) where the model's attention goes through
+    transformers' attention interface, else masked."""
+    fits = uses_attention_interface(config)
+    if cfg.kvr_attention in (None, "auto"):
+        if fits:
+            return "split", "default: the model uses transformers' attention interface"
+        return "masked", "default: the model computes attention itself, so split cannot be inserted"
+    if cfg.kvr_attention == "split" and not fits:
+        raise InputError(f"--kvr-attention split needs a model whose attention goes through transformers' "
+                         f"attention interface; {cfg.model} computes it itself: use masked")
+    if cfg.kvr_attention not in ("masked", "split"):
+        raise InputError(f"unknown --kvr-attention {cfg.kvr_attention!r}: use auto, masked or split")
+    return cfg.kvr_attention, "as asked"
+
+
+def table_key(cfg: RunConfig, config, world_size: int, attention: str, local_world_size: int) -> TableKey:
+    return TableKey(cfg.model, config_hash(config), world_size, _dtype_name(cfg), attention, _device_kind(cfg),
+                    network_label(cfg, world_size, local_world_size))
+
+
+def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
+    path = Path(cfg.table) if cfg.table else find_table(key)
     table = Table.load(path)
     if not cfg.force_table:
-        table.check(cfg.model, config_hash(config), world_size, _dtype_name(cfg), name=path.name)
+        table.check(key, name=path.name)
     return table.lookup(context_len, name=path.name)
 
 
-def prepare(cfg: RunConfig, world_size: int) -> Prepared:
+def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str) -> tuple[Partition, str]:
+    """The table of this exact setting, interpolated, where it covers the context; else the cost estimate
+    (never silently the even partition: the chain makes later ranks wait, so even is never the best)."""
+    if key.world_size == 1:
+        return Partition.even(context_len, 1), "one rank"
+    try:
+        path = find_table(key)
+    except TableError:
+        why = f"no partition table for {key.describe()}"
+    else:
+        table = Table.load(path)
+        lo, hi = table.entries[0].context_len, table.entries[-1].context_len
+        if lo <= context_len <= hi:
+            return table.lookup(context_len, name=path.name).partition, table.lookup(context_len, path.name).source
+        why = f"{context_len} tokens is outside {path.name} ({lo}..{hi})"
+    partition = estimated_partition(config, context_len, key.world_size, attention)
+    return partition, f"cost estimate of the ranks' work ({why})"
+
+
+def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> Prepared:
     """Validate the input and build the prompt and partition; raises InputError with one line."""
     if cfg.mode not in MODES:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
     if cfg.mode == "single" and world_size != 1:
         raise InputError(f"mode 'single' runs one process, but the world size is {world_size}")
-    if MODES[cfg.mode].own_partition and cfg.partition != "even":
-        raise InputError(f"mode {cfg.mode!r} sets its own layout; --partition applies to kvr and kvr-nocomm only")
+    mode = MODES[cfg.mode]
+    if mode.own_partition and (cfg.partition not in ("auto", "even") or cfg.table):
+        raise InputError(f"mode {cfg.mode!r} sets its own layout; --partition and --table apply to kvr and "
+                         "kvr-nocomm only")
     if cfg.transport not in TRANSPORTS:
         raise InputError(f"unknown transport {cfg.transport!r}: use one of {', '.join(TRANSPORTS)}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise InputError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.prompt_text is not None and not cfg.prompt_text.strip():
+        raise InputError("the prompt file is empty (or only whitespace)")
     try:
         config = resolve_config(cfg.model)
         ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
-        limit = max_context(config)
-        if limit and len(ids) > limit and not cfg.allow_long_context:
-            raise InputError(
-                f"context of {len(ids)} tokens exceeds the {limit} positions {cfg.model} was trained for; "
-                "pass --allow-long-context to run it anyway"
-            )
+        rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
+        attention, why = resolve_attention(cfg, config)
+        done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
+        if mode.own_partition:
+            return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
+        key = table_key(cfg, config, world_size, attention, local_world_size or world_size)
         if cfg.partition == "table" or cfg.table:
-            if MODES[cfg.mode].own_partition:
-                raise InputError(f"mode {cfg.mode!r} sets its own layout; partition tables apply to kvr")
-            lookup = _table_partition(cfg, config, len(ids), world_size)
+            lookup = _table_partition(cfg, key, len(ids))
             if lookup.partition.world_size != world_size:
                 raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
-            return Prepared(ids, lookup.partition, lookup.source, lookup.warning)
+            return Prepared(ids, lookup.partition, lookup.source, lookup.warning, **done)
+        if cfg.partition.strip() == "auto":
+            check_fits(len(ids), world_size)
+            partition, source = _auto_partition(cfg, config, key, len(ids), attention)
+            return Prepared(ids, partition, source, **done)
         partition = parse_partition(cfg.partition, len(ids), world_size)
-    except (ModelError, PromptError, PartitionError, TableError) as e:
+    except (ModelError, PromptError, PartitionError, TableError, ContextError) as e:
         raise InputError(str(e)) from None
-    return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit")
+    return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit", **done)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -213,13 +290,14 @@ def leave_world() -> None:
     """Drop the cached transports and destroy every process group: a rank that exits with gloo's threads
     still running can abort ("terminate called without an active exception")."""
     _TRANSPORTS.clear()
+    _PATIENT.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
-    prepared = prepare(cfg, world.world_size)
+    prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
     device = resolve_device(cfg.device, world.local_rank)
     if device.type == "cuda":
@@ -228,7 +306,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     backend = pick_backend(device)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
-    lm = _loaded(cfg.model, dtype, device, cfg.seed)
+    lm = _loaded(cfg.model, dtype, device, cfg.seed, prepared.rope)
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
@@ -237,11 +315,11 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     ranges = mode.token_ranges(partition)
     mine = ranges[rank]
     my_ids = torch.tensor([[t for a, e in mine for t in ids[a:e]]], device=device)
-    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), cfg.kvr_attention)
+    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
     state = mode.setup(step)
     emitter = mode.emitter(p)
     if p > 1:
-        dist.barrier()
+        dist.barrier(group=_patient_group(cfg))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -266,7 +344,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     all_stats = [stats]
     if p > 1:
         all_stats = [None] * p
-        dist.all_gather_object(all_stats, stats)
+        dist.all_gather_object(all_stats, stats, group=_patient_group(cfg))
     if rank != emitter:
         return None
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
@@ -283,6 +361,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         threads_per_rank=threads,
         oversubscribed=threads * world.local_world_size > (os.cpu_count() or 1),
         context_len=len(ids),
+        rope_extension=prepared.rope.describe() if prepared.rope else None,
+        kvr_attention=f"{prepared.kvr_attention} ({prepared.attention_source})" if cfg.mode.startswith("kvr") else None,
         boundaries=list(partition.boundaries),
         partition_source=prepared.partition_source,
         partition_warning=prepared.warning,
@@ -296,20 +376,38 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         logits=logits.float().cpu(),
     )
     if cfg.verify:
-        result.verification = verify(lm, ids, result, cfg, dtype)
+        result.verification = verify(lm, ids, result, cfg, dtype, threads, threads * p)
     return result
 
 
 _MODELS: dict = {}
 _TRANSPORTS: dict = {}
+_PATIENT: dict = {}
+PATIENT_S = 3600.0
 
 
-def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _patient_group(cfg: RunConfig):
+    """A group for the start barrier and the end-of-run gather. Ranks legitimately wait there for the whole
+    of another rank's work (set-up, or the rest of a long prefill: with an even partition at 16k rank 0
+    finishes minutes before the last rank), which --timeout, meant for a peer that stopped, must not cut."""
+    if "group" not in _PATIENT:
+        _PATIENT["group"] = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=max(cfg.timeout_s, PATIENT_S)))
+    return _PATIENT["group"]
+
+
+def patient_barrier(cfg: RunConfig) -> None:
+    """A barrier of all ranks that waits as long as another rank's whole prefill may take."""
+    dist.barrier(group=_patient_group(cfg))
+
+
+def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,
+            rope: RopeExtension | None = None) -> LoadedModel:
     """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
-    key = (name, dtype, str(device), seed)
+    key = (name, dtype, str(device), seed, rope)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = load_model(name, dtype, device, seed=seed)
+        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope)
     return _MODELS[key]
 
 
@@ -327,8 +425,11 @@ def default_atol(dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, dtype: torch.dtype) -> Verification:
-    """Run the single-process prefill and decode of the same prompt and compare."""
+def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, dtype: torch.dtype, threads: int,
+           all_threads: int) -> Verification:
+    """Run the single-process prefill and decode of the same prompt and compare; time the single process at
+    the threads of one rank and, when more, at those of all ranks together (what one process on these cores
+    would get)."""
     device = next(lm.model.parameters()).device
     full = torch.tensor([ids], device=device)
     cache = DynamicCache()
@@ -338,8 +439,19 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
     single_ttft_s = time.perf_counter() - t0
     new_tokens = cfg.max_new_tokens if MODES[cfg.mode].decodes else 1
     ref_tokens = greedy_decode(lm.model, ref_first, cache, len(ids), new_tokens, lm.eos_token_ids)
+    all_threads_s = None
+    if all_threads > threads and device.type == "cpu":
+        torch.set_num_threads(all_threads)
+        try:
+            t0 = time.perf_counter()
+            last_token_logits(lm.model, full, past_key_values=DynamicCache())
+            all_threads_s = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
     return Verification(
         single_ttft_s=single_ttft_s,
+        single_all_threads_ttft_s=all_threads_s,
+        single_all_threads=all_threads,
         max_abs_logit_diff=float((ref_logits.float().cpu() - result.logits).abs().max()),
         atol=cfg.atol if cfg.atol is not None else default_atol(dtype),
         first_token_match=ref_first == result.first_token,

@@ -29,32 +29,82 @@ def _share(value, world) -> object:
     return next(v for v in gathered if v is not None)
 
 
+def _base_config(opts: dict):
+    from kvrunahead.runner import RunConfig
+
+    return RunConfig(model=opts["model"], threads=opts["threads"], device=opts["device"], dtype=opts["dtype"],
+                     max_new_tokens=1, allow_long_context=opts["allow_long_context"], timeout_s=opts["timeout_s"],
+                     kvr_attention=opts["kvr_attention"], network=opts["bandwidth"])
+
+
+def table_key(opts: dict, world_size: int):
+    """What the table being written is for (and what an existing --out must have been made for)."""
+    from kvrunahead.models import resolve_config
+    from kvrunahead.runner import resolve_attention, table_key
+
+    base = _base_config(opts)
+    config = resolve_config(opts["model"])
+    attention, _ = resolve_attention(base, config)
+    return table_key(base, config, world_size, attention, world_size)
+
+
+def check_inputs(opts: dict, world_size: int) -> Path:
+    """One-line errors before any rank starts; returns the table path."""
+    from kvrunahead.models import ModelError
+    from kvrunahead.runner import InputError
+    from kvrunahead.tables import TABLES_DIR, Table, TableError, table_filename
+
+    for name, least in (("threads", 1), ("repeats", 1), ("warmup", 0), ("min_stride", 1), ("window", 1)):
+        if opts[name] < least:
+            raise InputError(f"--{name.replace('_', '-')} must be at least {least}, got {opts[name]}")
+    if world_size < 2:
+        raise InputError(f"a partition search needs at least 2 ranks, got {world_size}")
+    if not opts["contexts"]:
+        raise InputError("--ctx names no context length")
+    try:
+        key = table_key(opts, world_size)
+    except ModelError as e:
+        raise InputError(str(e)) from None
+    out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
+    if out.exists():
+        try:
+            Table.load(out).check(key, name=str(out))
+        except TableError as e:
+            raise InputError(f"{e}; --out must be a new table or one made for the same setting") from None
+    for ctx in opts["contexts"]:
+        if ctx < world_size * opts["min_stride"]:
+            raise InputError(f"context of {ctx} tokens is too short for {world_size} ranks at --min-stride "
+                             f"{opts['min_stride']}")
+    return out
+
+
 def run_search(opts: dict) -> None:
     import torch.distributed as dist
 
     from kvrunahead import __version__
     from kvrunahead.bench import environment
-    from kvrunahead.launcher import detect_launcher, init_world, pick_backend
-    from kvrunahead.models import resolve_config
-    from kvrunahead.runner import RunConfig, leave_world, resolve_device
-    from kvrunahead.tables import Table, TableMeta, config_hash
+    from kvrunahead.launcher import detect_launcher, init_world, pick_backend, world_size_hint
+    from kvrunahead.runner import leave_world, resolve_device
+    from kvrunahead.tables import Table, TableMeta
 
+    launcher = detect_launcher()
+    out = check_inputs(opts, world_size_hint(launcher, 1))
     device = resolve_device(opts["device"], 0)
-    world = init_world(detect_launcher(), pick_backend(device), opts["timeout_s"])
+    world = init_world(launcher, pick_backend(device), opts["timeout_s"])
     p = world.world_size
     lead = world.rank == 0
-    base = RunConfig(model=opts["model"], threads=opts["threads"], device=opts["device"], dtype=opts["dtype"],
-                     max_new_tokens=1, allow_long_context=opts["allow_long_context"], timeout_s=opts["timeout_s"])
-    dtype = base.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    key = table_key(opts, p)
+    base = _base_config(opts)
+    base.kvr_attention = key.kvr_attention
     env = environment(opts["model"], "torch", opts["threads"], opts["bandwidth"])
-    out = Path(opts["out"])
     table = Table.load(out) if out.exists() else Table(TableMeta(
-        model=opts["model"], config_hash=config_hash(resolve_config(opts["model"])), dtype=dtype, world_size=p,
+        model=opts["model"], config_hash=key.config_hash, dtype=key.dtype, world_size=p,
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         __import__("torch").cuda.get_device_name(device), threads_per_rank=opts["threads"],
-        bandwidth=opts["bandwidth"], version=__version__))
-    if table.meta.world_size != p:
-        raise click.ClickException(f"{out} is a table for world size {table.meta.world_size}, not {p}")
+        bandwidth=opts["bandwidth"], version=__version__, kvr_attention=key.kvr_attention,
+        device_kind=key.device_kind))
+    if lead:
+        click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
     try:
         _search_lengths(opts, world, base, table, out, lead)
         if world.world_size > 1:
@@ -69,21 +119,26 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
     from kvrunahead.tables import Table, TableEntry
 
     p = world.world_size
-    ckpt_dir = out.with_suffix(".search")
+    ckpt_dir = Path(opts["checkpoints"]) if opts["checkpoints"] else out.with_suffix(".search")
     for ctx in opts["contexts"]:
         if opts["resume"] and any(e.context_len == ctx for e in table.entries):
             if lead:
                 click.echo(f"[ctx {ctx}] already in {out}: kept (--resume)", err=True)
             continue
 
-        def measure(b, ctx=ctx) -> float:
+        warm = {"runs": opts["warmup"]}
+
+        def measure(b, ctx=ctx, warm=warm) -> float:
+            # The warm-up runs precede a length's first candidate only: the model stays loaded and warm
+            # between candidates, and the median of the repeats absorbs a slower first run of a new shape.
             cfg = RunConfig(**{**base.__dict__, "context_len": ctx, "partition": ",".join(map(str, b))})
             times = []
-            for i in range(opts["warmup"] + opts["repeats"]):
+            for i in range(warm["runs"] + opts["repeats"]):
                 result = run_on_world(cfg, world)
                 t = _share(result.ttft_s if result is not None else None, world)
-                if i >= opts["warmup"]:
+                if i >= warm["runs"]:
                     times.append(t)
+            warm["runs"] = 0
             return statistics.median(times)
 
         seed = None
@@ -140,14 +195,23 @@ def _progress(ctx: int, seed, lead: bool):
 @click.option("--ctx", "contexts", required=True, help="Context lengths, e.g. 2k,4k,6k,8k.")
 @click.option("--min-stride", type=int, default=64, show_default=True, help="Finest step of a boundary, in tokens.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per candidate (median).")
-@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed runs per candidate.")
+@click.option("--warmup", type=int, default=1, show_default=True,
+              help="Untimed runs before the first candidate of each length.")
+@click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto", show_default=True,
+              help="The attention the table is searched for (recorded in it; kvr-prefill uses a table only with "
+                   "the same attention). auto: split where the model allows it, else masked.")
 @click.option("--seeded/--no-seeded", default=True, show_default=True,
               help="Start each length from the table's interpolation and search only --window around it.")
 @click.option("--window", type=int, default=256, show_default=True, help="Tokens either side of a seed to search.")
 @click.option("--seed-table", type=click.Path(exists=True, dir_okay=False),
               help="Seed from this table's interpolation instead of the one being written.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Table to write (extended if it exists).")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Table to write (extended if it exists). Default: partition_tables/ under the name of the "
+                   "setting, e.g. smollm2-135m_p2_float32_cpu_split.json, where kvr-prefill finds it.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted search from its checkpoints.")
+@click.option("--checkpoints", type=click.Path(file_okay=False),
+              help="Directory of the per-length checkpoints (every candidate measured). Default: next to --out, "
+                   "as <table>.search/.")
 @click.option("--threads", type=int, default=1, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
@@ -160,21 +224,33 @@ def main(nproc: int, contexts: str, **opts) -> None:
     \b
     For two ranks: golden-section search over rank 0's share (fig. 6a of the paper); for more: the
     hierarchical grid search of fig. 6 b-d down to --min-stride. Each candidate is measured with
-    --warmup and --repeats runs (median), logged, checkpointed next to the table (--resume continues),
-    and never measured twice. Example:
-      kvr-search --ctx 2k,4k,6k,8k --nproc 2 --out partition_tables/smollm2-135m_p2_cpu.json
+    --repeats runs (median) after --warmup runs per length, logged, checkpointed next to the table
+    (--resume continues), and never measured twice. Example:
+      kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
     """
     from kvrunahead.launcher import detect_launcher, spawn
-    from kvrunahead.prompt import parse_tokens
+    from kvrunahead.prompt import PromptError, parse_tokens
+    from kvrunahead.runner import InputError
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    opts["contexts"] = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
-    if detect_launcher() == "single" and nproc > 1:
+    launcher = detect_launcher()
+    try:
+        opts["contexts"] = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
+        if launcher == "single":
+            check_inputs(opts, nproc)  # once here, not once per rank
+    except (PromptError, InputError) as e:
+        click.echo(f"kvr-search: error: {e}", err=True)
+        sys.exit(2)
+    if launcher == "single" and nproc > 1:
         t = time.perf_counter()
         code = spawn(nproc, sys.argv[1:], module="kvrunahead.search_cli")
         click.echo(f"search took {time.perf_counter() - t:.0f} s", err=True)
         sys.exit(code)
-    run_search(opts)
+    try:
+        run_search(opts)
+    except InputError as e:
+        click.echo(f"kvr-search: error: {e}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

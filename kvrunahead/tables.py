@@ -21,7 +21,27 @@ TABLES_DIR = Path(__file__).resolve().parent.parent / "partition_tables"
 
 
 class TableError(ValueError):
-    """A table that is missing, malformed, or made for another model, world size or dtype."""
+    """A table that is missing, malformed, or made for another model, world size, dtype, attention, device
+    kind or network."""
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """What a table must have been searched for to apply to a run: the partition that minimises TTFT depends
+    on every one of these (the model's shape, the number of ranks, the attention's cost, the device, the
+    network's speed)."""
+
+    model: str
+    config_hash: str
+    world_size: int
+    dtype: str
+    kvr_attention: str
+    device_kind: str  # "cpu" or "cuda"
+    bandwidth: str  # the network label
+
+    def describe(self) -> str:
+        return (f"{self.model} at world size {self.world_size} in {self.dtype} with {self.kvr_attention} attention "
+                f"on {self.device_kind} over {self.bandwidth}")
 
 
 @dataclass
@@ -37,6 +57,13 @@ class TableMeta:
     bandwidth: str
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     version: str = ""
+    kvr_attention: str = "masked"  # tables made before split attention existed were searched with masked
+    device_kind: str = "cpu"
+
+    @property
+    def key(self) -> TableKey:
+        return TableKey(self.model, self.config_hash, self.world_size, self.dtype, self.kvr_attention,
+                        self.device_kind, self.bandwidth)
 
 
 @dataclass
@@ -121,15 +148,18 @@ class Table:
             return self.lookup(context_len).partition.boundaries
         return Partition.from_ratios([r / sum(ratios) for r in ratios], context_len).boundaries
 
-    def check(self, model: str, config_hash: str, world_size: int, dtype: str, name: str = "table") -> None:
-        m = self.meta
+    def check(self, want: TableKey, name: str = "table") -> None:
+        """Refuse a table made for another setting (its partitions would be tuned for other costs)."""
+        m = self.meta.key
         problems = []
-        if m.world_size != world_size:
-            problems.append(f"world size {m.world_size}, not {world_size}")
-        if m.model != model or m.config_hash != config_hash:
-            problems.append(f"model {m.model} ({m.config_hash}), not {model} ({config_hash})")
-        if m.dtype != dtype:
-            problems.append(f"dtype {m.dtype}, not {dtype}")
+        if m.world_size != want.world_size:
+            problems.append(f"world size {m.world_size}, not {want.world_size}")
+        if m.model != want.model or m.config_hash != want.config_hash:
+            problems.append(f"model {m.model} ({m.config_hash}), not {want.model} ({want.config_hash})")
+        for what in ("dtype", "kvr_attention", "device_kind", "bandwidth"):
+            if getattr(m, what) != getattr(want, what):
+                label = {"kvr_attention": "attention", "device_kind": "device", "bandwidth": "network"}.get(what, what)
+                problems.append(f"{label} {getattr(m, what)}, not {getattr(want, what)}")
         if problems:
             raise TableError(f"partition table {name} was made for {'; '.join(problems)}: pass --force-table "
                              "to use it anyway")
@@ -142,22 +172,26 @@ def config_hash(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def table_filename(model: str, world_size: int, device: str, bandwidth: str, dtype: str) -> str:
-    slug = "".join(c if c.isalnum() else "-" for c in f"{model}_p{world_size}_{dtype}_{device}_{bandwidth}".lower())
+def table_filename(key: TableKey) -> str:
+    """``smollm2-135m_p2_float32_cpu_split.json``; a network other than loopback is named as well."""
+    net = "" if key.bandwidth == "loopback" else f"_{key.bandwidth}"
+    name = f"{key.model}_p{key.world_size}_{key.dtype}_{key.device_kind}_{key.kvr_attention}{net}".lower()
+    slug = "".join(c if c.isalnum() or c == "_" else "-" for c in name)
     return "-".join(filter(None, slug.split("-"))) + ".json"
 
 
-def find_table(model: str, config_hash_: str, world_size: int, dtype: str, directory: Path = TABLES_DIR) -> Path:
-    """The table in ``directory`` for this model, world size and dtype."""
+def find_table(want: TableKey, directory: Path | None = None) -> Path:
+    """The table in ``directory`` (default: the shipped partition_tables/) made for exactly this setting."""
+    directory = TABLES_DIR if directory is None else directory
     matches = []
     for path in sorted(Path(directory).glob("*.json")):
         try:
             meta = Table.load(path).meta
         except TableError:
             continue
-        if (meta.model, meta.config_hash, meta.world_size, meta.dtype) == (model, config_hash_, world_size, dtype):
+        if meta.key == want:
             matches.append(path)
     if not matches:
-        raise TableError(f"no partition table in {directory} for {model} at world size {world_size} in {dtype}; "
-                         "make one with kvr-search or give --table PATH")
+        raise TableError(f"no partition table in {directory} for {want.describe()}; make one with kvr-search or "
+                         "give --table PATH")
     return matches[-1]

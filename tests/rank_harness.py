@@ -26,6 +26,9 @@ def main() -> None:
                 "bytes_sent": [r["bytes_sent"] for r in d["ranks"]],
                 "tokens": [r["tokens"] for r in d["ranks"]],
                 "verification": d["verification"],
+                "rope_extension": d["rope_extension"],
+                "kvr_attention": d["kvr_attention"],
+                "partition_source": d["partition_source"],
             }
     # Whichever rank emitted the first token of a case holds its result (the last rank, or rank 0 for
     # the zigzag modes): each rank writes its own file.

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import subprocess
 
 import pytest
@@ -83,7 +84,49 @@ def test_resume_measures_only_the_missing_runs(tmp_path):
 def test_kvr_attention_applies_to_every_kvr_job():
     jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5], 2, {"P": "t.json"}, "split")
     assert {j.label: j.kvr_attention for j in jobs} == {
-        "kvr-P": "split", "tsp": "masked", "kvr-even": "split", "kvr-best": "split", "kvr-nocomm": "split"}
+        "kvr-P": "split", "tsp": "auto", "kvr-even": "split", "kvr-best": "split", "kvr-nocomm": "split"}
+
+
+def test_kvr_default_keeps_the_defaults_of_kvr_prefill_whatever_the_attention_of_the_others():
+    jobs = build_jobs([1024], ["kvr-default", "kvr"], 3, 1, [0.5], 2, None, "masked")
+    assert [(j.label, j.partition, j.kvr_attention) for j in jobs] == [
+        ("kvr-default", "auto", "auto"), ("kvr-even", "even", "masked")]
+
+
+def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
+    proc = subprocess.run(
+        ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--repeats", "2", "--warmup", "1",
+         "--modes", "single,kvr-default", "--interleave", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    timed = {(r["label"], r["index"]): (r["world_size"], r["threads_per_rank"]) for r in rows if r["kind"] == "timed"}
+    assert timed == {("single-1t", i): (1, 1) for i in (0, 1)} | {("single-2t", i): (1, 2) for i in (0, 1)} | {
+        ("kvr-default", i): (2, 1) for i in (0, 1)}
+    # Progress lines come in the order the runs were made (each by the rank that emitted it): alternating.
+    order = re.findall(r"ctx +128 (\S+) +timed", proc.stderr)
+    assert order == ["single-1t", "single-2t", "kvr-default"] * 2
+    default = next(r for r in rows if r["label"] == "kvr-default")
+    assert default["kvr_attention"] == "split" and default["partition_source"].startswith("cost estimate")
+    assert "single process" not in proc.stderr  # no separate world for the singles
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--ctx", "lots"], "cannot parse token count"),
+    (["--modes", "kvr,fast"], "unknown modes ['fast']"),
+    (["--table", "P"], "--table takes LABEL=PATH"),
+    (["--table", "P=/no/such.json"], "no such file"),
+])
+def test_bad_input_is_one_line_error(tmp_path, args, message):
+    proc = subprocess.run(["kvr-bench", "--model", "tiny-llama", "--out", str(tmp_path), *args], capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvr-bench: error:"), proc.stderr
+    assert message in lines[0]
 
 
 def test_replot_rebuilds_the_summary_from_the_runs(tmp_path):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvrunahead.partition import Partition
 from tests.helpers import run_cases
 
 CONTEXT = 61  # odd on purpose: even parts cannot all be equal
@@ -48,13 +49,19 @@ def _cases(p: int) -> list[dict]:
     for dtype in ("float32", "bfloat16"):
         for model in MODELS:
             for pname, spec in partitions(p).items():
-                cases.append({"name": f"{model}/{pname}/{dtype}", "config": _config(model, dtype, partition=spec)})
+                cases.append({"name": f"{model}/{pname}/{dtype}",
+                              "config": _config(model, dtype, partition=spec, kvr_attention="masked")})
         for mode, model in BASELINE_CASES:
             cases.append({"name": f"{mode}/{model}/{dtype}", "config": _config(model, dtype, mode=mode)})
     for model in SPLIT_MODELS:
         for pname, spec in partitions(p).items():
             cfg = _config(model, "float32", partition=spec, kvr_attention="split")
             cases.append({"name": f"split/{model}/{pname}", "config": cfg})
+    for attention in ("masked", "split"):
+        for pname, spec in partitions(p).items():
+            cfg = _config("tiny-llama-short", "float32", partition=spec, kvr_attention=attention)
+            cases.append({"name": f"yarn/{attention}/{pname}", "config": cfg})
+    cases.append({"name": "yarn/default", "config": _config("tiny-llama-short", "float32")})
     return cases
 
 
@@ -136,3 +143,23 @@ def test_kvr_without_communication_sends_nothing(world):
 def test_kvr_with_split_attention_matches_single_process(world, model, pname):
     v = world[1][f"split/{model}/{pname}"]["verification"]
     assert v["max_abs_logit_diff"] <= 1e-4 and v["first_token_match"] and v["generated_match"], v
+
+
+@pytest.mark.parametrize("attention", ["masked", "split"])
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
+def test_kvr_beyond_the_trained_positions_matches_the_single_process_with_the_same_yarn_extension(
+        world, attention, pname):
+    r = world[1][f"yarn/{attention}/{pname}"]
+    v = r["verification"]
+    assert r["rope_extension"] == "RoPE extended by YaRN x2 beyond the 48 trained positions"
+    assert v["max_abs_logit_diff"] <= 1e-4 and v["first_token_match"] and v["generated_match"], v
+
+
+def test_the_default_run_uses_split_attention_and_no_even_partition_beyond_one_rank(world):
+    p, results = world
+    r = results["yarn/default"]
+    assert r["kvr_attention"].startswith("split (default")
+    assert r["verification"]["max_abs_logit_diff"] <= 1e-4 and r["verification"]["generated_match"]
+    if p > 1:
+        assert r["partition_source"].startswith("cost estimate") and r["boundaries"] != list(
+            Partition.even(CONTEXT, p).boundaries)

@@ -22,7 +22,11 @@ TINY = ["--model", "tiny-llama", "--max-new-tokens", "1"]
         (["--nproc", "3", "--ctx", "2"], "smaller than the 3 ranks"),
         (["--nproc", "2", "--ctx", "64", "--partition", "0.7,0.7"], "ratios must sum to 1"),
         (["--nproc", "2", "--ctx", "64", "--partition", "half"], "cannot parse partition"),
-        (["--ctx", "9k"], "exceeds the 8192 positions"),
+        (["--ctx", "33k"], "exceeds 32768 positions, the most YaRN x4"),
+        (["--model", "tiny-bigcode", "--ctx", "9k"], "cannot be extended by YaRN"),
+        (["--ctx", "64", "--threads", "0"], "--threads must be at least 1"),
+        (["--nproc", "2", "--ctx", "64", "--threads", "0"], "--threads must be at least 1"),
+        (["--model", "tiny-falcon", "--ctx", "64", "--kvr-attention", "split"], "use masked"),
         (["--ctx", "lots"], "cannot parse token count"),
     ],
 )
@@ -31,6 +35,21 @@ def test_bad_input_is_one_line_error(args, message):
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvr-prefill: error:"), result.output
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"  \n\t\n", "is empty"),
+    (b"caf\xe9 au lait", "is not UTF-8 text (byte 3"),
+])
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_an_unusable_prompt_file_is_one_line_error_before_any_rank_starts(tmp_path, content, message, nproc):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(content)
+    result = CliRunner().invoke(main, TINY + ["--nproc", nproc, "--prompt-file", str(path)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("kvr-prefill: error:"), result.output
     assert message in lines[0]
 
 

@@ -4,6 +4,8 @@ import json
 import re
 import subprocess
 
+import pytest
+
 from tests.helpers import kvr_prefill
 
 
@@ -43,3 +45,33 @@ def test_resume_reuses_the_checkpoint(tmp_path):
     kept = _search("--ctx", "256", "--out", str(table), "--resume")  # a length the table has is kept as it is
     assert kept.returncode == 0 and "[ctx 256] already in" in kept.stderr, kept.stderr
     assert not re.search(r"candidate +\d+ ", kept.stderr)
+
+
+def test_the_table_records_its_attention_and_kvr_prefill_refuses_it_for_the_other(tmp_path):
+    table = tmp_path / "t.json"
+    proc = _search("--ctx", "256", "--out", str(table), "--kvr-attention", "masked")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(table.read_text())["meta"]["kvr_attention"] == "masked"
+    split = kvr_prefill("--model", "tiny-llama", "--nproc", "2", "--ctx", "256", "--table", str(table))
+    assert split.returncode == 2 and "attention masked, not split" in split.stderr, split.stderr
+    masked = kvr_prefill("--model", "tiny-llama", "--nproc", "2", "--ctx", "256", "--table", str(table),
+                         "--kvr-attention", "masked", "--json")
+    assert masked.returncode == 0 and '"kvr_attention": "masked (as asked)"' in masked.stdout, masked.stderr
+    # Searching on into a table of the other attention would mix two settings in one table.
+    other = _search("--ctx", "512", "--out", str(table), "--kvr-attention", "split")
+    assert other.returncode == 2 and "attention masked, not split" in other.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--min-stride", "0"], "--min-stride must be at least 1"),
+    (["--ctx", "16"], "too short for 2 ranks at --min-stride 16"),
+    (["--ctx", "lots"], "cannot parse token count"),
+    (["--nproc", "1"], "at least 2 ranks"),
+])
+def test_bad_input_is_one_line_error(tmp_path, args, message):
+    proc = _search("--ctx", "256", "--out", str(tmp_path / "t.json"), *args, timeout_s=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvr-search: error:"), proc.stderr
+    assert message in lines[0]

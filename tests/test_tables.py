@@ -6,7 +6,16 @@ import pytest
 from click.testing import CliRunner
 
 from kvrunahead.models import resolve_config
-from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
+from kvrunahead.tables import (
+    TABLES_DIR,
+    Table,
+    TableEntry,
+    TableError,
+    TableKey,
+    TableMeta,
+    config_hash,
+    table_filename,
+)
 
 
 def _table(world_size=2, model="tiny-llama", dtype="float32"):
@@ -52,11 +61,30 @@ def test_round_trip(tmp_path):
     (dict(world_size=4), "world size 2, not 4"),
     (dict(model="tiny-neox"), "model tiny-llama"),
     (dict(dtype="bfloat16"), "dtype float32, not bfloat16"),
+    (dict(kvr_attention="split"), "attention masked, not split"),
+    (dict(device_kind="cuda"), "device cpu, not cuda"),
+    (dict(bandwidth="cap-13MBps"), "network loopback, not cap-13MBps"),
 ])
 def test_mismatched_tables_are_refused(kw, message):
-    args = dict(model="tiny-llama", world_size=2, dtype="float32") | kw
+    args = dict(model="tiny-llama", world_size=2, dtype="float32", kvr_attention="masked", device_kind="cpu",
+                bandwidth="loopback") | kw
+    key = TableKey(config_hash=config_hash(resolve_config(args["model"])), **args)
     with pytest.raises(TableError, match=message):
-        _table().check(args["model"], config_hash(resolve_config(args["model"])), args["world_size"], args["dtype"])
+        _table().check(key)
+    assert _table().meta.key != key
+
+
+def test_a_table_made_before_attention_was_recorded_reads_as_masked_on_cpu(tmp_path):
+    data = {"meta": {k: v for k, v in json.loads(json.dumps(_table().meta.__dict__)).items()
+                     if k not in ("kvr_attention", "device_kind")}, "entries": []}
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    meta = Table.load(tmp_path / "old.json").meta
+    assert (meta.kvr_attention, meta.device_kind) == ("masked", "cpu")
+
+
+def test_the_shipped_tables_name_their_setting():
+    for path in TABLES_DIR.glob("*.json"):
+        assert path.name == table_filename(Table.load(path).meta.key)
 
 
 def test_a_forced_table_for_another_world_size_is_still_refused(tmp_path):

@@ -1,0 +1,157 @@
+"""What a user gets without flags: the attention, the partition (table or cost estimate) and the RoPE extension."""
+
+import pytest
+
+from kvrunahead import tables
+from kvrunahead.cost import balanced_partition, estimated_partition, layer_cost
+from kvrunahead.models import resolve_config
+from kvrunahead.partition import Partition
+from kvrunahead.rope import ContextError, plan_extension
+from kvrunahead.runner import InputError, RunConfig, prepare
+from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
+
+
+@pytest.fixture(autouse=True)
+def no_shipped_tables(tmp_path, monkeypatch):
+    """Every test here sees only the tables it writes itself."""
+    monkeypatch.setattr(tables, "TABLES_DIR", tmp_path / "tables")
+    (tmp_path / "tables").mkdir()
+    return tmp_path / "tables"
+
+
+def _write_table(directory, model="tiny-llama", attention="split", world_size=2, contexts=(1024, 2048),
+                 share=0.7, bandwidth="loopback"):
+    t = Table(TableMeta(model=model, config_hash=config_hash(resolve_config(model)), dtype="float32",
+                        world_size=world_size, backend="gloo", transport="torch", device="cpu", threads_per_rank=1,
+                        bandwidth=bandwidth, kvr_attention=attention, device_kind="cpu"))
+    for ctx in contexts:
+        b1 = round(share * ctx)
+        rest = [round(b1 + (ctx - b1) * i / (world_size - 1)) for i in range(1, world_size)]
+        bounds = [0, b1, *rest]
+        t.add(TableEntry(ctx, bounds, [(b - a) / ctx for a, b in zip(bounds, bounds[1:])], 1.0, 1.2, 5, 1.0))
+    path = directory / f"{model}_{attention}_p{world_size}.json"
+    t.save(path)
+    return path
+
+
+@pytest.mark.parametrize("model, expected", [("tiny-llama", "split"), ("tiny-neox", "split"),
+                                             ("tiny-bigcode", "split"), ("tiny-falcon", "masked")])
+def test_default_attention_is_split_where_the_model_uses_the_attention_interface(model, expected):
+    prepared = prepare(RunConfig(model=model, context_len=256), 2)
+    assert prepared.kvr_attention == expected and prepared.attention_source.startswith("default")
+
+
+def test_split_attention_is_refused_with_one_line_for_a_model_that_computes_attention_itself():
+    with pytest.raises(InputError, match="computes it itself: use masked"):
+        prepare(RunConfig(model="tiny-falcon", context_len=256, kvr_attention="split"), 2)
+
+
+def test_without_a_table_the_default_partition_is_the_cost_estimate_and_never_even():
+    prepared = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
+    assert prepared.partition_source.startswith("cost estimate") and "no partition table" in prepared.partition_source
+    assert prepared.partition != Partition.even(2048, 2)
+    assert prepared.partition.sizes[0] > prepared.partition.sizes[1]
+
+
+def test_a_matching_table_is_interpolated_by_default(no_shipped_tables):
+    _write_table(no_shipped_tables)
+    prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)
+    assert "interpolated between entries 1024 and 2048" in prepared.partition_source
+    assert abs(prepared.partition.boundaries[1] - 0.7 * 1536) <= 1  # the entries hold 0.7 up to rounding
+
+
+def test_a_table_of_the_other_attention_is_not_picked_by_default(no_shipped_tables):
+    _write_table(no_shipped_tables, attention="masked")
+    prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)  # split by default
+    assert prepared.partition_source.startswith("cost estimate")
+    masked = prepare(RunConfig(model="tiny-llama", context_len=1536, kvr_attention="masked"), 2)
+    assert "interpolated" in masked.partition_source
+
+
+def test_a_table_of_another_network_is_not_picked_by_default(no_shipped_tables):
+    _write_table(no_shipped_tables, bandwidth="cap-13MBps")
+    assert prepare(RunConfig(model="tiny-llama", context_len=1536), 2).partition_source.startswith("cost estimate")
+
+
+def test_a_context_outside_the_table_falls_back_to_the_cost_estimate_and_says_so(no_shipped_tables):
+    _write_table(no_shipped_tables)
+    prepared = prepare(RunConfig(model="tiny-llama", context_len=4096), 2)
+    assert prepared.partition_source.startswith("cost estimate") and "outside" in prepared.partition_source
+
+
+def test_a_table_of_the_other_attention_is_refused_unless_forced(no_shipped_tables):
+    path = _write_table(no_shipped_tables, attention="masked")
+    with pytest.raises(InputError, match="attention masked, not split"):
+        prepare(RunConfig(model="tiny-llama", context_len=1536, table=str(path)), 2)
+    forced = prepare(RunConfig(model="tiny-llama", context_len=1536, table=str(path), force_table=True), 2)
+    assert "interpolated" in forced.partition_source
+
+
+def test_partition_table_without_a_matching_table_is_an_error_not_an_estimate():
+    with pytest.raises(InputError, match="no partition table .* with split attention on cpu over loopback"):
+        prepare(RunConfig(model="tiny-llama", context_len=1536, partition="table"), 2)
+
+
+def test_modes_with_their_own_layout_take_the_default_partition_as_their_layout():
+    assert prepare(RunConfig(model="tiny-llama", context_len=100, mode="tsp"), 2).partition == Partition.even(100, 2)
+    with pytest.raises(InputError, match="sets its own layout"):
+        prepare(RunConfig(model="tiny-llama", context_len=100, mode="ring", partition="0.6,0.4"), 2)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny-llama", "tiny-falcon", "tiny-bigcode", "llama-7b"])
+@pytest.mark.parametrize("attention", ["masked", "split"])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_the_cost_estimate_gives_every_rank_the_same_work_and_earlier_ranks_more_tokens(model, attention, p):
+    cost = layer_cost(resolve_config(model))
+    context = 8192
+    part = balanced_partition(cost, context, p, attention)
+    work = [cost.rank_flops(part.boundaries[i], part.sizes[i], attention) for i in range(p)]
+    # Equal up to the rounding to whole tokens (one token of the largest rank's work).
+    one_token = cost.flops_per_token + cost.flops_per_pair * context
+    assert max(work) - min(work) <= 2 * one_token
+    assert list(part.sizes) == sorted(part.sizes, reverse=True) and part.sizes[0] > context / p
+
+
+def test_the_cost_estimate_counts_the_decoder_layers_of_the_model():
+    cost = layer_cost(resolve_config("llama-7b"))
+    # Llama-7B: 4 * 4096^2 attention + 3 * 4096 * 11008 MLP parameters per layer (and two norms)
+    assert cost.flops_per_token == pytest.approx(2 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096), rel=1e-5)
+    assert cost.flops_per_pair == 4 * 4096
+
+
+def test_masked_attention_skews_more_than_split_beyond_the_first_rank():
+    config = resolve_config("smollm2-135m")
+    masked = estimated_partition(config, 8192, 2, "masked")
+    split = estimated_partition(config, 8192, 2, "split")
+    assert masked.sizes[0] > split.sizes[0] > 4096
+
+
+@pytest.mark.parametrize("context, factor", [(8192, None), (8193, 2), (16384, 2), (16385, 3), (32768, 4)])
+def test_the_smallest_whole_yarn_factor_covers_the_context(context, factor):
+    ext = plan_extension(resolve_config("tiny-llama"), context)  # trained for 8192 positions
+    assert (ext.factor if ext else None) == factor
+    if ext:
+        assert ext.describe() == f"RoPE extended by YaRN x{factor} beyond the 8192 trained positions"
+
+
+def test_a_context_beyond_the_extension_is_refused_and_allow_long_context_runs_it_unextended():
+    with pytest.raises(ContextError, match="exceeds 32768 positions, the most YaRN x4"):
+        plan_extension(resolve_config("tiny-llama"), 32769)
+    assert plan_extension(resolve_config("tiny-llama"), 40000, allow_long_context=True) is None
+
+
+def test_a_model_without_rotary_embedding_is_refused_beyond_its_positions():
+    with pytest.raises(ContextError, match="cannot be extended by YaRN"):
+        plan_extension(resolve_config("tiny-bigcode"), 9000)
+
+
+def test_prepare_reports_the_extension_and_refuses_beyond_it():
+    assert prepare(RunConfig(model="tiny-llama", context_len=12000), 2).rope.factor == 2
+    with pytest.raises(InputError, match="YaRN x4"):
+        prepare(RunConfig(model="tiny-llama", context_len=40000), 2)
+    assert prepare(RunConfig(model="tiny-llama", context_len=40000, allow_long_context=True), 2).rope is None
+
+
+def test_find_table_names_everything_it_matched_on(no_shipped_tables):
+    with pytest.raises(TableError, match="tiny-llama at world size 2 in float32 with split attention on cpu"):
+        tables.find_table(tables.TableKey("tiny-llama", "x", 2, "float32", "split", "cpu", "loopback"))
