@@ -93,14 +93,18 @@ def test_kvr_default_keeps_the_defaults_of_kvr_prefill_whatever_the_attention_of
         ("kvr-default", "auto", "auto"), ("kvr-even", "even", "masked")]
 
 
-def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
+def _interleaved_sweep(out, ctx: str, modes: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     proc = subprocess.run(
-        ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--repeats", "2", "--warmup", "1",
-         "--modes", "single,kvr-default", "--interleave", "--out", str(tmp_path)],
+        ["kvr-bench", "--model", "tiny-llama", "--ctx", ctx, "--repeats", "2", "--warmup", "1",
+         "--modes", modes, "--interleave", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    return proc, [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+
+
+def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
+    proc, rows = _interleaved_sweep(tmp_path, "128", "single,kvr-default")
     timed = {(r["label"], r["index"]): (r["world_size"], r["threads_per_rank"]) for r in rows if r["kind"] == "timed"}
     assert timed == {("single-1t", i): (1, 1) for i in (0, 1)} | {("single-2t", i): (1, 2) for i in (0, 1)} | {
         ("kvr-default", i): (2, 1) for i in (0, 1)}
@@ -142,13 +146,7 @@ def test_replot_rebuilds_the_summary_from_the_runs(tmp_path):
 
 
 def test_interleave_alternates_the_timed_runs_of_one_context(tmp_path):
-    proc = subprocess.run(
-        ["kvr-bench", "--model", "tiny-llama", "--ctx", "64,128", "--repeats", "2", "--warmup", "1",
-         "--modes", "tsp,kvr", "--interleave", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    _, rows = _interleaved_sweep(tmp_path, "64,128", "tsp,kvr")
     order = [(r["context_len"], r["label"], r["kind"], r["index"]) for r in rows]
     assert order == [
         (64, "tsp", "warmup", 0), (64, "kvr-even", "warmup", 0),
