@@ -9,7 +9,6 @@ of an 8k window of that prompt, which needs no extension. Then the greedy text a
 
 import json
 import math
-import platform
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from kvrunahead.bench import environment
 from kvrunahead.models import load_model, resolve_config
 from kvrunahead.prompt import build_prompt
 from kvrunahead.rope import plan_extension
@@ -61,8 +61,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     OUT.write_text(json.dumps({
         "model": MODEL, "context": CONTEXT, "scored_tokens": SCORED, "extension": ext.describe(),
-        "perplexity": rows, "greedy_text": texts, "cpu": platform.processor(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "commit": commit,
+        "perplexity": rows, "greedy_text": texts, "cpu": environment(MODEL, "none", 2, "none")["cpu"],
+        "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
     }, indent=1) + "\n")
     print(f"wrote {OUT}", file=sys.stderr)
 
