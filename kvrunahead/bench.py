@@ -78,6 +78,8 @@ def worker(plan_file: str, out_prefix: str) -> None:
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
     base = plan["config"]
+    if world.world_size > 1:
+        patient_barrier(RunConfig(**base))  # the group singles wait in, made by every rank before any other
     # Runs recorded by an interrupted sweep (--resume): every rank skips the same ones.
     recorded: dict[str, float] = plan.get("recorded", {})
     out = open(f"{out_prefix}.{world.rank}.jsonl", "a" if recorded else "w")
@@ -381,6 +383,19 @@ def _list(text: str, cast=str) -> list:
     return [cast(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def check_inputs(config: dict, contexts: list[int], world_sizes: list[int], tables: dict[str, str],
+                 kvr_attention: str) -> None:
+    """What every rank would find wrong (the model, a context, a table made for another setting), found here
+    once before any world starts; raises InputError."""
+    from kvrunahead.runner import RunConfig, prepare
+
+    for ctx in contexts:
+        for p in world_sizes:
+            prepare(RunConfig(**config, context_len=ctx, kvr_attention=kvr_attention, threads=1), p)
+            for path in tables.values():
+                prepare(RunConfig(**config, context_len=ctx, kvr_attention=kvr_attention, threads=1, table=path), p)
+
+
 def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
                nproc: int, tables: dict[str, str] | None = None, kvr_attention: str = "auto",
                singles_in_world: bool = False) -> list[Job]:
@@ -416,6 +431,7 @@ def main() -> None:
     import click
 
     from kvrunahead.prompt import PromptError, parse_tokens
+    from kvrunahead.runner import InputError
 
     @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
     @click.option("--model", default="smollm2-135m", show_default=True)
@@ -487,7 +503,12 @@ def main() -> None:
             if not Path(path).is_file():
                 fail(f"--table {label}={path}: no such file")
         config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
-                  "timeout_s": timeout_s, "device": "cpu"}
+                  "timeout_s": timeout_s, "device": "cpu", "network": bandwidth}
+        if not replot:
+            try:
+                check_inputs(config, ctxs, world_sizes, table_paths, kvr_attention)
+            except InputError as e:
+                fail(str(e))
         out = Path(out_dir)
         if replot:
             runs = out / "runs.jsonl"

@@ -98,7 +98,12 @@ def read_prompt_file(path: str) -> str:
                    "(the paper's); auto = split where the model allows it, else masked.")
 @click.option("--table", type=click.Path(exists=True, dir_okay=False),
               help="Partition table to use (implies --partition table). Default: found in partition_tables/.")
-@click.option("--force-table", is_flag=True, help="Use a table made for another model, world size or dtype.")
+@click.option("--force-table", is_flag=True,
+              help="Use a table made for another model, dtype, attention, device kind or network (its part count "
+                   "must still match the world size).")
+@click.option("--bandwidth", "network", default=None,
+              help="Label of the network the ranks talk over; partition tables are matched on it. Default: "
+                   "loopback when all ranks share one host.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
@@ -114,7 +119,8 @@ def read_prompt_file(path: str) -> str:
 @click.option("--atol", type=float, default=None,
               help="Logit tolerance for --verify. Default: 1e-3 float32, 0.1 float16, 0.5 bfloat16.")
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
-              help="Seconds any rank waits on another before failing (start-up, barrier, receive).")
+              help="Seconds a rank waits on another's K,V or at start-up before failing. The start barrier and "
+                   "the end-of-run gather, where a rank waits for another's whole prefill, allow an hour.")
 @click.option("--allow-long-context", is_flag=True,
               help="Run a context longer than the model's trained positions as it is. Without it such a context "
                    "gets the rotary embedding extended by YaRN with the smallest whole factor that covers it "

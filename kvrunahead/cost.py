@@ -32,9 +32,21 @@ class LayerCost:
         return self.flops_per_token * tokens + self.flops_per_pair * (tokens * prefix + own)
 
 
+_COSTS: dict[str, LayerCost] = {}
+
+
 def layer_cost(config) -> LayerCost:
     """Per-layer FLOPs from a transformers config, counting the decoder layers' parameters on the meta
-    device (no memory, any architecture)."""
+    device (no memory, any architecture); remembered per architecture."""
+    from kvrunahead.tables import config_hash
+
+    key = config_hash(config)
+    if key not in _COSTS:
+        _COSTS[key] = _count_layer_cost(config)
+    return _COSTS[key]
+
+
+def _count_layer_cost(config) -> LayerCost:
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -37,7 +37,7 @@ class Step:
 class Mode:
     name: str
     summary: str
-    own_partition: bool  # True: the mode fixes its own layout; --partition must be 'even'
+    own_partition: bool  # True: the mode fixes its own layout; --partition must be 'auto' or 'even'
     decodes: bool  # the emitting rank ends with the full K,V and can keep generating
     token_ranges: Callable[[Partition], list[list[tuple[int, int]]]]
     emitter: Callable[[int], int]

@@ -34,6 +34,8 @@ def trained_positions(config) -> int | None:
 
 def _plain_rope(config) -> bool:
     """A rotary model without a scaling of its own (YaRN on top of another scaling is not defined)."""
+    if getattr(config, "alibi", False):  # Falcon with ALiBi keeps rope parameters it does not use
+        return False
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict) or "rope_theta" not in params:
         return False
@@ -43,6 +45,9 @@ def _plain_rope(config) -> bool:
 def plan_extension(config, context_len: int, allow_long_context: bool = False, name: str = "the model"
                    ) -> RopeExtension | None:
     """The extension a context needs (None: none needed, or ``allow_long_context`` runs it unextended).
+
+    The factor covers the prompt; the tokens decoded after it run a few positions beyond, where YaRN's
+    frequencies are defined as well.
 
     Raises ContextError with one line when the context is beyond what the extension covers, or the model
     has no rotary embedding to extend.
@@ -76,5 +81,9 @@ def extended(config, ext: RopeExtension | None):
         "factor": float(ext.factor),
         "original_max_position_embeddings": ext.trained_positions,
     }
+    # transformers fills a missing original_max_position_embeddings from a top-level attribute of that name
+    # where a config has one, and overwrites the rope parameter with it: keep the two the same.
+    if hasattr(config, "original_max_position_embeddings"):
+        config.original_max_position_embeddings = ext.trained_positions
     config.max_position_embeddings = ext.trained_positions * ext.factor
     return config

@@ -219,10 +219,12 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
         why = f"no partition table for {key.describe()}"
     else:
         table = Table.load(path)
-        lo, hi = table.entries[0].context_len, table.entries[-1].context_len
+        lo, hi = (table.entries[0].context_len, table.entries[-1].context_len) if table.entries else (0, -1)
         if lo <= context_len <= hi:
-            return table.lookup(context_len, name=path.name).partition, table.lookup(context_len, path.name).source
-        why = f"{context_len} tokens is outside {path.name} ({lo}..{hi})"
+            lookup = table.lookup(context_len, name=path.name)
+            return lookup.partition, lookup.source
+        why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
+               else f"{path.name} has no entries")
     partition = estimated_partition(config, context_len, key.world_size, attention)
     return partition, f"cost estimate of the ranks' work ({why})"
 
@@ -247,7 +249,7 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         config = resolve_config(cfg.model)
         ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
         rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
-        attention, why = resolve_attention(cfg, config)
+        attention, why = resolve_attention(cfg, config) if cfg.mode.startswith("kvr") else ("masked", "")
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
@@ -311,6 +313,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
     transport = _transport(cfg.transport, rank, p, backend)
+    if p > 1:
+        _check_same_plan(cfg, prepared)
     transport.reset_stats()
     ranges = mode.token_ranges(partition)
     mine = ranges[rank]
@@ -376,7 +380,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         logits=logits.float().cpu(),
     )
     if cfg.verify:
-        result.verification = verify(lm, ids, result, cfg, dtype, threads, threads * p)
+        all_threads = min(threads * world.local_world_size, os.cpu_count() or 1)
+        result.verification = verify(lm, ids, result, cfg, dtype, threads, all_threads)
     return result
 
 
@@ -394,6 +399,17 @@ def _patient_group(cfg: RunConfig):
         _PATIENT["group"] = dist.new_group(backend="gloo",
                                            timeout=datetime.timedelta(seconds=max(cfg.timeout_s, PATIENT_S)))
     return _PATIENT["group"]
+
+
+def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
+    """Every rank derives the partition, attention and RoPE itself (from its own partition_tables/ and
+    device): ranks on hosts that differ there would size their buffers differently and hang, so compare."""
+    mine = (tuple(prepared.partition.boundaries), prepared.kvr_attention, prepared.rope)
+    plans = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine, group=_patient_group(cfg))
+    if any(plan != plans[0] for plan in plans):
+        raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE): {plans}; their hosts' "
+                           "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
 
 
 def patient_barrier(cfg: RunConfig) -> None:

@@ -37,7 +37,7 @@ def _base_config(opts: dict):
                      kvr_attention=opts["kvr_attention"], network=opts["bandwidth"])
 
 
-def table_key(opts: dict, world_size: int):
+def table_key(opts: dict, world_size: int, local_world_size: int | None = None):
     """What the table being written is for (and what an existing --out must have been made for)."""
     from kvrunahead.models import resolve_config
     from kvrunahead.runner import resolve_attention, table_key
@@ -45,12 +45,13 @@ def table_key(opts: dict, world_size: int):
     base = _base_config(opts)
     config = resolve_config(opts["model"])
     attention, _ = resolve_attention(base, config)
-    return table_key(base, config, world_size, attention, world_size)
+    return table_key(base, config, world_size, attention, local_world_size or world_size)
 
 
 def check_inputs(opts: dict, world_size: int) -> Path:
     """One-line errors before any rank starts; returns the table path."""
-    from kvrunahead.models import ModelError
+    from kvrunahead.models import ModelError, resolve_config
+    from kvrunahead.rope import ContextError, plan_extension
     from kvrunahead.runner import InputError
     from kvrunahead.tables import TABLES_DIR, Table, TableError, table_filename
 
@@ -63,7 +64,9 @@ def check_inputs(opts: dict, world_size: int) -> Path:
         raise InputError("--ctx names no context length")
     try:
         key = table_key(opts, world_size)
-    except ModelError as e:
+        for ctx in opts["contexts"]:
+            plan_extension(resolve_config(opts["model"]), ctx, opts["allow_long_context"], opts["model"])
+    except (ModelError, ContextError) as e:
         raise InputError(str(e)) from None
     out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
     if out.exists():
@@ -93,15 +96,15 @@ def run_search(opts: dict) -> None:
     world = init_world(launcher, pick_backend(device), opts["timeout_s"])
     p = world.world_size
     lead = world.rank == 0
-    key = table_key(opts, p)
+    key = table_key(opts, p, world.local_world_size)
     base = _base_config(opts)
     base.kvr_attention = key.kvr_attention
-    env = environment(opts["model"], "torch", opts["threads"], opts["bandwidth"])
+    env = environment(opts["model"], "torch", opts["threads"], key.bandwidth)
     table = Table.load(out) if out.exists() else Table(TableMeta(
         model=opts["model"], config_hash=key.config_hash, dtype=key.dtype, world_size=p,
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         __import__("torch").cuda.get_device_name(device), threads_per_rank=opts["threads"],
-        bandwidth=opts["bandwidth"], version=__version__, kvr_attention=key.kvr_attention,
+        bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
         device_kind=key.device_kind))
     if lead:
         click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
@@ -215,7 +218,9 @@ def _progress(ctx: int, seed, lead: bool):
 @click.option("--threads", type=int, default=1, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
-@click.option("--bandwidth", default="loopback", show_default=True, help="Label of the network setting.")
+@click.option("--bandwidth", default=None,
+              help="Label of the network setting, recorded in the table (kvr-prefill matches tables on it). "
+                   "Default: loopback when all ranks share one host.")
 @click.option("--allow-long-context", is_flag=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True)
 def main(nproc: int, contexts: str, **opts) -> None:
@@ -228,7 +233,7 @@ def main(nproc: int, contexts: str, **opts) -> None:
     (--resume continues), and never measured twice. Example:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
     """
-    from kvrunahead.launcher import detect_launcher, spawn
+    from kvrunahead.launcher import LaunchError, detect_launcher, spawn
     from kvrunahead.prompt import PromptError, parse_tokens
     from kvrunahead.runner import InputError
 
@@ -248,7 +253,7 @@ def main(nproc: int, contexts: str, **opts) -> None:
         sys.exit(code)
     try:
         run_search(opts)
-    except InputError as e:
+    except (InputError, LaunchError) as e:
         click.echo(f"kvr-search: error: {e}", err=True)
         sys.exit(2)
 

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from kvrunahead.bench import add_bounds, build_jobs, markdown_table, summarize
+from kvrunahead.tables import TABLES_DIR
 
 
 def _row(ctx, label, ttft, p=2, kind="timed", transport="torch", compute=(1.0, 1.0)):
@@ -124,6 +125,8 @@ def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
     (["--modes", "kvr,fast"], "unknown modes ['fast']"),
     (["--table", "P"], "--table takes LABEL=PATH"),
     (["--table", "P=/no/such.json"], "no such file"),
+    (["--table", f"P={TABLES_DIR / 'smollm2-135m_p2_float32_cpu_masked.json'}"], "was made for model smollm2-135m"),
+    (["--ctx", "33k"], "exceeds 32768 positions"),
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, message):
     proc = subprocess.run(["kvr-bench", "--model", "tiny-llama", "--out", str(tmp_path), *args], capture_output=True,

@@ -1,12 +1,15 @@
 """What a user gets without flags: the attention, the partition (table or cost estimate) and the RoPE extension."""
 
+import math
+
 import pytest
+import torch
 
 from kvrunahead import tables
 from kvrunahead.cost import balanced_partition, estimated_partition, layer_cost
-from kvrunahead.models import resolve_config
+from kvrunahead.models import load_model, resolve_config
 from kvrunahead.partition import Partition
-from kvrunahead.rope import ContextError, plan_extension
+from kvrunahead.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.runner import InputError, RunConfig, prepare
 from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
 
@@ -143,6 +146,17 @@ def test_a_context_beyond_the_extension_is_refused_and_allow_long_context_runs_i
 def test_a_model_without_rotary_embedding_is_refused_beyond_its_positions():
     with pytest.raises(ContextError, match="cannot be extended by YaRN"):
         plan_extension(resolve_config("tiny-bigcode"), 9000)
+
+
+def test_the_extension_reaches_the_rotary_embedding_the_model_builds():
+    cpu = torch.device("cpu")
+    extended = load_model("tiny-llama-short", torch.float32, cpu, rope=RopeExtension(2, 48)).model.model.rotary_emb
+    plain = load_model("tiny-llama-short", torch.float32, cpu).model.model.rotary_emb
+    assert (extended.rope_type, plain.rope_type) == ("yarn", "default")
+    assert extended.attention_scaling == pytest.approx(1 + 0.1 * math.log(2))  # YaRN's mscale for factor 2
+    # Low frequencies interpolated by the factor, the highest kept (YaRN's ramp between the two).
+    assert extended.inv_freq[-1] == pytest.approx(plain.inv_freq[-1] / 2)
+    assert extended.inv_freq[0] == pytest.approx(plain.inv_freq[0])
 
 
 def test_prepare_reports_the_extension_and_refuses_beyond_it():

@@ -5,12 +5,12 @@
 # from the search checkpoints and the benchmark's rows.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TABLE=partition_tables/smollm2-135m_p2_float32_cpu.json
+TABLE=partition_tables/smollm2-135m_p2_float32_cpu_masked.json
 OUT=experiments/partition_search
 if [[ " $* " != *" --resume "* ]]; then
   rm -f "$TABLE" "$OUT"/*.json; rm -rf "${TABLE%.json}.search" "$OUT"/*.search "$OUT/candidates"
 fi
-SEARCH=(kvr-search --nproc 2 --repeats 2 --warmup 0)
+SEARCH=(kvr-search --nproc 2 --repeats 2 --warmup 0 --kvr-attention masked)
 
 # 1. The shipped table (KVR-S): 1k, then 2k seeded from it; 4k and 8k searched over the whole range. Seeding
 #    by extrapolation from shorter entries is unreliable here: the best share of rank 0 rises from about 0.56
@@ -24,11 +24,11 @@ SEARCH=(kvr-search --nproc 2 --repeats 2 --warmup 0)
 
 # 3. TTFT at the held-out lengths: KVR-P (interpolated from the table) against KVR-S, KVR-E and TSP, the
 #    timed runs of the four alternating so that a drift of the machine's speed hits them alike.
-kvr-bench --ctx 3k,6k --nproc 2 --modes tsp,kvr --table P="$TABLE" --table S="$OUT/direct.json" \
+kvr-bench --ctx 3k,6k --nproc 2 --modes tsp,kvr --kvr-attention masked --table P="$TABLE" --table S="$OUT/direct.json" \
   --repeats 5 --interleave --out "$OUT/heldout" "$@"
 
 # 4. TTFT at the table's lengths: KVR-S (the table's entries) against KVR-E and TSP, in one run.
-kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --modes tsp,kvr --table S="$TABLE" --interleave \
+kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --modes tsp,kvr --kvr-attention masked --table S="$TABLE" --interleave \
   --out "$OUT/table_lengths" "$@"
 
 # Every candidate each search measured (its checkpoints), kept beside the results.

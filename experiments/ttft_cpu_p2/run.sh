@@ -6,6 +6,7 @@
 # (bash run.sh --resume continues an interrupted run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --repeats 3 --warmup 1 --out experiments/ttft_cpu_p2 "$@"
-kvr-bench --ctx 2k,4k --nproc 2 --modes tsp,kvr --transports torch,mpi --repeats 3 --warmup 1 \
+kvr-bench --ctx 1k,2k,4k,8k --nproc 2 --modes single,tsp,cp-allgather,ring,kvr,kvr-best,kvr-nocomm \
+  --kvr-attention masked --repeats 3 --warmup 1 --out experiments/ttft_cpu_p2 "$@"
+kvr-bench --ctx 2k,4k --nproc 2 --modes tsp,kvr --kvr-attention masked --transports torch,mpi --repeats 3 --warmup 1 \
   --out experiments/ttft_cpu_p2/transports "$@"
