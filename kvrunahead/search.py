@@ -138,6 +138,27 @@ def grid_search(ev: Evaluator, context_len: int, world_size: int, center: tuple[
 
 
 MAX_SLIDES = 4
+MAX_POLISH_STEPS = 8
+
+
+def polish(ev: Evaluator, min_stride: int, max_steps: int = MAX_POLISH_STEPS) -> int:
+    """Hill-climb from the best candidate measured: measure its neighbours one ``min_stride`` away on every
+    inner boundary and move while one is better. Golden-section and grid steps decide on differences that
+    the noise of real runs can reverse, and can leave the region next to the best point unmeasured (a
+    search whose best point is the even partition, with no candidate between it and the next one tried);
+    this ends every search on a point whose neighbours were measured and found no better. Returns the
+    candidates it measured."""
+    before = len(ev.results)
+    for _ in range(max_steps):
+        best = ev.best()[0]
+        for i in range(1, len(best) - 1):
+            for step in (-min_stride, min_stride):
+                b = (*best[:i], best[i] + step, *best[i + 1:])
+                if _feasible(b):
+                    ev(b)
+        if ev.best()[0] == best:
+            break
+    return len(ev.results) - before
 
 
 def _search_window(ev: Evaluator, context_len: int, world_size: int, center: tuple[int, ...] | None, half: int,
@@ -176,6 +197,7 @@ def search(
     on_measure: Callable[[Boundaries, float], None] | None = None,
     on_level: Callable[[int, int, int], None] | None = None,
     preload: dict | None = None,
+    polish_best: bool = True,
 ) -> SearchResult:
     """Find TTFT-minimising boundaries for ``context_len`` tokens over ``world_size`` ranks.
 
@@ -183,7 +205,8 @@ def search(
     context; for p > 2 each inner boundary within half a part of the even one. With ``seed``
     (boundaries interpolated from a table) only ``window`` tokens either side of it are searched, and the
     window slides when the best point lies on its edge. The even partition is always measured first;
-    ``SearchResult.all`` holds its TTFT.
+    ``SearchResult.all`` holds its TTFT. With ``polish_best`` the best point found is then hill-climbed at
+    ``min_stride`` (see ``polish``).
     """
     if world_size < 2:
         raise ValueError("a partition search needs at least two ranks")
@@ -210,5 +233,7 @@ def search(
             if all(abs(x - c) < half - min_stride for x, c in zip(best, center)) or best == center:
                 break
             center = best
+    if polish_best:
+        polish(ev, min_stride)
     best, ttft = ev.best()
     return SearchResult(best, ttft, len(ev.results), time.perf_counter() - t0, levels, dict(ev.results))

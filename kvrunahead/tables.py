@@ -148,6 +148,17 @@ class Table:
             return self.lookup(context_len).partition.boundaries
         return Partition.from_ratios([r / sum(ratios) for r in ratios], context_len).boundaries
 
+    def markdown(self) -> str:
+        """The entries as a Markdown table (for experiment write-ups and a quick look at a table)."""
+        lines = ["| context | boundaries | rank 0 share | TTFT s | even s | best / even | candidates | search time |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for e in self.entries:
+            even = f"{e.even_ttft_s:.2f}" if e.even_ttft_s else ""
+            ratio = f"{e.ttft_s / e.even_ttft_s:.2f}" if e.even_ttft_s else ""
+            lines.append(f"| {e.context_len} | {','.join(map(str, e.boundaries))} | {e.ratios[0]:.3f} | "
+                         f"{e.ttft_s:.2f} | {even} | {ratio} | {e.evaluations} | {e.search_s:.0f} s |")
+        return "\n".join(lines) + "\n"
+
     def check(self, want: TableKey, name: str = "table") -> None:
         """Refuse a table made for another setting (its partitions would be tuned for other costs)."""
         m = self.meta.key
@@ -195,3 +206,11 @@ def find_table(want: TableKey, directory: Path | None = None) -> Path:
         raise TableError(f"no partition table in {directory} for {want.describe()}; make one with kvr-search or "
                          "give --table PATH")
     return matches[-1]
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        table = Table.load(Path(arg))
+        print(f"{arg}: {table.meta.key.describe()}\n\n{table.markdown()}")

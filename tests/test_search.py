@@ -114,3 +114,29 @@ def test_a_seeded_window_slides_to_an_optimum_beyond_its_edge(p, c, opt, seed):
     result = search(measure, c, p, min_stride=64, seed=seed, window=256)
     assert all(abs(x - o) <= 64 for x, o in zip(result.boundaries, opt)), result
     assert len(measure.calls) == len(set(measure.calls))
+
+
+def test_polish_ends_on_a_point_no_neighbour_of_which_is_better_despite_a_misleading_measurement():
+    # Rank 0's best part is 1088 of 2048, just past the even 1024. One noisy measurement (1280 a hair better
+    # than 1216) sends the golden section to [1216, 1408], so without polishing the even partition, measured
+    # first, stays the best and nothing between 1024 and 1216 is ever measured.
+    def f(b):
+        t = abs(b[1] - 1088) / 64 + 1.0
+        return t - 1.1 if b[1] == 1280 else t
+
+    rough = search(Counting(f), 2048, 2, min_stride=64, polish_best=False)
+    polished = search(Counting(f), 2048, 2, min_stride=64)
+    assert rough.boundaries == (0, 1024, 2048)
+    assert polished.boundaries == (0, 1088, 2048) and polished.ttft_s == 1.0
+    for step in (-64, 64):
+        assert polished.all[(0, 1088 + step, 2048)] >= polished.ttft_s
+
+
+@pytest.mark.parametrize("p, c", [(3, 3072), (4, 4096)])
+def test_polish_measures_every_inner_boundary_of_the_best_point_both_ways(p, c):
+    result = search(Counting(pipeline_ttft()), c, p, min_stride=64)
+    best = result.boundaries
+    for i in range(1, p):
+        for step in (-64, 64):
+            b = (*best[:i], best[i] + step, *best[i + 1:])
+            assert b in result.all and result.all[b] >= result.ttft_s

@@ -120,3 +120,8 @@ def test_a_search_seed_that_would_favour_a_later_rank_falls_back_to_the_nearest_
     t.entries[1] = TableEntry(12288, [0, 6200, 12288], [6200 / 12288, 1 - 6200 / 12288], 1.0, 1.2, 10, 5.0)
     # 0.560 at 8k, 0.505 at 12k: extrapolated to 20k, rank 0 would get less than half
     assert t.search_seed(20480) == t.lookup(20480).partition.boundaries
+
+
+def test_markdown_lists_every_entry_with_its_gain_over_even():
+    md = _table().markdown()
+    assert "| 8192 | 0,4588,8192 | 0.560 | 1.00 | 1.20 | 0.83 | 10 | 5 s |" in md and md.count("\n") == 4
