@@ -2,13 +2,17 @@
 # The split-attention partition table of the default model at p = 2 ranks of 1 thread (what kvr-prefill uses
 # by default), and the held-out lengths 6k and 14k. Every step measures real TTFT; run it on a quiet machine.
 # Resumable: `bash run.sh` again continues from the search checkpoints (a length a table has is kept);
-# `bash run.sh --fresh` starts over.
+# `bash run.sh --fresh` starts over; `bash run.sh --polish` searches every length again from its checkpoints
+# (nothing measured twice), so that searches made before kvr-search polished its best point get polished.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TABLE=partition_tables/smollm2-135m_p2_float32_cpu_split.json
 OUT=experiments/partition_search_split
 if [[ "${1:-}" == "--fresh" ]]; then
   rm -rf "$TABLE" "$OUT"/heldout_*.json "$OUT/candidates"
+fi
+if [[ "${1:-}" == "--polish" ]]; then
+  rm -f "$TABLE" "$OUT"/heldout_*.json
 fi
 # Whole range for every length (no table entries around it to interpolate a seed from); 2 timed runs per
 # candidate after one warm-up run per length. 12k-16k at a 128-token stride (0.8% of the context or less).
