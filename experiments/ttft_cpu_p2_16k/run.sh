@@ -15,9 +15,11 @@ fi
 # 1. 12k and 16k: the single process at 1 and 2 threads (timed among the ranks' runs, the other rank idle),
 #    TSP, cp-allgather, ring, KVR as kvr-prefill runs it with no flags (kvr-default: split attention, the
 #    partition of the shipped table) and KVR on the even partition (kvr-even, split attention too).
+#    16k first: the targets are there. No warm-up runs: a run lasts one to three minutes, and interleaving puts
+#    every mode's first run in the same round (min and max are reported beside the medians).
 if [[ ! -f "$OUT/summary.md" ]]; then
-  kvr-bench --ctx 12k,16k --nproc 2 --modes single,tsp,cp-allgather,ring,kvr-default,kvr --repeats 3 \
-    --interleave --resume --out "$OUT"
+  kvr-bench --ctx 16k,12k --nproc 2 --modes single,tsp,cp-allgather,ring,kvr-default,kvr --repeats 3 \
+    --warmup 0 --interleave --resume --out "$OUT"
 fi
 
 # 2. 14k, held out of the table: KVR-P (kvr-default, interpolated between the 12k and 16k entries) against
