@@ -64,8 +64,9 @@ def check_inputs(opts: dict, world_size: int) -> Path:
         raise InputError("--ctx names no context length")
     try:
         key = table_key(opts, world_size)
+        config = resolve_config(opts["model"])
         for ctx in opts["contexts"]:
-            plan_extension(resolve_config(opts["model"]), ctx, opts["allow_long_context"], opts["model"])
+            plan_extension(config, ctx, opts["allow_long_context"], opts["model"])
     except (ModelError, ContextError) as e:
         raise InputError(str(e)) from None
     out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
