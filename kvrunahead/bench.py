@@ -315,13 +315,13 @@ def markdown_table(summary: list[dict]) -> str:
     lines = ["| context | p | mode | transport | TTFT median s | min | max | vs TSP | over no-comm bound | "
              "over slowest no-comm rank | TTFT*(p) s | partition |", "|---" * 12 + "|"]
     for s in summary:
-        def f(x, fmt):
-            return "" if x is None else format(x, fmt)
+        def f(x, fmt, unit=""):
+            return "" if x is None else format(x, fmt) + unit
         label = s["label"] + (" (split)" if s.get("kvr_attention") == "split" and s["label"] != "kvr-split" else "")
         lines.append(
             f"| {s['context_len']} | {s['world_size']} | {label} | {s['transport']} | "
             f"{s['ttft_median_s']:.3f} | {s['ttft_min_s']:.3f} | {s['ttft_max_s']:.3f} | "
-            f"{f(s['speedup_over_tsp'], '.2f')}x | {f(s['over_nocomm_bound'], '+.1%')} | "
+            f"{f(s['speedup_over_tsp'], '.2f', 'x')} | {f(s['over_nocomm_bound'], '+.1%')} | "
             f"{f(s.get('over_nocomm_slowest'), '+.1%')} | "
             f"{f(s['ttft_star_s'], '.3f')} | {s['boundaries']} |"
         )

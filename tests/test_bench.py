@@ -37,6 +37,13 @@ def test_bounds_follow_eq_3_and_the_no_communication_run():
     assert "| 1024 | 2 | kvr-best | torch | 4.000 |" in markdown_table(summary)
 
 
+def test_markdown_leaves_the_speedup_empty_without_tsp():
+    summary = summarize([_row(1024, "kvr-default", 4.0), _row(1024, "kvr-S", 3.9)])
+    add_bounds(summary)
+    assert "| 4.000 | 4.000 | 4.000 |  |" in markdown_table(summary)
+    assert "x |" not in markdown_table(summary).split("\n", 2)[2]
+
+
 def test_jobs_sweep_only_kvr_best_and_bound_it_on_its_partition():
     jobs = build_jobs([1024], ["tsp", "kvr", "kvr-best", "kvr-nocomm"], 3, 1, [0.5, 0.6], 2)
     assert [j.label for j in jobs] == ["tsp", "kvr-even", "kvr-best", "kvr-nocomm"]
