@@ -37,13 +37,14 @@ def _base_config(opts: dict):
                      kvr_attention=opts["kvr_attention"], network=opts["bandwidth"])
 
 
-def table_key(opts: dict, world_size: int, local_world_size: int | None = None):
-    """What the table being written is for (and what an existing --out must have been made for)."""
+def table_key(opts: dict, world_size: int, local_world_size: int | None = None, config=None):
+    """What the table being written is for (and what an existing --out must have been made for); ``config``:
+    the model's config where the caller has resolved it already."""
     from kvrunahead.models import resolve_config
     from kvrunahead.runner import resolve_attention, table_key
 
     base = _base_config(opts)
-    config = resolve_config(opts["model"])
+    config = config if config is not None else resolve_config(opts["model"])
     attention, _ = resolve_attention(base, config)
     return table_key(base, config, world_size, attention, local_world_size or world_size)
 
@@ -63,8 +64,8 @@ def check_inputs(opts: dict, world_size: int) -> Path:
     if not opts["contexts"]:
         raise InputError("--ctx names no context length")
     try:
-        key = table_key(opts, world_size)
         config = resolve_config(opts["model"])
+        key = table_key(opts, world_size, config=config)
         for ctx in opts["contexts"]:
             plan_extension(config, ctx, opts["allow_long_context"], opts["model"])
     except (ModelError, ContextError) as e:
