@@ -38,9 +38,10 @@ class Job:
     table: str | None = None  # kvr-<label>: partition interpolated from this table
     kvr_attention: str = "auto"
     threads: int | None = None  # single-Nt inside a world of ranks: rank 0 runs it at N threads, the rest idle
+    net: str = "loopback"  # the network setting of the run; runs of one world differ at most in noise
 
 
-def environment(model: str, transport: str, threads: int, bandwidth: str) -> dict:
+def environment(model: str, transport: str, threads: int, network: str) -> dict:
     import torch
     import transformers
 
@@ -63,7 +64,7 @@ def environment(model: str, transport: str, threads: int, bandwidth: str) -> dic
     return {
         "model": model, "cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": threads,
         "torch": torch.__version__, "transformers": transformers.__version__, "transport": transport,
-        "bandwidth": bandwidth, "commit": commit or "unknown",
+        "network": network, "commit": commit or "unknown",
     }
 
 
@@ -73,11 +74,25 @@ def worker(plan_file: str, out_prefix: str) -> None:
     import torch.distributed as dist
 
     from kvrunahead.launcher import World, detect_launcher, init_world
+    from kvrunahead.net import liveness
+    from kvrunahead.net.noise import switch
+    from kvrunahead.net.spec import parse_net
     from kvrunahead.runner import RunConfig, leave_world, patient_barrier, run_on_world
 
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
+    liveness.start_heartbeat(plan["timeout_s"])
     base = plan["config"]
+    noise_control = os.environ.get("KVR_NOISE_CONTROL")
+    noise_state = [None]
+
+    def set_noise(net: str) -> None:
+        """Rank 0 switches the sidecar to the run's setting before the run (its start barrier follows)."""
+        on = parse_net(net).noise is not None
+        if world.rank == 0 and noise_control and noise_state[0] != on:
+            switch(noise_control, on)
+            noise_state[0] = on
+
     if world.world_size > 1:
         patient_barrier(RunConfig(**base))  # the group singles wait in, made by every rank before any other
     # Runs recorded by an interrupted sweep (--resume): every rank skips the same ones.
@@ -89,20 +104,20 @@ def worker(plan_file: str, out_prefix: str) -> None:
 
     def measure(job: dict, partition: str, kind: str, index: int) -> float:
         nonlocal done, rewarm
-        key = run_key(job["context_len"], job["label"], kind, index)
+        key = run_key(job["context_len"], job["label"], kind, index, job["net"])
         if key in recorded:
             done += 1
             return recorded[key]
         cfg = RunConfig(**{**base, "mode": job["mode"], "context_len": job["context_len"], "partition": partition,
-                           "table": job["table"], "kvr_attention": job["kvr_attention"]})
+                           "table": job["table"], "kvr_attention": job["kvr_attention"], "net": job["net"]})
+        set_noise(job["net"])
         if rewarm:
             one_run(cfg, job)
             rewarm = False
         result = one_run(cfg, job)
         ttft = [result.ttft_s if result is not None else None]
         if world.world_size > 1:
-            gathered = [None] * world.world_size
-            dist.all_gather_object(gathered, ttft[0])
+            gathered = liveness.gather_objects(ttft[0], "the other ranks' TTFT")
             ttft = [t for t in gathered if t is not None]
         done += 1
         if result is not None:
@@ -130,13 +145,13 @@ def worker(plan_file: str, out_prefix: str) -> None:
         patient_barrier(cfg)
         return result
 
-    best: dict[int, str] = {}  # context length -> the partition kvr-best settled on
+    best: dict[tuple, str] = {}  # (context length, network) -> the partition kvr-best settled on
 
     def prepare(job: dict) -> str:
         """The job's partition (after its sweep, if any), then its warm-up runs."""
         partition = job["partition"]
         if partition == "@best":
-            partition = best.get(job["context_len"], "even")
+            partition = best.get((job["context_len"], job["net"]), "even")
         if job["sweep"]:
             # Rank 0's share; the rest split evenly. Every rank sees the same TTFTs, so all pick the same best.
             p = world.world_size
@@ -146,7 +161,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
                 spec = ",".join(f"{x:.6f}" for x in [share] + [rest] * (p - 1))
                 tried[spec] = measure(job, spec, "sweep", len(tried))
             partition = min(tried, key=tried.get)
-            best[job["context_len"]] = partition
+            best[(job["context_len"], job["net"])] = partition
         for i in range(job["warmup"]):
             measure(job, partition, "warmup", i)
         return partition
@@ -176,8 +191,8 @@ def job_groups(jobs: list[dict], interleave: bool) -> list[list[dict]]:
     return list(groups.values())
 
 
-def run_key(context_len: int, label: str, kind: str, index: int) -> str:
-    return f"{context_len}|{label}|{kind}|{index}"
+def run_key(context_len: int, label: str, kind: str, index: int, net: str = "loopback") -> str:
+    return f"{context_len}|{label}|{kind}|{index}" + ("" if net == "loopback" else f"|{net}")
 
 
 def recorded_rows(out_prefix: Path, nproc: int) -> dict[str, float]:
@@ -194,7 +209,8 @@ def recorded_rows(out_prefix: Path, nproc: int) -> dict[str, float]:
             except json.JSONDecodeError:
                 continue
             good.append(line)
-            recorded[run_key(row["context_len"], row["label"], row["kind"], row["index"])] = row["ttft_s"]
+            recorded[run_key(row["context_len"], row["label"], row["kind"], row["index"],
+                             row.get("network", "loopback"))] = row["ttft_s"]
         path.write_text("".join(x + "\n" for x in good))
     return recorded
 
@@ -204,10 +220,17 @@ def _runs_in(jobs: list[Job]) -> int:
 
 
 def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config: dict, env: dict, workdir: Path,
-              timeout_s: float, resume: bool = False, interleave: bool = False) -> list[dict]:
-    from kvrunahead.launcher import free_port, rank_env
+              timeout_s: float, resume: bool = False, interleave: bool = False, net: str = "loopback") -> list[dict]:
+    """One world of ranks for ``jobs``, on the network ``net`` (a cap: one emulated host per rank; noise: the
+    sidecar, switched on and off run by run as the jobs' settings say). A failed rank ends the world within the
+    timeout; the rows recorded before stay in ``workdir`` for --resume."""
+    from kvrunahead.launcher import free_port, rank_env, supervise
+    from kvrunahead.net.session import network
+    from kvrunahead.net.spec import parse_net
 
-    tag = f"p{nproc}_t{threads}_{transport}"
+    spec = parse_net(net)
+    tag = f"p{nproc}_t{threads}_{transport}" + ("" if spec.table_label == "loopback" else
+                                                 "_" + spec.table_label.replace("=", "").replace("/", ""))
     plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
     recorded = recorded_rows(out_prefix, nproc) if resume else {}
     if recorded:
@@ -218,26 +241,42 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
             "total_runs": _runs_in(jobs), "recorded": recorded}
     plan_file.write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
-    if transport == "mpi":
-        extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        procs = [subprocess.Popen(["mpirun", *extra, "--bind-to", "none", "-n", str(nproc), *cmd])]
-    else:
-        port = free_port()
-        procs = [
-            subprocess.Popen(cmd, env=rank_env(r, nproc, port, OMP_NUM_THREADS=str(threads)))
-            for r in range(nproc)
-        ]
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        raise RuntimeError(f"benchmark world {tag} failed with exit codes {codes}")
+    if transport == "mpi" and spec.emulated:
+        raise ValueError("the MPI transport runs on loopback only (mpirun starts its ranks itself)")
+    with network(spec, nproc, noise_on=False) as hosts:
+        if transport == "mpi":
+            extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+            procs = [subprocess.Popen(["mpirun", *extra, "--bind-to", "none", "-n", str(nproc),
+                                       *[x for k, v in hosts.env.items() for x in ("-x", f"{k}={v}")], *cmd])]
+        else:
+            port = free_port()
+            procs = [
+                subprocess.Popen(hosts.prefix(r) + cmd, env=rank_env(r, nproc, port, hosts.master_addr,
+                                                                     OMP_NUM_THREADS=str(threads), **hosts.env))
+                for r in range(nproc)
+            ]
+        code = supervise(procs, grace_s=10.0)
+        report = hosts.noise.stop() if hosts.noise else None
+    if report is not None:
+        log.info("%s", report.describe())
+        (workdir / f"noise_{tag}.json").write_text(json.dumps({**asdict(report), "cpu_share": report.cpu_share,
+                                                                "achieved_rate": report.achieved_rate()}))
+    if code:
+        raise RuntimeError(f"benchmark world {tag} failed (exit code {code}); the runs measured before are kept in "
+                           f"{out_prefix}.*.jsonl: rerun with --resume to measure only the missing ones")
     rows = []
     for r in range(nproc):
         path = Path(f"{out_prefix}.{r}.jsonl")
         if path.exists():
             rows += [json.loads(line) for line in path.read_text().splitlines()]
-            path.unlink()
     plan_file.unlink()
     return rows
+
+
+def clean_partial_rows(workdir: Path) -> None:
+    """The per-rank rows every world left for --resume, once the whole sweep's outputs are written."""
+    for path in workdir.glob("rows_*.jsonl"):
+        path.unlink()
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -245,13 +284,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     points: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["kind"] == "timed":
-            points.setdefault((row["context_len"], row["world_size"], row["label"], row["transport"]), []).append(row)
+            points.setdefault((row.get("network", "loopback"), row["context_len"], row["world_size"], row["label"],
+                               row["transport"]), []).append(row)
     out = []
-    for (ctx, p, label, transport), rs in sorted(points.items()):
+    for (net, ctx, p, label, transport), rs in sorted(points.items()):
         t = [r["ttft_s"] for r in rs]
         ranks = rs[0]["ranks"]
         out.append({
-            "context_len": ctx, "world_size": p, "label": label, "transport": transport,
+            "network": net, "context_len": ctx, "world_size": p, "label": label, "transport": transport,
+            "allgather": rs[0].get("allgather"),
             "threads_per_rank": rs[0]["threads_per_rank"], "kvr_attention": rs[0].get("kvr_attention"),
             "runs": len(t),
             "ttft_median_s": statistics.median(t), "ttft_min_s": min(t), "ttft_max_s": max(t),
@@ -268,14 +309,22 @@ def summarize(rows: list[dict]) -> list[dict]:
 def add_bounds(summary: list[dict]) -> None:
     """TTFT*(p) of eq. (1)-(3) from the measured single-process TTFT at 1 thread, and KVR's distance to the
     practical bound (kvr-nocomm, same partition as kvr-best)."""
-    by = {(s["context_len"], s["label"], s["transport"]): s for s in summary}
+    from kvrunahead.net.spec import parse_net
+
+    by = {(s.get("network", "loopback"), s["context_len"], s["label"], s["transport"]): s for s in summary}
     for s in summary:
         p = s["world_size"]
-        single = next((x for x in summary if x["context_len"] == s["context_len"] and x["label"] == "single-1t"), None)
+        net = s.get("network", "loopback")
+        cap = parse_net(net).table_label
+        single = next((x for x in summary if x["context_len"] == s["context_len"] and x["label"] == "single-1t"
+                       and parse_net(x.get("network", "loopback")).table_label == cap), None)
         s["ttft_star_s"] = single["ttft_median_s"] / 2 * (1 / p + 1 / p**2) if single and p > 1 else None
-        tsp = by.get((s["context_len"], "tsp", "torch" if s["transport"] == "local" else s["transport"]))
+        tsp = by.get((net, s["context_len"], "tsp", "torch" if s["transport"] == "local" else s["transport"]))
         s["speedup_over_tsp"] = tsp["ttft_median_s"] / s["ttft_median_s"] if tsp else None
-        nocomm = by.get((s["context_len"], "kvr-nocomm", s["transport"]))
+        # Noise overhead: this noisy point against the same mode on the same links without the sidecar.
+        quiet = by.get((cap, s["context_len"], s["label"], s["transport"])) if net != cap else None
+        s["noise_overhead"] = s["ttft_median_s"] / quiet["ttft_median_s"] - 1 if quiet else None
+        nocomm = by.get((net, s["context_len"], "kvr-nocomm", s["transport"]))
         is_kvr = s["label"].startswith("kvr-") and s["label"] != "kvr-nocomm"
         s["over_nocomm_bound"] = s["ttft_median_s"] / nocomm["ttft_median_s"] - 1 if nocomm and is_kvr else None
         # The bound above lets the last rank start with its prefix in hand, so it also removes the wait for the
@@ -312,16 +361,19 @@ def _csv(path: Path, rows: list[dict]) -> None:
 
 
 def markdown_table(summary: list[dict]) -> str:
-    lines = ["| context | p | mode | transport | TTFT median s | min | max | vs TSP | over no-comm bound | "
-             "over slowest no-comm rank | TTFT*(p) s | partition |", "|---" * 12 + "|"]
+    lines = ["| network | context | p | mode | transport | TTFT median s | min | max | vs TSP | noise overhead | "
+             "over no-comm bound | over slowest no-comm rank | TTFT*(p) s | partition |", "|---" * 14 + "|"]
     for s in summary:
         def f(x, fmt, unit=""):
             return "" if x is None else format(x, fmt) + unit
         label = s["label"] + (" (split)" if s.get("kvr_attention") == "split" and s["label"] != "kvr-split" else "")
+        if s.get("allgather") == "p2p":
+            label += " (p2p all-gather)"
         lines.append(
-            f"| {s['context_len']} | {s['world_size']} | {label} | {s['transport']} | "
+            f"| {s.get('network', 'loopback')} | {s['context_len']} | {s['world_size']} | {label} | {s['transport']} | "
             f"{s['ttft_median_s']:.3f} | {s['ttft_min_s']:.3f} | {s['ttft_max_s']:.3f} | "
-            f"{f(s['speedup_over_tsp'], '.2f', 'x')} | {f(s['over_nocomm_bound'], '+.1%')} | "
+            f"{f(s['speedup_over_tsp'], '.2f', 'x')} | {f(s.get('noise_overhead'), '+.1%')} | "
+            f"{f(s['over_nocomm_bound'], '+.1%')} | "
             f"{f(s.get('over_nocomm_slowest'), '+.1%')} | "
             f"{f(s['ttft_star_s'], '.3f')} | {s['boundaries']} |"
         )
@@ -334,9 +386,12 @@ def plot(summary: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # Single-process rows have no transport ("local") and appear in every figure.
-    for transport in sorted({s["transport"] for s in summary} - {"local"}):
-        rows = [s for s in summary if s["transport"] in (transport, "local")]
+    # Single-process rows have no transport ("local") and appear in every figure of their network.
+    nets = sorted({s.get("network", "loopback") for s in summary})
+    for transport, net in ((t, n) for t in sorted({s["transport"] for s in summary} - {"local"}) for n in nets):
+        rows = [s for s in summary if s["transport"] in (transport, "local") and s.get("network", "loopback") == net]
+        if not any(s["transport"] == transport for s in rows):
+            continue
         labels = list(dict.fromkeys(s["label"] for s in rows))
         # The third panel only where a no-communication bound was measured.
         bounded = any(s["over_nocomm_bound"] is not None for s in rows)
@@ -363,7 +418,7 @@ def plot(summary: list[dict], out: Path) -> None:
                 axes[2].plot([c / 1024 for c, _ in pts], [100 * s["over_nocomm_slowest"] for _, s in pts],
                              marker="x", ls="--", label=f"{label} over kvr-nocomm's slowest rank")
         p = max(s["world_size"] for s in rows)
-        axes[0].set(title=f"TTFT, p={p} ({transport})", xlabel="context (k tokens)", ylabel="seconds")
+        axes[0].set(title=f"TTFT, p={p} ({transport}, {net})", xlabel="context (k tokens)", ylabel="seconds")
         axes[1].axhline(1.0, color="grey", lw=0.8)
         axes[1].set(title="speedup over TSP (median / median)", xlabel="context (k tokens)", ylabel="x")
         if bounded:
@@ -373,8 +428,43 @@ def plot(summary: list[dict], out: Path) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"ttft_{transport}.png", dpi=110)
+        fig.savefig(out / f"ttft_{transport}{_net_slug(net)}.png", dpi=110)
         plt.close(fig)
+    plot_noise(summary, out)
+
+
+def _net_slug(net: str) -> str:
+    return "" if net == "loopback" else "_" + "".join(c if c.isalnum() else "-" for c in net).strip("-")
+
+
+def plot_noise(summary: list[dict], out: Path) -> None:
+    """Fig. 11 of the paper: TTFT overhead of each mode on a noisy network against the same links quiet."""
+    import matplotlib.pyplot as plt
+
+    noisy = [s for s in summary if s.get("noise_overhead") is not None]
+    if not noisy:
+        return
+    nets = sorted({s["network"] for s in noisy})
+    fig, axes = plt.subplots(1, len(nets), figsize=(6.5 * len(nets), 4.5), squeeze=False)
+    for ax, net in zip(axes[0], nets):
+        rows = [s for s in noisy if s["network"] == net]
+        labels = list(dict.fromkeys(s["label"] for s in rows))
+        ctxs = sorted({s["context_len"] for s in rows})
+        width = 0.8 / len(ctxs)
+        for i, ctx in enumerate(ctxs):
+            by = {s["label"]: s for s in rows if s["context_len"] == ctx}
+            ax.bar([j + i * width for j in range(len(labels))],
+                   [100 * by[lb]["noise_overhead"] if lb in by else 0 for lb in labels], width,
+                   label=f"{ctx // 1024}k")
+        ax.set_xticks([j + width * (len(ctxs) - 1) / 2 for j in range(len(labels))], labels, rotation=30,
+                      ha="right", fontsize=8)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set(title=f"TTFT overhead from noise ({net})", ylabel="% over quiet (median / median)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "noise_overhead.png", dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------- CLI
@@ -384,23 +474,54 @@ def _list(text: str, cast=str) -> list:
 
 
 def check_inputs(config: dict, contexts: list[int], world_sizes: list[int], tables: dict[str, str],
-                 kvr_attention: str) -> None:
-    """What every rank would find wrong (the model, a context, a table made for another setting), found here
-    once before any world starts; raises InputError."""
+                 kvr_attention: str, nets: list[str] = ("loopback",)) -> None:
+    """What every rank would find wrong (the model, a context, a table made for another setting, a network
+    setting), found here once before any world starts; raises InputError."""
     from kvrunahead.runner import RunConfig, prepare
 
     for ctx in contexts:
         for p in world_sizes:
-            prepare(RunConfig(**config, context_len=ctx, kvr_attention=kvr_attention, threads=1), p)
-            for path in tables.values():
-                prepare(RunConfig(**config, context_len=ctx, kvr_attention=kvr_attention, threads=1, table=path), p)
+            for net in nets:
+                cfg = dict(config, context_len=ctx, kvr_attention=kvr_attention, threads=1, net=net)
+                prepare(RunConfig(**cfg), p)
+                for path in tables.values():
+                    prepare(RunConfig(**cfg, table=path), p)
+
+
+def net_worlds(nets: list[str]) -> list[tuple[str, list[str]]]:
+    """Settings grouped by their links: those differing only in noise share one world (one emulation), where
+    their runs alternate and the sidecar is switched run by run. Returns (the world's setting, its settings)."""
+    from kvrunahead.net.spec import parse_net
+
+    groups: dict[str, list[str]] = {}
+    for net in nets:
+        groups.setdefault(parse_net(net).table_label, []).append(parse_net(net).label)
+    out = []
+    for cap, members in groups.items():
+        noisy = next((m for m in members if m != cap), None)
+        # The world's sidecar takes the noise of the noisy setting (one per world).
+        world_net = next(n for n in nets if parse_net(n).label == noisy) if noisy else cap
+        out.append((world_net, list(dict.fromkeys(members))))
+    return out
 
 
 def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int, shares: list[float],
                nproc: int, tables: dict[str, str] | None = None, kvr_attention: str = "auto",
-               singles_in_world: bool = False) -> list[Job]:
-    """The jobs of one world of ``nproc`` ranks. With ``singles_in_world`` (interleaved sweeps) the single
-    process at 1 and at ``nproc`` threads is measured among them; otherwise in worlds of its own."""
+               singles_in_world: bool = False, nets: list[str] = ("loopback",)) -> list[Job]:
+    """The jobs of one world of ``nproc`` ranks, for each of the network settings ``nets`` (which differ at most
+    in noise). With ``singles_in_world`` (interleaved sweeps) the single process at 1 and at ``nproc`` threads is
+    measured among them, under the first setting; otherwise in worlds of its own."""
+    jobs = []
+    for i, net in enumerate(nets):
+        for job in _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attention,
+                            singles_in_world and i == 0):
+            job.net = net
+            jobs.append(job)
+    # Interleaved sweeps group jobs by context: keep each context's jobs of every setting together.
+    return sorted(jobs, key=lambda j: contexts.index(j.context_len))
+
+
+def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attention, singles_in_world) -> list[Job]:
     jobs = []
     for ctx in contexts:
         if singles_in_world and "single" in modes and nproc > 1:
@@ -449,10 +570,17 @@ def main() -> None:
     @click.option("--shares", default="0.50,0.56,0.62,0.68,0.74,0.80", show_default=True,
                   help="kvr-best: rank 0's share of the context to try (the other ranks split the rest evenly).")
     @click.option("--threads", default=1, show_default=True, help="Intra-op threads per rank.")
-    @click.option("--bandwidth", default="loopback", show_default=True,
-                  help="Label of the network setting, recorded in every row (shaping is done outside).")
+    @click.option("--net", "nets", multiple=True, default=["loopback"], show_default=True,
+                  help="Network setting, repeatable: loopback, cap=400MB/s (one emulated host per rank, links capped "
+                       "each way; needs root), cap=400MB/s,noise (the noise sidecar as well). Settings that differ "
+                       "only in noise share one world and, with --interleave, alternate run by run with the sidecar "
+                       "switched on and off; the summary gives each mode's noise overhead. Recorded in every row.")
+    @click.option("--allgather", type=click.Choice(["auto", "native", "p2p"]), default="auto", show_default=True,
+                  help="All-gather of tsp and cp-allgather (see kvr-prefill --help); recorded in every row.")
     @click.option("--table", "tables", multiple=True, metavar="LABEL=PATH",
                   help="Also run kvr with the partition interpolated from a table, reported as kvr-LABEL.")
+    @click.option("--force-table", is_flag=True,
+                  help="Use the --table tables on every network (e.g. the loopback table on a capped network).")
     @click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto",
                   show_default=True,
                   help="Attention of the kvr jobs (kvr-even, kvr-best and its sweep, kvr-nocomm, tables; "
@@ -469,8 +597,8 @@ def main() -> None:
                        "machine whose speed drifts. Recorded in every row.")
     @click.option("--replot", is_flag=True,
                   help="Measure nothing: rebuild summary.csv/md and the plots from the runs.jsonl in --out.")
-    def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, bandwidth, tables,
-            kvr_attention, allow_long_context, timeout_s, out_dir, resume, interleave, replot):
+    def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, nets, allgather, tables,
+            force_table, kvr_attention, allow_long_context, timeout_s, out_dir, resume, interleave, replot):
         """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
         \b
@@ -502,12 +630,23 @@ def main() -> None:
         for label, path in table_paths.items():
             if not Path(path).is_file():
                 fail(f"--table {label}={path}: no such file")
+        from kvrunahead.net.spec import NetError, parse_net
+
+        try:
+            nets = [parse_net(n).label for n in nets]
+            worlds = net_worlds(list(nets))
+        except NetError as e:
+            fail(str(e))
         config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
-                  "timeout_s": timeout_s, "device": "cpu", "network": bandwidth}
+                  "timeout_s": timeout_s, "device": "cpu", "allgather": allgather, "force_table": force_table}
         if not replot:
             try:
-                check_inputs(config, ctxs, world_sizes, table_paths, kvr_attention)
-            except InputError as e:
+                check_inputs(config, ctxs, world_sizes, table_paths, kvr_attention, nets)
+                if any(parse_net(n).emulated for n in nets):
+                    from kvrunahead.net.emulation import check_permission
+
+                    check_permission()
+            except (InputError, NetError) as e:
                 fail(str(e))
         out = Path(out_dir)
         if replot:
@@ -525,32 +664,56 @@ def main() -> None:
         singles_left = {1, *world_sizes} if "single" in mode_list else set()
         for transport in _list(transports):
             for p in world_sizes:
-                # Interleaved: the single process at 1 and p threads is timed among the ranks' runs (once).
-                in_world = interleave and p > 1 and {1, p} <= singles_left
-                jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths,
-                                  kvr_attention, singles_in_world=in_world)
-                if in_world:
-                    singles_left -= {1, p}
-                click.echo(f"world p={p} threads={threads} transport={transport}: {_runs_in(jobs)} runs", err=True)
-                env = environment(model, transport, threads, bandwidth)
-                rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume, interleave)
+                for world_net, members in worlds:
+                    # Interleaved: the single process at 1 and p threads is timed among the ranks' runs, in every
+                    # network's world (it does not communicate, but the machine drifts between worlds).
+                    in_world = interleave and p > 1 and "single" in mode_list
+                    jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths,
+                                      kvr_attention, singles_in_world=in_world, nets=members)
+                    if in_world:
+                        singles_left -= {1, p}
+                    click.echo(f"world p={p} threads={threads} transport={transport} network {world_net}: "
+                               f"{_runs_in(jobs)} runs", err=True)
+                    env = environment(model, transport, threads, world_net)
+                    try:
+                        rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume,
+                                          interleave, net=world_net)
+                    except (RuntimeError, ValueError, NetError) as e:
+                        fail(str(e))
         if singles_left:
             for t in sorted(singles_left):
                 jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]
                 click.echo(f"single process, {t} thread(s): {_runs_in(jobs)} runs", err=True)
-                rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, bandwidth), out,
+                rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, "loopback"), out,
                                   timeout_s, resume)
         summary = summarize(rows)
         add_bounds(summary)
         write_outputs(rows, summary, out)
+        clean_partial_rows(out)
         click.echo(markdown_table(summary))
         click.echo(f"wrote {out}/runs.csv, summary.md and plots", err=True)
 
     cli()
 
 
+def worker_main(plan_file: str, out_prefix: str) -> None:
+    """A benchmark rank: a fault (a stopped peer, a link down) ends it with one line and a non-zero exit, the
+    rows it wrote before kept; interpreter teardown is skipped, as it can block on a broken process group."""
+    from kvrunahead.net.liveness import PeerTimeout
+
+    try:
+        worker(plan_file, out_prefix)
+    except PeerTimeout as e:
+        print(f"kvr-bench: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    except Exception as e:  # noqa: BLE001
+        print(f"kvr-bench: rank failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+        worker_main(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -13,8 +13,10 @@ import click
 from kvrunahead.launcher import LaunchError, detect_launcher, spawn, world_size_hint
 from kvrunahead.models import MODEL_CHOICES
 from kvrunahead.modes import MODES
-from kvrunahead.runner import DTYPES, InputError, RunConfig, RunResult, prepare, run
-from kvrunahead.transport import TRANSPORTS
+from kvrunahead.net.liveness import PeerTimeout
+from kvrunahead.net.spec import NetError
+from kvrunahead.runner import DTYPES, InputError, RunConfig, RunResult, network_spec, prepare, run
+from kvrunahead.transport import ALLGATHERS, TRANSPORTS
 
 log = logging.getLogger("kvrunahead")
 
@@ -28,7 +30,8 @@ def format_result(r: RunResult) -> str:
     lines = [
         f"model        {r.model}",
         f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}"
-        f"   transport {r.transport}",
+        f"   transport {r.transport}" + (f"   all-gather {r.allgather}" if r.allgather else ""),
+        f"network      {r.network}",
         f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}"
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens" + (f"   ({r.rope_extension})" if r.rope_extension else ""),
@@ -101,9 +104,16 @@ def read_prompt_file(path: str) -> str:
 @click.option("--force-table", is_flag=True,
               help="Use a table made for another model, dtype, attention, device kind or network (its part count "
                    "must still match the world size).")
-@click.option("--bandwidth", "network", default=None,
-              help="Label of the network the ranks talk over; partition tables are matched on it. Default: "
-                   "loopback when all ranks share one host.")
+@click.option("--net", default=None,
+              help="The network: 'loopback' (default on one host), 'cap=400MB/s' (with --nproc: every rank on an "
+                   "emulated host of its own, links capped at that rate each way; needs root), ',noise' added: "
+                   "the noise sidecar between random adjacent ranks (noise=RATE, interval=S, duty=F to set it). "
+                   "Recorded in the result; partition tables are matched on the cap. Under torchrun or mpirun "
+                   "the network is the launcher's (launch/torchrun_netns.sh emulates it) and --net labels it.")
+@click.option("--allgather", type=click.Choice(ALLGATHERS), default="auto", show_default=True,
+              help="tsp and cp-allgather: 'native' is the library's all-gather, 'p2p' a ring of the point-to-point "
+                   "transfers the KV chain uses; auto: p2p on gloo and MPI (their all-gather is slower per byte), "
+                   "native on NCCL.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
@@ -168,11 +178,17 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
             raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
         if launcher == "single" and nproc > 1:
             prepare(cfg, nproc)  # one clear error here rather than one per rank
-            sys.exit(spawn(nproc, sys.argv[1:]))
+            sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
+        if launcher == "single" and network_spec(cfg).emulated:
+            raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         result = run(cfg, launcher, world_size)
-    except (InputError, LaunchError) as e:
+    except (InputError, LaunchError, NetError) as e:
         click.echo(f"kvr-prefill: error: {e}", err=True)
         sys.exit(2)
+    except PeerTimeout as e:
+        click.echo(f"kvr-prefill: {e}", err=True)
+        sys.stderr.flush()
+        os._exit(1)
     except Exception as e:  # noqa: BLE001 - one line per failed rank, then a bounded exit
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         click.echo(f"kvr-prefill: rank {rank} failed: {type(e).__name__}: {first}", err=True)

@@ -111,23 +111,41 @@ def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
-    """The environment torchrun gives a local rank (rendezvous on 127.0.0.1:``port``), plus ``extra``."""
+def rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict[str, str]:
+    """The environment torchrun gives a local rank (rendezvous on ``addr``:``port``), plus ``extra``."""
     return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
 
 
-def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli") -> int:
+def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli", net=None) -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
-    When one rank fails the others get ``grace_s`` to notice on their own, then are terminated,
-    so a failure never leaves the launcher waiting.
+    ``net`` (a ``NetSpec``) with a cap puts every rank on an emulated host of its own, and with noise runs the
+    sidecar beside them; both are removed when the ranks end, however they end.
     """
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv],
-                                      env=rank_env(rank, nproc, port, KVRUNAHEAD_SPAWNED="1")))
+    from kvrunahead.net.session import network
+    from kvrunahead.net.spec import NetSpec
+
+    with network(net or NetSpec(), nproc) as hosts:
+        port = free_port()
+        procs = [subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],
+                                  env=rank_env(rank, nproc, port, hosts.master_addr, KVRUNAHEAD_SPAWNED="1",
+                                               **hosts.env))
+                 for rank in range(nproc)]
+        code = supervise(procs, grace_s)
+        if hosts.noise is not None:
+            report = hosts.noise.stop()
+            if report is not None:
+                log.warning("%s", report.describe())
+        return code
+
+
+def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
+    """Wait for the ranks; return the first non-zero exit code.
+
+    When one rank fails the others get ``grace_s`` to notice on their own, then are terminated (a stopped rank
+    is continued so that it can die), so a failure never leaves the launcher waiting.
+    """
     failed_at = None
     code = 0
     try:
@@ -139,12 +157,15 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
                 for p in procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGTERM)
+                        p.send_signal(signal.SIGCONT)
                 break
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
         for p in procs:
-            p.send_signal(signal.SIGINT)
-        code = 130
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                p.send_signal(signal.SIGCONT)
+        code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e.code, int) else 1)
     for p in procs:
         try:
             p.wait(timeout=grace_s)

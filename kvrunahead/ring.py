@@ -73,7 +73,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
             offset += e - a
             outs[i], lses[i] = _chunk_attention(q, (a, e), k, v, ranges[src], scaling, outs[i], lses[i])
         if step < p - 1:
-            t.wait(req)
+            t.wait(req, f"ring step {step}'s K,V block from rank {(rank - 1) % p}")
             block = buf
     out = torch.cat(outs, dim=2).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import resource
@@ -25,12 +24,14 @@ from kvrunahead.models import (
     uses_attention_interface,
 )
 from kvrunahead.modes import MODES, Step
+from kvrunahead.net import liveness
+from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
 from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
-from kvrunahead.transport import TRANSPORTS, Transport, make_transport
+from kvrunahead.transport import ALLGATHERS, TRANSPORTS, Transport, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class RunConfig:
     timeout_s: float = 60.0
     allow_long_context: bool = False  # beyond the trained positions without a RoPE extension
     seed: int = 0
-    network: str | None = None  # the network label tables are matched on; None: loopback for one host
+    net: str | None = None  # --net: "loopback", "cap=400MB/s", "cap=13MB/s,noise"; None: loopback for one host
+    allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers
 
 
 @dataclass
@@ -102,6 +104,8 @@ class RunResult:
     launcher: str
     backend: str
     transport: str
+    network: str  # the --net label ("loopback", "cap=400MB/s,noise"), "unlabelled" across hosts without one
+    allgather: str | None  # tsp and cp-allgather: "native" (the library's collective) or "p2p" (a ring of sends)
     device: str
     dtype: str
     threads_per_rank: int
@@ -172,10 +176,19 @@ def _device_kind(cfg: RunConfig) -> str:
     return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def network_label(cfg: RunConfig, world_size: int, local_world_size: int) -> str:
-    """The network a run's tables must have been searched on: given, else loopback when all ranks share a host."""
-    if cfg.network:
-        return cfg.network
+def network_spec(cfg: RunConfig) -> NetSpec:
+    try:
+        return parse_net(cfg.net)
+    except NetError as e:
+        raise InputError(str(e)) from None
+
+
+def network_label(cfg: RunConfig, world_size: int, local_world_size: int, tables: bool = True) -> str:
+    """The network a run's tables must have been searched on (``tables``: its cap, not its noise) or the run's whole
+    setting: as given, else loopback when all ranks share a host."""
+    if cfg.net:
+        spec = network_spec(cfg)
+        return spec.table_label if tables else spec.label
     return "loopback" if local_world_size == world_size else "unlabelled"
 
 
@@ -241,6 +254,9 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
                          "kvr-nocomm only")
     if cfg.transport not in TRANSPORTS:
         raise InputError(f"unknown transport {cfg.transport!r}: use one of {', '.join(TRANSPORTS)}")
+    if cfg.allgather not in ALLGATHERS:
+        raise InputError(f"unknown all-gather {cfg.allgather!r}: use one of {', '.join(ALLGATHERS)}")
+    network_spec(cfg)
     if cfg.threads is not None and cfg.threads < 1:
         raise InputError(f"--threads must be at least 1, got {cfg.threads}")
     if cfg.prompt_text is not None and not cfg.prompt_text.strip():
@@ -282,6 +298,7 @@ def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
         raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s)
+    liveness.start_heartbeat(cfg.timeout_s)
     try:
         return run_on_world(cfg, world)
     finally:
@@ -292,7 +309,7 @@ def leave_world() -> None:
     """Drop the cached transports and destroy every process group: a rank that exits with gloo's threads
     still running can abort ("terminate called without an active exception")."""
     _TRANSPORTS.clear()
-    _PATIENT.clear()
+    liveness.forget()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -312,7 +329,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
-    transport = _transport(cfg.transport, rank, p, backend)
+    transport = _transport(cfg.transport, rank, p, backend, cfg.timeout_s, cfg.allgather)
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
@@ -322,8 +339,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
     state = mode.setup(step)
     emitter = mode.emitter(p)
-    if p > 1:
-        dist.barrier(group=_patient_group(cfg))
+    liveness.patient_barrier("the other ranks to start the prefill")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -345,10 +361,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         bytes_received=st.bytes_received,
         peak_mem_bytes=peak_memory_bytes(device),
     )
-    all_stats = [stats]
-    if p > 1:
-        all_stats = [None] * p
-        dist.all_gather_object(all_stats, stats, group=_patient_group(cfg))
+    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")
     if rank != emitter:
         return None
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
@@ -360,6 +373,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         launcher=world.launcher,
         backend=backend if p > 1 else "none",
         transport=transport.name,
+        network=network_label(cfg, p, world.local_world_size, tables=False),
+        allgather=transport.allgather if cfg.mode in ("tsp", "cp-allgather") and p > 1 else None,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         threads_per_rank=threads,
@@ -387,34 +402,19 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
 
 _MODELS: dict = {}
 _TRANSPORTS: dict = {}
-_PATIENT: dict = {}
-PATIENT_S = 3600.0
-
-
-def _patient_group(cfg: RunConfig):
-    """A group for the start barrier and the end-of-run gather. Ranks legitimately wait there for the whole
-    of another rank's work (set-up, or the rest of a long prefill: with an even partition at 16k rank 0
-    finishes minutes before the last rank), which --timeout, meant for a peer that stopped, must not cut."""
-    if "group" not in _PATIENT:
-        _PATIENT["group"] = dist.new_group(backend="gloo",
-                                           timeout=datetime.timedelta(seconds=max(cfg.timeout_s, PATIENT_S)))
-    return _PATIENT["group"]
-
-
 def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     """Every rank derives the partition, attention and RoPE itself (from its own partition_tables/ and
     device): ranks on hosts that differ there would size their buffers differently and hang, so compare."""
     mine = (tuple(prepared.partition.boundaries), prepared.kvr_attention, prepared.rope)
-    plans = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, mine, group=_patient_group(cfg))
+    plans = liveness.gather_objects(mine, "the other ranks' plans")
     if any(plan != plans[0] for plan in plans):
         raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE): {plans}; their hosts' "
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
 
 
-def patient_barrier(cfg: RunConfig) -> None:
-    """A barrier of all ranks that waits as long as another rank's whole prefill may take."""
-    dist.barrier(group=_patient_group(cfg))
+def patient_barrier(cfg: RunConfig | None = None) -> None:
+    """A barrier of all ranks that waits as long as the others are alive (net/liveness.py)."""
+    liveness.patient_barrier()
 
 
 def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,
@@ -427,12 +427,15 @@ def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,
     return _MODELS[key]
 
 
-def _transport(name: str, rank: int, world_size: int, backend: str) -> Transport:
+def _transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float, allgather: str) -> Transport:
     """One transport (and its process groups) per process and kind, reused across runs."""
     key = (name, rank, world_size, backend)
     if key not in _TRANSPORTS:
-        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend)
-    return _TRANSPORTS[key]
+        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather)
+    transport = _TRANSPORTS[key]
+    transport.timeout_s = timeout_s
+    transport.set_allgather(allgather)
+    return transport
 
 
 def default_atol(dtype: torch.dtype) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -20,12 +21,12 @@ log = logging.getLogger("kvrunahead.search")
 
 def _share(value, world) -> object:
     """The value of whichever rank has one (the emitting rank), on every rank."""
-    import torch.distributed as dist
+
+    from kvrunahead.net.liveness import gather_objects
 
     if world.world_size == 1:
         return value
-    gathered = [None] * world.world_size
-    dist.all_gather_object(gathered, value)
+    gathered = gather_objects(value, "the other ranks' measurement")
     return next(v for v in gathered if v is not None)
 
 
@@ -34,7 +35,7 @@ def _base_config(opts: dict):
 
     return RunConfig(model=opts["model"], threads=opts["threads"], device=opts["device"], dtype=opts["dtype"],
                      max_new_tokens=1, allow_long_context=opts["allow_long_context"], timeout_s=opts["timeout_s"],
-                     kvr_attention=opts["kvr_attention"], network=opts["bandwidth"])
+                     kvr_attention=opts["kvr_attention"], net=opts["net"])
 
 
 def table_key(opts: dict, world_size: int, local_world_size: int | None = None, config=None):
@@ -89,6 +90,8 @@ def run_search(opts: dict) -> None:
     from kvrunahead import __version__
     from kvrunahead.bench import environment
     from kvrunahead.launcher import detect_launcher, init_world, pick_backend, world_size_hint
+    from kvrunahead.net import liveness
+    from kvrunahead.net.spec import parse_net
     from kvrunahead.runner import leave_world, resolve_device
     from kvrunahead.tables import Table, TableMeta
 
@@ -96,6 +99,7 @@ def run_search(opts: dict) -> None:
     out = check_inputs(opts, world_size_hint(launcher, 1))
     device = resolve_device(opts["device"], 0)
     world = init_world(launcher, pick_backend(device), opts["timeout_s"])
+    liveness.start_heartbeat(opts["timeout_s"])
     p = world.world_size
     lead = world.rank == 0
     key = table_key(opts, p, world.local_world_size)
@@ -107,7 +111,8 @@ def run_search(opts: dict) -> None:
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         __import__("torch").cuda.get_device_name(device), threads_per_rank=opts["threads"],
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
-        device_kind=key.device_kind))
+        device_kind=key.device_kind, noise=(parse_net(opts["net"]).noise.describe()
+                                            if parse_net(opts["net"]).noise else None)))
     if lead:
         click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
     try:
@@ -220,9 +225,10 @@ def _progress(ctx: int, seed, lead: bool):
 @click.option("--threads", type=int, default=1, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
-@click.option("--bandwidth", default=None,
-              help="Label of the network setting, recorded in the table (kvr-prefill matches tables on it). "
-                   "Default: loopback when all ranks share one host.")
+@click.option("--net", default=None,
+              help="The network to search on: loopback (default on one host), cap=400MB/s (every rank on an "
+                   "emulated host of its own, links capped each way; needs root), ',noise' for the sidecar too. "
+                   "The table is keyed on the cap (kvr-prefill uses it only on the same cap); noise is recorded.")
 @click.option("--allow-long-context", is_flag=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True)
 def main(nproc: int, contexts: str, **opts) -> None:
@@ -236,6 +242,8 @@ def main(nproc: int, contexts: str, **opts) -> None:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
     """
     from kvrunahead.launcher import LaunchError, detect_launcher, spawn
+    from kvrunahead.net.liveness import PeerTimeout
+    from kvrunahead.net.spec import NetError, parse_net
     from kvrunahead.prompt import PromptError, parse_tokens
     from kvrunahead.runner import InputError
 
@@ -245,12 +253,17 @@ def main(nproc: int, contexts: str, **opts) -> None:
         opts["contexts"] = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
         if launcher == "single":
             check_inputs(opts, nproc)  # once here, not once per rank
-    except (PromptError, InputError) as e:
+        net = parse_net(opts["net"])
+    except (PromptError, InputError, NetError) as e:
         click.echo(f"kvr-search: error: {e}", err=True)
         sys.exit(2)
     if launcher == "single" and nproc > 1:
         t = time.perf_counter()
-        code = spawn(nproc, sys.argv[1:], module="kvrunahead.search_cli")
+        try:
+            code = spawn(nproc, sys.argv[1:], module="kvrunahead.search_cli", net=net)
+        except NetError as e:
+            click.echo(f"kvr-search: error: {e}", err=True)
+            sys.exit(2)
         click.echo(f"search took {time.perf_counter() - t:.0f} s", err=True)
         sys.exit(code)
     try:
@@ -258,6 +271,11 @@ def main(nproc: int, contexts: str, **opts) -> None:
     except (InputError, LaunchError) as e:
         click.echo(f"kvr-search: error: {e}", err=True)
         sys.exit(2)
+    except PeerTimeout as e:
+        # The candidates measured so far are in the checkpoints: --resume continues from them.
+        click.echo(f"kvr-search: {e}; the candidates measured so far are kept (--resume continues)", err=True)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

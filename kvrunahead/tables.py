@@ -59,6 +59,7 @@ class TableMeta:
     version: str = ""
     kvr_attention: str = "masked"  # tables made before split attention existed were searched with masked
     device_kind: str = "cpu"
+    noise: str | None = None  # the noise sidecar during the search, if any (not part of the key)
 
     @property
     def key(self) -> TableKey:

@@ -6,6 +6,7 @@ bytes sent and wait time the same way.
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -13,7 +14,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from kvrunahead.net import faults
+from kvrunahead.net.liveness import PeerTimeout
+
 TRANSPORTS = ("torch", "mpi")
+# How an all-gather mode gathers: the library's collective, or a ring of the same point-to-point transfers the
+# KV chain uses (p-1 steps, each rank passing one block to its successor). gloo's collective moves bytes several
+# times slower than its point-to-point over loopback, and MPI's is no faster (experiments/allgather_vs_p2p);
+# NCCL's all-gather is as fast as its point-to-point, so "auto" keeps it there.
+ALLGATHERS = ("auto", "native", "p2p")
 # torch >= 2.13 names the all-gather into one tensor all_gather_single (the old name warns); older releases
 # only have the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,7 +38,7 @@ class LinkStats:
 
 
 class Request(Protocol):
-    def wait(self) -> None: ...
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool: ...
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -40,11 +49,20 @@ class Transport:
     """Point-to-point and all-gather between the ranks of one world, with accounting."""
 
     name = "none"
+    native_allgather_fair = False  # whether the library's all-gather is as fast per byte as point-to-point
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
         self.rank, self.world_size = rank, world_size
+        self.timeout_s = timeout_s  # the longest wait for data in flight (net/liveness.py)
+        self.set_allgather(allgather)
         self.stats = LinkStats()
-        self._sends: list[tuple[Request, torch.Tensor]] = []
+        self._sends: list[tuple[Request, torch.Tensor, str]] = []
+
+    def set_allgather(self, choice: str) -> None:
+        """"native", "p2p", or "auto": the library's collective where it is as fast per byte as point-to-point."""
+        if choice not in ALLGATHERS:
+            raise ValueError(f"unknown all-gather {choice!r}: use one of {', '.join(ALLGATHERS)}")
+        self.allgather = ("native" if self.native_allgather_fair else "p2p") if choice == "auto" else choice
 
     # Subclasses implement these three.
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> Request:
@@ -59,7 +77,7 @@ class Transport:
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
         """Send in the background; the tensor is kept alive until ``drain``."""
         start = time.perf_counter()
-        self._sends.append((self._isend(t, dst, tag), t))
+        self._sends.append((self._isend(t, dst, tag), t, f"its send to rank {dst} (tag {tag})"))
         self.stats.send_s += time.perf_counter() - start
         self.stats.bytes_sent += nbytes(t)
         self.stats.messages_sent += 1
@@ -74,17 +92,31 @@ class Transport:
         self.isend(send, dst, tag)
         return req
 
-    def wait(self, req: Request) -> None:
+    def wait(self, req: Request, what: str = "data from another rank") -> None:
         start = time.perf_counter()
-        req.wait()
+        self._bounded_wait(req, what)
         self.stats.wait_s += time.perf_counter() - start
+
+    def _bounded_wait(self, req: Request, what: str) -> None:
+        """Wait at most ``timeout_s``; then one line naming this rank and what it waited for. (gloo and NCCL time
+        a wait themselves; without a bound, a receive from a stopped peer waits forever.)"""
+        try:
+            req.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            if "imed out" not in str(e) and "imeout" not in str(e):
+                raise
+            raise PeerTimeout(f"rank {self.rank}: no progress for {self.timeout_s:g} s waiting for {what} (the peer "
+                              "is stopped, gone, or its link is down or starved)") from None
 
     def all_gather(self, inp: torch.Tensor) -> torch.Tensor:
         """``[world_size, *inp.shape]``: every rank's ``inp``, in rank order."""
         # Blocks concatenated along dim 0, the layout the all-gather into one tensor expects.
         out = torch.empty((self.world_size * inp.shape[0], *inp.shape[1:]), dtype=inp.dtype, device=inp.device)
         start = time.perf_counter()
-        self._all_gather(out, inp.contiguous())
+        if self.allgather == "p2p":
+            self._ring_all_gather(out, inp.contiguous())
+        else:
+            self._all_gather(out, inp.contiguous())
         out = out.view(self.world_size, *inp.shape)
         self.stats.wait_s += time.perf_counter() - start
         # Each rank's block reaches the p-1 others: (p-1) x its size, whatever algorithm the library picks.
@@ -92,11 +124,26 @@ class Transport:
         self.stats.bytes_received += (self.world_size - 1) * nbytes(inp)
         return out
 
+    def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """All-gather as p-1 ring steps over the chain's point-to-point links: in step s every rank sends the
+        block of rank (r - s) to r+1 and receives that of rank (r - s - 1) from r-1; at p = 2 one exchange each
+        way, as NCCL does it."""
+        p, r = self.world_size, self.rank
+        blocks = out.view(p, *inp.shape)
+        blocks[r].copy_(inp)
+        for step in range(p - 1):
+            src_block, dst_block = (r - step) % p, (r - step - 1) % p
+            tag = 1_000_000 + step
+            recv = self._irecv(blocks[dst_block], (r - 1) % p, tag)
+            send = self._isend(blocks[src_block], (r + 1) % p, tag)
+            self._bounded_wait(recv, f"all-gather step {step} from rank {(r - 1) % p}")
+            self._bounded_wait(send, f"all-gather step {step} to rank {(r + 1) % p}")
+
     def drain(self) -> None:
         """Wait for this rank's sends still in flight."""
         start = time.perf_counter()
-        for req, _ in self._sends:
-            req.wait()
+        for req, _, what in self._sends:
+            self._bounded_wait(req, what)
         self._sends.clear()
         self.stats.send_s += time.perf_counter() - start
 
@@ -114,9 +161,11 @@ class TorchTransport(Transport):
 
     name = "torch"
 
-    def __init__(self, rank: int, world_size: int, backend: str) -> None:
-        super().__init__(rank, world_size)
+    def __init__(self, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
+                 allgather: str = "auto") -> None:
         self.backend = backend
+        self.native_allgather_fair = backend == "nccl"
+        super().__init__(rank, world_size, timeout_s, allgather)
         self._pairs: dict[frozenset[int], object] = {}
         if world_size > 1:
             # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around.
@@ -136,7 +185,7 @@ class TorchTransport(Transport):
         return dist.irecv(t, src=src, group=self._group(self.rank, src), tag=tag)
 
     def _all_gather(self, out, inp):
-        _all_gather_single(out, inp)
+        self._bounded_wait(_all_gather_single(out, inp, async_op=True), "the all-gather of every rank's K,V")
 
     def exchange(self, send, dst, recv, src, tag):
         if self.backend != "nccl":
@@ -151,7 +200,7 @@ class TorchTransport(Transport):
         self.stats.bytes_sent += nbytes(send)
         self.stats.bytes_received += nbytes(recv)
         self.stats.messages_sent += 1
-        self._sends.append((works[1], send))
+        self._sends.append((works[1], send, f"its send to rank {dst}"))
         return works[0]
 
 
@@ -160,8 +209,8 @@ class MpiTransport(Transport):
 
     name = "mpi"
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
+    def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
+        super().__init__(rank, world_size, timeout_s, allgather)
         from kvrunahead.launcher import import_mpi
 
         self.MPI = import_mpi()
@@ -182,15 +231,27 @@ class MpiTransport(Transport):
         return _MpiRequest(self.comm.Irecv(self._buf(t), source=src, tag=tag))
 
     def _all_gather(self, out, inp):
-        self.comm.Allgather(self._buf(inp), self._buf(out))
+        req = _MpiRequest(self.comm.Iallgather(self._buf(inp), self._buf(out)))
+        self._bounded_wait(req, "the all-gather of every rank's K,V")
 
 
 @dataclass
 class _MpiRequest:
     req: object
 
-    def wait(self) -> None:
-        self.req.Wait()
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is None:
+            self.req.Wait()
+            return True
+        # MPI has no timed wait: poll, backing off to 1 ms (the chain's waits are milliseconds to seconds).
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 1e-5
+        while not self.req.Test():
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return True
 
 
 class LocalTransport(Transport):
@@ -205,13 +266,14 @@ class LocalTransport(Transport):
         out.copy_(inp)
 
 
-def make_transport(name: str, rank: int, world_size: int, backend: str) -> Transport:
+def make_transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
+                   allgather: str = "auto") -> Transport:
     if world_size == 1:
         return LocalTransport()
     if name == "torch":
-        return TorchTransport(rank, world_size, backend)
+        return TorchTransport(rank, world_size, backend, timeout_s, allgather)
     if name == "mpi":
-        return MpiTransport(rank, world_size)
+        return MpiTransport(rank, world_size, timeout_s, allgather)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")
 
 
@@ -275,12 +337,13 @@ class ChainLink:
         """The predecessor's K,V of [0, prefix_len) for ``layer``; posts the next layer's receive."""
         self._post_recv(layer)  # no-op when posted ahead, as it normally is
         req, buf = self._pending.pop(layer)
-        self.transport.wait(req)
+        self.transport.wait(req, f"the K,V of layer {layer} from rank {self.rank - 1}")
         self._post_recv(layer + self.lookahead)
         return buf
 
     def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
         """Prepend the predecessor's prefix to ``local_kv``, forward the result, return it."""
+        faults.at_layer(self.rank, layer)
         kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
         if self.has_next:
             self.transport.isend(kv, self.rank + 1, tag=layer)
