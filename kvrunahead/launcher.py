@@ -149,7 +149,9 @@ def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
     failed_at = None
     code = 0
     try:
-        while any(p.poll() is None for p in procs):
+        # Poll every rank each round (any() would stop at the first one still running and never see a later
+        # rank's failure).
+        while [p.poll() for p in procs].count(None):
             bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if bad and failed_at is None:
                 failed_at, code = time.monotonic(), bad[0]

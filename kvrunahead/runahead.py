@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import torch
 from transformers import DynamicCache
@@ -24,19 +23,14 @@ from kvrunahead.attention import (
     register,
     require_attention_interface,
 )
+from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
 from kvrunahead.transport import ChainLink, KVLayout
-
-FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"  # "RANK:LAYER": raise inside that rank's cache update (failure tests)
-
-
-class InjectedFault(RuntimeError):
-    pass
 
 
 class RunaheadLayer(DynamicLayer):
     """A cache layer whose first update is the KV-Runahead exchange; later updates grow it as usual."""
 
-    def __init__(self, layer_idx: int, link: ChainLink, fault: tuple[int, int] | None = None) -> None:
+    def __init__(self, layer_idx: int, link: ChainLink, fault: Fault | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.link = link
@@ -52,8 +46,7 @@ class RunaheadLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.is_initialized:
             return super().update(key_states, value_states, *args, **kwargs)
-        if self.fault == (self.link.rank, self.layer_idx):
-            raise InjectedFault(f"fault injected on rank {self.link.rank} at layer {self.layer_idx}")
+        maybe_inject(self.fault, self.link.rank, self.layer_idx)
         self.dtype, self.device = key_states.dtype, key_states.device
         kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
         self.keys, self.values = kv[0], kv[1]
@@ -65,16 +58,9 @@ class RunaheadCache(DynamicCache):
     """A ``DynamicCache`` whose layers take part in the KV chain during the prefill."""
 
     def __init__(self, link: ChainLink) -> None:
-        fault = _parse_fault(os.environ.get(FAULT_ENV))
+        fault = fault_from_env()
         layers = [RunaheadLayer(i, link, fault) for i in range(link.layout.num_layers)]
         super(DynamicCache, self).__init__(layers=layers)
-
-
-def _parse_fault(spec: str | None) -> tuple[int, int] | None:
-    if not spec:
-        return None
-    rank, layer = spec.split(":")
-    return int(rank), int(layer)
 
 
 class LocalPrefixLink(ChainLink):

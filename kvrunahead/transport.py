@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from kvrunahead.net import faults
 from kvrunahead.net.liveness import PeerTimeout
 
 TRANSPORTS = ("torch", "mpi")
@@ -343,7 +342,6 @@ class ChainLink:
 
     def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
         """Prepend the predecessor's prefix to ``local_kv``, forward the result, return it."""
-        faults.at_layer(self.rank, layer)
         kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
         if self.has_next:
             self.transport.isend(kv, self.rank + 1, tag=layer)

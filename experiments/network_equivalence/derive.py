@@ -290,9 +290,10 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
     carried = [{"testbed_rate_from": c, "testbed_rate_GFLOPs": test_rates["measured now"][c] / 1e9,
                 **{f"cap_{k}_MBps": cap(b, MAIN_CONTEXT, main_paper, test_rates["measured now"][c]) / 1e6
                    for k, b in PAPER_BANDWIDTHS.items()}} for c in MEASURED_CONTEXTS]
-    # Sensitivity 3: the paper's TTFTs hold a fixed cost that is no per-token compute (1k and 2k take about
-    # 0.1 s on 1, 4 and 8 GPUs alike). Subtracting each run's own 1k TTFT (Table 1, line 786; an upper bound
-    # on that cost, since it includes 1k tokens of compute) from its 16k TTFT raises the paper's rate.
+    # Sensitivity 3: the paper's TTFTs hold a fixed cost that is no per-token compute (1k takes about 0.1 s
+    # on 1, 4 and 8 GPUs alike, 2k as much on 4 and 8). Subtracting each run's own 1k TTFT (Table 1, line
+    # 786; an upper bound on that cost, since it includes 1k tokens of compute) from its 16k TTFT raises the
+    # paper's rate.
     overhead = {}
     for run in ("KVR-S-4", "KVR-S-8"):
         i, p = PAPER_RUNS[run]

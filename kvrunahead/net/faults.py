@@ -1,46 +1,78 @@
-"""Fault injection for tests and drills: ``KVR_FAULT=rank=0,layer=3,action=stop`` makes rank 0 act when it reaches
-layer 3 of the KV chain. Actions: ``stop`` (SIGSTOP itself: a rank that stops responding without dying),
-``linkdown`` (take its emulated host's link down), ``cap=1kB/s`` (cap its host's uplink near zero), ``exit`` (die).
-The link actions need the rank to run on an emulated host (``--net cap=...``)."""
+"""Fault injection for tests and drills: ``KVRUNAHEAD_INJECT_FAULT=RANK:LAYER[:ACTION[:RUN]]`` makes rank RANK act
+as it reaches layer LAYER of the KV chain in its RUN-th prefill (default the first), so that a benchmark or a
+search can be cut after some results. Actions:
+
+- ``raise``: an exception in the cache update (a rank that fails);
+- ``exit``: the process dies at once;
+- ``stop``: SIGSTOP itself, a rank that stops responding without dying (a frozen host);
+- ``linkdown``: take its emulated host's link down (``--net cap=...`` only);
+- ``cap=RATE``: cap its emulated host's uplink at RATE, e.g. ``cap=1kB/s`` (near zero).
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
-
-
-def _parse(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"
 
 
-_SPEC = _parse(os.environ.get("KVR_FAULT", ""))
+class InjectedFault(RuntimeError):
+    pass
 
 
-def at_layer(rank: int, layer: int) -> None:
-    """Called by the KV chain as each layer starts; does nothing unless KVR_FAULT names this rank and layer."""
-    if not _SPEC or int(_SPEC.get("rank", -1)) != rank or int(_SPEC.get("layer", -1)) != layer:
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    layer: int
+    action: str = "raise"
+    run: int = 1
+
+
+def parse_fault(text: str | None) -> Fault | None:
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        return Fault(int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "raise",
+                     int(parts[3]) if len(parts) > 3 else 1)
+    except (IndexError, ValueError):
+        raise ValueError(f"{FAULT_ENV}={text!r}: use RANK:LAYER[:ACTION[:RUN]]") from None
+
+
+_HITS: dict[tuple[int, int], int] = {}
+
+
+def fault_from_env() -> Fault | None:
+    return parse_fault(os.environ.get(FAULT_ENV))
+
+
+def maybe_inject(fault: Fault | None, rank: int, layer: int) -> None:
+    """Act if ``fault`` names this rank, layer and run; called by the KV chain as each layer starts."""
+    if fault is None or (fault.rank, fault.layer) != (rank, layer):
         return
-    action = _SPEC.get("action", "stop")
-    print(f"KVR_FAULT: rank {rank} at layer {layer}: {action}", file=sys.stderr, flush=True)
-    _SPEC.clear()  # once
-    if action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif action == "exit":
+    _HITS[(rank, layer)] = _HITS.get((rank, layer), 0) + 1
+    if _HITS[(rank, layer)] != fault.run:
+        return
+    print(f"{FAULT_ENV}: rank {rank} at layer {layer} of run {fault.run}: {fault.action}", file=sys.stderr, flush=True)
+    if fault.action == "raise":
+        raise InjectedFault(f"fault injected on rank {rank} at layer {layer}")
+    if fault.action == "exit":
         os._exit(3)
-    elif action == "linkdown":
-        from kvrunahead.net.emulation import IFNAME
+    if fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    from kvrunahead.net.emulation import IFNAME, tbf_args
+    from kvrunahead.net.spec import parse_rate
 
+    # The rank runs inside its emulated host's namespace, where it may change its own link.
+    if fault.action == "linkdown":
         subprocess.run(["ip", "link", "set", IFNAME, "down"], check=True)
-    elif action == "cap":
-        from kvrunahead.net.emulation import IFNAME, tbf_args
-        from kvrunahead.net.spec import parse_rate
-
-        rate = parse_rate(_SPEC.get("rate", "1kB/s"))
+    elif fault.action.startswith("cap="):
+        rate = parse_rate(fault.action.removeprefix("cap="))
         subprocess.run(["tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf", *tbf_args(rate)], check=True)
     else:
-        raise ValueError(f"KVR_FAULT: unknown action {action!r}")
+        raise ValueError(f"{FAULT_ENV}: unknown action {fault.action!r}")
