@@ -145,13 +145,13 @@ def worker(plan_file: str, out_prefix: str) -> None:
         patient_barrier(cfg)
         return result
 
-    best: dict[tuple, str] = {}  # (context length, network) -> the partition kvr-best settled on
+    best: dict[tuple, str] = {}  # (context length, links) -> the partition kvr-best settled on
 
     def prepare(job: dict) -> str:
         """The job's partition (after its sweep, if any), then its warm-up runs."""
         partition = job["partition"]
         if partition == "@best":
-            partition = best.get((job["context_len"], job["net"]), "even")
+            partition = best.get((job["context_len"], parse_net(job["net"]).table_label), "even")
         if job["sweep"]:
             # Rank 0's share; the rest split evenly. Every rank sees the same TTFTs, so all pick the same best.
             p = world.world_size
@@ -161,7 +161,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
                 spec = ",".join(f"{x:.6f}" for x in [share] + [rest] * (p - 1))
                 tried[spec] = measure(job, spec, "sweep", len(tried))
             partition = min(tried, key=tried.get)
-            best[(job["context_len"], job["net"])] = partition
+            best[(job["context_len"], parse_net(job["net"]).table_label)] = partition
         for i in range(job["warmup"]):
             measure(job, partition, "warmup", i)
         return partition
@@ -516,6 +516,10 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
         for job in _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attention,
                             singles_in_world and i == 0):
             job.net = net
+            if i > 0 and job.label == "kvr-best":
+                # Searched on the quiet links only, as the paper's KVR-S (fig. 11): the noisy setting reuses the
+                # partition the first setting's sweep found.
+                job.sweep, job.partition = None, "@best"
             jobs.append(job)
     # Interleaved sweeps group jobs by context: keep each context's jobs of every setting together.
     return sorted(jobs, key=lambda j: contexts.index(j.context_len))
@@ -536,6 +540,10 @@ def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attent
                 jobs.append(Job("kvr-even", "kvr", ctx, "even", repeats, warmup))
             elif mode == "kvr-best":
                 jobs.append(Job("kvr-best", "kvr", ctx, "even", repeats, warmup, sweep=shares if nproc > 1 else None))
+            elif mode == "kvr-nocomm" and tables and "kvr-best" not in modes:
+                # The bound on the first table's partition, where no kvr-best sweep picks one.
+                label, path = next(iter(tables.items()))
+                jobs.append(Job("kvr-nocomm", "kvr-nocomm", ctx, "table", repeats, warmup, table=path))
             elif mode == "kvr-nocomm":
                 jobs.append(Job("kvr-nocomm", "kvr-nocomm", ctx, "@best", repeats, warmup))
             elif mode == "kvr-split":
@@ -562,8 +570,9 @@ def main() -> None:
                   help="single runs at 1 thread and at p threads (with --interleave among the ranks' runs, the "
                        "other ranks idle); kvr-default is kvr-prefill's defaults (--partition auto, "
                        "--kvr-attention auto); kvr is the even partition; kvr-best sweeps rank 0's share (--shares) "
-                       "and keeps the fastest; kvr-nocomm is the bound on kvr-best's partition; kvr-split (not "
-                       "default) is kvr-best's partition with --kvr-attention split.")
+                       "and keeps the fastest; kvr-nocomm is the bound on kvr-best's partition (without kvr-best: "
+                       "on the first --table's); kvr-split (not default) is kvr-best's partition with "
+                       "--kvr-attention split.")
     @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
     @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
     @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")

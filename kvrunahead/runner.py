@@ -339,7 +339,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
     state = mode.setup(step)
     emitter = mode.emitter(p)
-    liveness.patient_barrier("the other ranks to start the prefill")
+    if p > 1:  # a single process inside a world of ranks (kvr-bench's interleaved singles) meets nobody
+        liveness.patient_barrier("the other ranks to start the prefill")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -361,7 +362,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         bytes_received=st.bytes_received,
         peak_mem_bytes=peak_memory_bytes(device),
     )
-    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")
+    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
     if rank != emitter:
         return None
     new_tokens = cfg.max_new_tokens if mode.decodes else 1

@@ -318,3 +318,37 @@ def test_net_spec_quiet_drops_only_the_noise():
     spec = parse_net("cap=22MB/s,noise")
     assert spec.quiet() == NetSpec(22e6, None)
 
+
+
+# ---------------------------------------------------------------- the benchmark across networks
+
+@needs_emulation
+def test_bench_alternates_quiet_and_noisy_runs_on_each_network_and_reports_the_noise_overhead(
+        tmp_path, nothing_left_behind):
+    nets = ["loopback", "loopback,noise=20MB/s", "cap=50MB/s", "cap=50MB/s,noise"]
+    args = ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--nproc", "2", "--modes", "tsp,kvr,kvr-best",
+            "--shares", "0.5,0.7", "--repeats", "2", "--warmup", "0", "--interleave", "--out", str(tmp_path)]
+    for net in nets:
+        args += ["--net", net]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["kind"] == "timed"]
+    assert {r["network"] for r in timed} == {parse_net(n).label for n in nets}
+    assert all(r["allgather"] == "p2p" for r in timed if r["mode"] == "tsp")
+    # Sweeps on the quiet links only; the noisy setting runs the partition they found.
+    sweeps = {r["network"] for r in rows if r["kind"] == "sweep"}
+    assert sweeps == {"loopback", "cap=50MB/s"}
+    summary = list(__import__("csv").DictReader(open(tmp_path / "summary.csv")))
+    noisy = [s for s in summary if s["network"].endswith("noise") or "noise=" in s["network"]]
+    assert noisy and all(s["noise_overhead"] not in ("", None) for s in noisy)
+    for s in noisy:
+        quiet = next(q for q in summary if q["network"] == parse_net(s["network"]).table_label
+                     and q["label"] == s["label"])
+        expect = float(s["ttft_median_s"]) / float(quiet["ttft_median_s"]) - 1
+        assert float(s["noise_overhead"]) == pytest.approx(expect, rel=1e-6)
+    best = {(s["network"], s["label"]): s["boundaries"] for s in summary}
+    assert best[("cap=50MB/s", "kvr-best")] == best[("cap=50MB/s,noise", "kvr-best")]
+    reports = list(tmp_path.glob("noise_*.json"))
+    assert len(reports) == 2 and all(json.loads(p.read_text())["bytes_sent"] > 0 for p in reports)
+    assert (tmp_path / "noise_overhead.png").exists() and (tmp_path / "ttft_torch_cap-50MB-s.png").exists()
