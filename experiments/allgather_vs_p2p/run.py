@@ -7,7 +7,7 @@ point-to-point exchange of the same block costs. This measures, on 2 ranks of 1 
   send    one isend/irecv of the block in one direction (what one hop of the KV chain costs)
 Median of --repeats, the three interleaved. Writes results.json and results.md next to this file.
 
-  python experiments/allgather_vs_p2p/run.py            # gloo (spawns 2 ranks) and MPI (mpirun, if present)
+  python experiments/allgather_vs_p2p/run.py   # gloo and MPI on loopback, gloo on the two caps (needs root)
 """
 
 from __future__ import annotations
@@ -76,17 +76,23 @@ def rank_main(transport_name: str, repeats: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(transport_name: str, repeats: int) -> list[dict]:
+def launch(transport_name: str, repeats: int, net: str = "loopback") -> list[dict]:
     from kvrunahead.launcher import free_port, rank_env
+    from kvrunahead.net.session import network
+    from kvrunahead.net.spec import parse_net
 
     out = HERE / f".{transport_name}.json"
     cmd = [sys.executable, __file__, "--rank", transport_name, str(repeats), str(out)]
     if transport_name == "mpi":
         procs = [subprocess.Popen(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-n", "2", *cmd])]
     else:
-        port = free_port()
-        procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, OMP_NUM_THREADS="1")) for r in range(2)]
-    if any(p.wait() for p in procs):
+        with network(parse_net(net), 2) as hosts:  # a cap: each rank on an emulated host of its own
+            port = free_port()
+            procs = [subprocess.Popen(hosts.prefix(r) + cmd, env=rank_env(r, 2, port, hosts.master_addr,
+                                                                          OMP_NUM_THREADS="1", **hosts.env))
+                     for r in range(2)]
+            codes = [p.wait() for p in procs]
+    if any(p.wait() for p in procs) or (transport_name != "mpi" and any(codes)):
         raise SystemExit(f"{transport_name} ranks failed")
     rows = json.loads(out.read_text())
     out.unlink()
@@ -94,7 +100,7 @@ def launch(transport_name: str, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    repeats = int(os.environ.get("REPEATS", "15"))
+    repeats = int(os.environ.get("REPEATS", "25"))
     import platform
 
     import torch
@@ -108,6 +114,11 @@ def main() -> None:
     transports = ["torch"] + (["mpi"] if shutil.which("mpirun") else [])
     for name in transports:
         result["transports"]["gloo" if name == "torch" else "mpi"] = launch(name, repeats)
+    # On capped links (experiments/network_equivalence: the caps equivalent to the paper's 300 and 10 GB/s) each
+    # direction has a link of its own, as on NVLink: a fair exchange costs what one send costs.
+    for cap in os.environ.get("CAPS", "cap=650MB/s,cap=22MB/s").split(","):
+        if cap:
+            result["transports"][f"gloo {cap}"] = launch("torch", repeats, cap)
     (HERE / "results.json").write_text(json.dumps(result, indent=1))
     lines = ["| transport | context | block MB | native all-gather ms | p2p ring all-gather ms | one send ms | "
              "native / send | p2p / send |", "|---" * 8 + "|"]

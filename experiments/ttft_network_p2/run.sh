@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# TTFT of every mode at p = 2 (1 thread per rank, gloo) on three networks, quiet and noisy: unshaped loopback, the
+# cap equivalent to the paper's 300 GB/s (650 MB/s) and to its 10 GB/s (22 MB/s), experiments/network_equivalence.
+# Needs root (network namespaces, tc). Every part is resumable: rerun the same line and only the missing runs are
+# measured. One part at a time (2 cores):
+#   bash experiments/ttft_network_p2/run.sh 16k-high    # the headline: 16k at the high cap, quiet
+#   bash experiments/ttft_network_p2/run.sh 4k          # every mode, every network, quiet and noisy
+#   bash experiments/ttft_network_p2/run.sh 8k          # the same at 8k
+#   bash experiments/ttft_network_p2/run.sh 16k-noise   # 16k at both caps, quiet and noisy
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HIGH=cap=650MB/s
+LOW=cap=22MB/s
+# "KVR with the table's partition": the shipped loopback table, on every network (as a user who ignores the network
+# gets it); kvr-best sweeps rank 0's share on each network's quiet links and runs that partition quiet and noisy.
+TABLE=partition_tables/smollm2-135m_p2_float32_cpu_split.json
+common=(--nproc 2 --threads 1 --interleave --resume --table "loopback=$TABLE" --force-table --timeout 1800)
+all_nets=(--net loopback --net loopback,noise --net "$HIGH" --net "$HIGH,noise" --net "$LOW" --net "$LOW,noise")
+out=experiments/ttft_network_p2
+case "${1:?which part: 16k-high, 4k, 8k or 16k-noise}" in
+  16k-high)
+    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-nocomm --net "$HIGH" --repeats 3 --warmup 0 \
+      --out "$out/16k_high" "${common[@]}" ;;
+  4k|8k)
+    kvr-bench --ctx "$1" --modes single,tsp,cp-allgather,ring,kvr,kvr-best,kvr-nocomm "${all_nets[@]}" \
+      --shares 0.50,0.55,0.60,0.65,0.70,0.75 --repeats 3 --warmup 1 --out "$out/$1" "${common[@]}" ;;
+  16k-noise)
+    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-nocomm --net "$HIGH" --net "$HIGH,noise" --net "$LOW" \
+      --net "$LOW,noise" --repeats 3 --warmup 0 --out "$out/16k_noise" "${common[@]}" ;;
+  *) echo "unknown part $1" >&2; exit 2 ;;
+esac
