@@ -19,7 +19,7 @@ all_nets=(--net loopback --net loopback,noise --net "$HIGH" --net "$HIGH,noise" 
 out=experiments/ttft_network_p2
 case "${1:?which part: 16k-high, 4k, 8k or 16k-noise}" in
   16k-high)
-    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-nocomm --net "$HIGH" --repeats 3 --warmup 0 \
+    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default,kvr-nocomm --net "$HIGH" --repeats 3 --warmup 0 \
       --out "$out/16k_high" "${common[@]}" ;;
   4k|8k)
     kvr-bench --ctx "$1" --modes single,tsp,cp-allgather,ring,kvr,kvr-best,kvr-nocomm "${all_nets[@]}" \

@@ -1,12 +1,13 @@
-"""``kvr-net``: emulated hosts on this machine (one network namespace each, rate-capped links) for jobs that
-start their own ranks, such as one torchrun per host.
+"""Emulated hosts on this machine (one network namespace each, links rate-capped each way) for jobs that start
+their own ranks, such as one torchrun per host. Needs root.
 
 \b
   kvr-net run --hosts 2 --net cap=400MB/s -- torchrun --nnodes 2 --nproc-per-node 1 \\
-      --rdzv-backend c10d --rdzv-endpoint {addr0}:29400 --local-addr {addr} \\
-      --no-python kvr-prefill --net cap=400MB/s --ctx 2k --verify
-  kvr-net up --hosts 2 --net cap=13MB/s     # and leave it up (kvr-net down removes it)
-  kvr-net list | kvr-net down
+      --rdzv-backend c10d --rdzv-endpoint {addr0}:29400 --rdzv-conf is_host={is_host0} \\
+      --local-addr {addr} --no-python kvr-prefill --net cap=400MB/s --ctx 2k --verify
+  kvr-net up --hosts 2 --net cap=13MB/s     # and leave it up
+  kvr-net list
+  kvr-net down                              # remove every emulated host and link
 """
 
 from __future__ import annotations
