@@ -325,7 +325,9 @@ def add_bounds(summary: list[dict]) -> None:
         quiet = by.get((cap, s["context_len"], s["label"], s["transport"])) if net != cap else None
         s["noise_overhead"] = s["ttft_median_s"] / quiet["ttft_median_s"] - 1 if quiet else None
         nocomm = by.get((net, s["context_len"], "kvr-nocomm", s["transport"]))
-        is_kvr = s["label"].startswith("kvr-") and s["label"] != "kvr-nocomm"
+        # The bound holds for the partition it ran on: other partitions differ in their work, not their transfers.
+        is_kvr = (s["label"].startswith("kvr-") and s["label"] != "kvr-nocomm" and nocomm is not None
+                  and s["boundaries"] == nocomm["boundaries"])
         s["over_nocomm_bound"] = s["ttft_median_s"] / nocomm["ttft_median_s"] - 1 if nocomm and is_kvr else None
         # The bound above lets the last rank start with its prefix in hand, so it also removes the wait for the
         # earlier ranks' compute; this one keeps that wait and removes only the transfer.
@@ -409,7 +411,8 @@ def plot(summary: list[dict], out: Path) -> None:
                       if s["label"] == "kvr-best" and s["ttft_star_s"])
         if star:
             axes[0].plot([c / 1024 for c, _ in star], [t for _, t in star], "k--", label="TTFT*(p), eq. 3")
-        for label in ("kvr-best", "kvr-even"):
+        for label in [lb for lb in labels if any(s["label"] == lb and s["over_nocomm_bound"] is not None
+                                                 for s in rows)]:
             pts = sorted(((s["context_len"], s) for s in rows
                           if s["label"] == label and s["over_nocomm_bound"] is not None), key=lambda x: x[0])
             if pts:

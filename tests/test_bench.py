@@ -37,6 +37,16 @@ def test_bounds_follow_eq_3_and_the_no_communication_run():
     assert "| 1024 | 2 | kvr-best | torch | 4.000 |" in markdown_table(summary)
 
 
+def test_the_no_communication_bound_is_compared_on_its_own_partition_only():
+    rows = [_row(1024, "kvr-best", 4.0), _row(1024, "kvr-nocomm", 3.2, compute=(3.6, 3.2)),
+            dict(_row(1024, "kvr-even", 5.0), boundaries=[0, 600, 1024])]
+    summary = summarize(rows)
+    add_bounds(summary)
+    by = {s["label"]: s for s in summary}
+    assert by["kvr-best"]["over_nocomm_bound"] == pytest.approx(0.25)
+    assert by["kvr-even"]["over_nocomm_bound"] is None
+
+
 def test_markdown_leaves_the_speedup_empty_without_tsp():
     summary = summarize([_row(1024, "kvr-default", 4.0), _row(1024, "kvr-S", 3.9)])
     add_bounds(summary)
