@@ -77,11 +77,10 @@ def worker(plan_file: str, out_prefix: str) -> None:
     from kvrunahead.net import liveness
     from kvrunahead.net.noise import switch
     from kvrunahead.net.spec import parse_net
-    from kvrunahead.runner import RunConfig, leave_world, patient_barrier, run_on_world
+    from kvrunahead.runner import RunConfig, leave_world, run_on_world
 
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
-    liveness.start_heartbeat(plan["timeout_s"])
     base = plan["config"]
     noise_control = os.environ.get("KVR_NOISE_CONTROL")
     noise_state = [None]
@@ -94,7 +93,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
             noise_state[0] = on
 
     if world.world_size > 1:
-        patient_barrier(RunConfig(**base))  # the group singles wait in, made by every rank before any other
+        liveness.patient_barrier()  # the group singles wait in, made by every rank before any other
     # Runs recorded by an interrupted sweep (--resume): every rank skips the same ones.
     recorded: dict[str, float] = plan.get("recorded", {})
     out = open(f"{out_prefix}.{world.rank}.jsonl", "a" if recorded else "w")
@@ -142,7 +141,7 @@ def worker(plan_file: str, out_prefix: str) -> None:
         if world.rank == 0:
             cfg.threads = job["threads"]
             result = run_on_world(cfg, World(0, 1, 0, 1, "single"))
-        patient_barrier(cfg)
+        liveness.patient_barrier("rank 0's single-process run")
         return result
 
     best: dict[tuple, str] = {}  # (context length, links) -> the partition kvr-best settled on

@@ -104,6 +104,10 @@ def init_world(launcher: str, backend: str, timeout_s: float) -> World:
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    # Every world beats: the waits for another rank's whole prefill are bounded by the heartbeats (net/liveness.py).
+    from kvrunahead.net import liveness
+
+    liveness.start_heartbeat(timeout_s)
     return World(rank, size, local_rank, local_size, launcher)
 
 

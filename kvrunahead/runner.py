@@ -298,7 +298,6 @@ def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
         raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s)
-    liveness.start_heartbeat(cfg.timeout_s)
     try:
         return run_on_world(cfg, world)
     finally:
@@ -411,11 +410,6 @@ def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     if any(plan != plans[0] for plan in plans):
         raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE): {plans}; their hosts' "
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
-
-
-def patient_barrier(cfg: RunConfig | None = None) -> None:
-    """A barrier of all ranks that waits as long as the others are alive (net/liveness.py)."""
-    liveness.patient_barrier()
 
 
 def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,

@@ -21,7 +21,6 @@ log = logging.getLogger("kvrunahead.search")
 
 def _share(value, world) -> object:
     """The value of whichever rank has one (the emitting rank), on every rank."""
-
     from kvrunahead.net.liveness import gather_objects
 
     if world.world_size == 1:
@@ -90,7 +89,6 @@ def run_search(opts: dict) -> None:
     from kvrunahead import __version__
     from kvrunahead.bench import environment
     from kvrunahead.launcher import detect_launcher, init_world, pick_backend, world_size_hint
-    from kvrunahead.net import liveness
     from kvrunahead.net.spec import parse_net
     from kvrunahead.runner import leave_world, resolve_device
     from kvrunahead.tables import Table, TableMeta
@@ -99,10 +97,10 @@ def run_search(opts: dict) -> None:
     out = check_inputs(opts, world_size_hint(launcher, 1))
     device = resolve_device(opts["device"], 0)
     world = init_world(launcher, pick_backend(device), opts["timeout_s"])
-    liveness.start_heartbeat(opts["timeout_s"])
     p = world.world_size
     lead = world.rank == 0
     key = table_key(opts, p, world.local_world_size)
+    noise = parse_net(opts["net"]).noise
     base = _base_config(opts)
     base.kvr_attention = key.kvr_attention
     env = environment(opts["model"], "torch", opts["threads"], key.bandwidth)
@@ -111,8 +109,7 @@ def run_search(opts: dict) -> None:
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         __import__("torch").cuda.get_device_name(device), threads_per_rank=opts["threads"],
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
-        device_kind=key.device_kind, noise=(parse_net(opts["net"]).noise.describe()
-                                            if parse_net(opts["net"]).noise else None)))
+        device_kind=key.device_kind, noise=noise.describe() if noise else None))
     if lead:
         click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
     try:
