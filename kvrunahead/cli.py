@@ -92,7 +92,8 @@ def read_prompt_file(path: str) -> str:
 @click.option("--partition", default="auto", show_default=True,
               help="auto: interpolated from the partition table searched for this model, world size, dtype, "
                    "attention, device kind and network (partition_tables/, made by kvr-search), or where none "
-                   "covers the context, balanced by a cost estimate of the ranks' work; 'table': a table or an "
+                   "covers the context, the cost model's partition on this machine's profile (kvr-calibrate; else "
+                   "the shipped CPU profile; on GPUs a FLOP estimate); 'table': a table or an "
                    "error; 'even'; boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
 @click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto", show_default=True,
               help="kvr modes: split = prefix block in full + own block causally, merged by log-sum-exp, "

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from kvrunahead.cost import estimated_partition
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.models import (
     LoadedModel,
@@ -30,6 +29,7 @@ from kvrunahead.partition import Partition, PartitionError, check_fits, parse_pa
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
+from kvrunahead.sim.flops import estimated_partition
 from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
 from kvrunahead.transport import ALLGATHERS, TRANSPORTS, Transport, make_transport
 
@@ -50,7 +50,7 @@ class RunConfig:
     context_len: int | None = 2048
     prompt_text: str | None = None
     chat: bool = True
-    partition: str = "auto"  # a matching table, else the cost estimate; or even, boundaries, ratios, table
+    partition: str = "auto"  # a matching table, else the cost model; or even, boundaries, ratios, table
     kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
     table: str | None = None
     force_table: bool = False
@@ -161,7 +161,7 @@ def default_threads(local_world_size: int) -> int:
 class Prepared:
     ids: list[int]
     partition: Partition
-    partition_source: str  # "even", "explicit", the table and entries, or the cost estimate and why
+    partition_source: str  # "even", "explicit", the table and entries, or the cost model (estimate) and why
     warning: str | None = None
     rope: RopeExtension | None = None
     kvr_attention: str = "masked"
@@ -222,8 +222,9 @@ def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
 
 
 def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str) -> tuple[Partition, str]:
-    """The table of this exact setting, interpolated, where it covers the context; else the cost estimate
-    (never silently the even partition: the chain makes later ranks wait, so even is never the best)."""
+    """The table of this exact setting, interpolated, where it covers the context; else the cost model's
+    partition on this machine's profile (CPU), else the FLOP estimate (never silently the even partition: the
+    chain makes later ranks wait, so even is never the best)."""
     if key.world_size == 1:
         return Partition.even(context_len, 1), "one rank"
     try:
@@ -238,6 +239,16 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
             return lookup.partition, lookup.source
         why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
                else f"{path.name} has no entries")
+    if key.device_kind == "cpu":
+        from kvrunahead.sim.optimize import predicted_partition
+        from kvrunahead.sim.profile import ProfileError
+
+        try:
+            partition, source = predicted_partition(config, key.dtype, cfg.threads or 1, context_len, key.world_size,
+                                                     attention, key.bandwidth)
+            return partition, f"{source} ({why})"
+        except ProfileError as e:
+            why = f"{why}; {e}"
     partition = estimated_partition(config, context_len, key.world_size, attention)
     return partition, f"cost estimate of the ranks' work ({why})"
 

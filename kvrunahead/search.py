@@ -237,3 +237,19 @@ def search(
         polish(ev, min_stride)
     best, ttft = ev.best()
     return SearchResult(best, ttft, len(ev.results), time.perf_counter() - t0, levels, dict(ev.results))
+
+
+def refine(measure: Callable[[Boundaries], float], seed: Boundaries, min_stride: int = 64,
+           checkpoint: Path | None = None, on_measure: Callable[[Boundaries, float], None] | None = None,
+           preload: dict | None = None) -> SearchResult:
+    """Measure only around a predicted partition (``kvr-search --backend model --refine``): the seed, then
+    ``polish`` (its neighbours one ``min_stride`` away, moving while one is better). At least 1 + 2(p-1)
+    candidates; the even partition is not measured (``SearchResult.all`` lacks it)."""
+    t0 = time.perf_counter()
+    ev = Evaluator(measure, checkpoint, on_measure)
+    if preload:
+        ev.preload(preload)
+    ev(tuple(seed))
+    polish(ev, min_stride)
+    best, ttft = ev.best()
+    return SearchResult(best, ttft, len(ev.results), time.perf_counter() - t0, 1, dict(ev.results))

@@ -122,7 +122,7 @@ def run_search(opts: dict) -> None:
 
 def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> None:
     from kvrunahead.runner import RunConfig, run_on_world
-    from kvrunahead.search import even_boundaries, search
+    from kvrunahead.search import even_boundaries, refine, search
     from kvrunahead.tables import Table, TableEntry
 
     p = world.world_size
@@ -150,7 +150,12 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
 
         seed = None
         seeds = Table.load(Path(opts["seed_table"])) if opts["seed_table"] else table
-        if opts["seeded"] and seeds.entries:
+        if opts["refine"]:
+            seed = _model_answer(opts, ctx, p).boundaries  # the same on every rank: the model is deterministic
+            if lead:
+                click.echo(f"[ctx {ctx}] the cost model's partition {','.join(map(str, seed))}: measuring it and "
+                           f"its neighbours {opts['min_stride']} tokens away", err=True)
+        elif opts["seeded"] and seeds.entries:
             seed = seeds.search_seed(ctx)
         on_measure, on_level = _progress(ctx, seed, lead)
         ckpt = ckpt_dir / f"{ctx}.json" if lead else None
@@ -160,9 +165,13 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
                 ckpt.unlink()
         # Every rank resumes from rank 0's checkpoint so that all replay the same candidates.
         resumed = _share(json.loads(ckpt.read_text()) if ckpt is not None and ckpt.exists() else {}, world)
-        result = search(measure, ctx, p, min_stride=opts["min_stride"], seed=seed, window=opts["window"],
-                        checkpoint=ckpt, on_measure=on_measure, on_level=on_level, preload=resumed)
-        even_t = result.all[even_boundaries(ctx, p)]
+        if opts["refine"]:
+            result = refine(measure, seed, opts["min_stride"], checkpoint=ckpt, on_measure=on_measure,
+                            preload=resumed)
+        else:
+            result = search(measure, ctx, p, min_stride=opts["min_stride"], seed=seed, window=opts["window"],
+                            checkpoint=ckpt, on_measure=on_measure, on_level=on_level, preload=resumed)
+        even_t = result.all.get(even_boundaries(ctx, p))
         # Every rank adds the entry: the next length is seeded from this table, and all ranks must propose
         # the same candidates.
         table.add(TableEntry(context_len=ctx, boundaries=list(result.boundaries),
@@ -171,10 +180,64 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
                              search_s=round(result.search_s, 1), seeded=seed is not None))
         if lead:
             table.save(out)
+            even = f"even {even_t:.3f} s" if even_t is not None else "even not measured"
             click.echo(f"[ctx {ctx}] best {','.join(map(str, result.boundaries))}: TTFT {result.ttft_s:.3f} s "
-                       f"(even {even_t:.3f} s), {result.evaluations} candidates, {result.search_s:.0f} s", err=True)
+                       f"({even}), {result.evaluations} candidates, {result.search_s:.0f} s", err=True)
     if lead:
         click.echo(f"wrote {out}", err=True)
+
+
+def _cost_model(opts: dict, world_size: int):
+    """The table's key and its cost model: the model's shape on the chosen profile, over the table's link.
+    With --device auto the table is for the profile's device kind (a GPU profile writes a cuda table)."""
+    from kvrunahead.models import resolve_config
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.profile import resolve_profile
+    from kvrunahead.sim.shape import shape_from_config
+
+    profile, which = resolve_profile(opts["profile"], opts["threads"])
+    if opts["device"] == "auto":
+        opts = {**opts, "device": profile.device_kind}
+    key = table_key(opts, world_size)
+    link = key.bandwidth if key.bandwidth in profile.links else None
+    shape = shape_from_config(resolve_config(opts["model"]), key.dtype, opts["model"])
+    return key, CostModel(shape, profile, link), which
+
+
+def _model_answer(opts: dict, ctx: int, world_size: int):
+    from kvrunahead.sim.optimize import search_partition
+
+    key, cost, _ = _cost_model(opts, world_size)
+    return search_partition(cost, ctx, world_size, key.kvr_attention, min_stride=opts["min_stride"])
+
+
+def model_search(opts: dict, world_size: int) -> None:
+    """``--backend model``: the table from the cost model, without starting a rank."""
+    from kvrunahead import __version__
+    from kvrunahead.sim.optimize import search_partition
+    from kvrunahead.tables import TABLES_DIR, Table, TableEntry, TableMeta, table_filename
+
+    key, cost, which = _cost_model(opts, world_size)
+    out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
+    link = cost.link_label or cost.profile.default_link
+    click.echo(f"model search for {key.describe()} on {which}, link {link} -> {out}", err=True)
+    if link != key.bandwidth:
+        click.echo(f"warning: the profile has no link {key.bandwidth!r}; its {link!r} link is used", err=True)
+    table = Table.load(out) if out.exists() else Table(TableMeta(
+        model=opts["model"], config_hash=key.config_hash, dtype=key.dtype, world_size=world_size, backend="model",
+        transport="model", device=cost.profile.device, threads_per_rank=opts["threads"], bandwidth=key.bandwidth,
+        version=__version__, kvr_attention=key.kvr_attention, device_kind=key.device_kind,
+        source=f"cost model: {cost.profile.name}"))
+    for ctx in opts["contexts"]:
+        r = search_partition(cost, ctx, world_size, key.kvr_attention, min_stride=opts["min_stride"])
+        table.add(TableEntry(context_len=ctx, boundaries=list(r.boundaries),
+                             ratios=[(hi - lo) / ctx for lo, hi in zip(r.boundaries, r.boundaries[1:])],
+                             ttft_s=r.ttft_s, even_ttft_s=r.even_ttft_s, evaluations=r.simulations,
+                             search_s=round(r.search_s, 2)))
+        click.echo(f"[ctx {ctx}] predicted best {','.join(map(str, r.boundaries))}: TTFT {r.ttft_s:.3f} s "
+                   f"(even {r.even_ttft_s:.3f} s), {r.simulations} simulations, {r.search_s:.1f} s", err=True)
+    table.save(out)
+    click.echo(f"wrote {out}", err=True)
 
 
 def _progress(ctx: int, seed, lead: bool):
@@ -226,6 +289,15 @@ def _progress(ctx: int, seed, lead: bool):
               help="The network to search on: loopback (default on one host), cap=400MB/s (every rank on an "
                    "emulated host of its own, links capped each way; needs root), ',noise' for the sidecar too. "
                    "The table is keyed on the cap (kvr-prefill uses it only on the same cap); noise is recorded.")
+@click.option("--backend", type=click.Choice(["measured", "model"]), default="measured", show_default=True,
+              help="measured: time candidates on the ranks; model: find the partition with the cost model and "
+                   "simulator (seconds, any --nproc, no ranks started).")
+@click.option("--profile", default=None,
+              help="Hardware profile for --backend model: cpu (this machine's kvr-calibrate profile, else the "
+                   "shipped one), a100-nvlink, h100-nvlink, ... or a file.")
+@click.option("--refine", is_flag=True,
+              help="With --backend model: then measure on the real ranks only the model's answer and its "
+                   "neighbours --min-stride tokens away, moving while a neighbour is faster.")
 @click.option("--allow-long-context", is_flag=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True)
 def main(nproc: int, contexts: str, **opts) -> None:
@@ -237,21 +309,28 @@ def main(nproc: int, contexts: str, **opts) -> None:
     --repeats runs (median) after --warmup runs per length, logged, checkpointed next to the table
     (--resume continues), and never measured twice. Example:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
+      kvr-search --backend model --nproc 8 --ctx 16k --out /tmp/t.json
     """
     from kvrunahead.launcher import LaunchError, detect_launcher, spawn
     from kvrunahead.net.liveness import PeerTimeout
     from kvrunahead.net.spec import NetError, parse_net
     from kvrunahead.prompt import PromptError, parse_tokens
     from kvrunahead.runner import InputError
+    from kvrunahead.sim.profile import ProfileError
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     launcher = detect_launcher()
     try:
         opts["contexts"] = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
+        if opts["refine"] and opts["backend"] != "model":
+            raise InputError("--refine refines the model's answer: add --backend model")
         if launcher == "single":
             check_inputs(opts, nproc)  # once here, not once per rank
         net = parse_net(opts["net"])
-    except (PromptError, InputError, NetError) as e:
+        if opts["backend"] == "model" and not opts["refine"]:
+            model_search(opts, nproc)
+            return
+    except (PromptError, InputError, NetError, ProfileError) as e:
         click.echo(f"kvr-search: error: {e}", err=True)
         sys.exit(2)
     if launcher == "single" and nproc > 1:

@@ -60,6 +60,7 @@ class TableMeta:
     kvr_attention: str = "masked"  # tables made before split attention existed were searched with masked
     device_kind: str = "cpu"
     noise: str | None = None  # the noise sidecar during the search, if any (not part of the key)
+    source: str = "measured"  # or "cost model: <profile>" (kvr-search --backend model)
 
     @property
     def key(self) -> TableKey:
@@ -115,6 +116,8 @@ class Table:
         """The partition for ``context_len``: interpolated between the two nearest entries (fig. 10)."""
         if not self.entries:
             raise TableError(f"partition table {name} has no entries")
+        if self.meta.source != "measured":
+            name = f"{name} ({self.meta.source})"
         below = [e for e in self.entries if e.context_len <= context_len]
         above = [e for e in self.entries if e.context_len >= context_len]
         if below and above:

@@ -130,7 +130,7 @@ def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
     order = re.findall(r"ctx +128 (\S+) +timed", proc.stderr)
     assert order == ["single-1t", "single-2t", "kvr-default"] * 2
     default = next(r for r in rows if r["label"] == "kvr-default")
-    assert default["kvr_attention"] == "split" and default["partition_source"].startswith("cost estimate")
+    assert default["kvr_attention"] == "split" and default["partition_source"].startswith("cost model")
     assert "single process" not in proc.stderr  # no separate world for the singles
 
 

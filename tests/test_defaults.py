@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvrunahead import tables
-from kvrunahead.cost import balanced_partition, estimated_partition, layer_cost
 from kvrunahead.models import load_model, resolve_config
 from kvrunahead.partition import Partition
 from kvrunahead.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.runner import InputError, RunConfig, prepare
+from kvrunahead.sim.flops import balanced_partition, estimated_partition, layer_cost
 from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
 
 

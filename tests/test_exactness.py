@@ -161,5 +161,5 @@ def test_the_default_run_uses_split_attention_and_no_even_partition_beyond_one_r
     assert r["kvr_attention"].startswith("split (default")
     assert r["verification"]["max_abs_logit_diff"] <= 1e-4 and r["verification"]["generated_match"]
     if p > 1:
-        assert r["partition_source"].startswith("cost estimate") and r["boundaries"] != list(
+        assert r["partition_source"].startswith("cost model") and r["boundaries"] != list(
             Partition.even(CONTEXT, p).boundaries)

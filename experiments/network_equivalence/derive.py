@@ -123,8 +123,8 @@ class Shape:
 
 
 def shapes() -> tuple[Shape, Shape]:
-    from kvrunahead.cost import layer_cost
     from kvrunahead.models import DEFAULT_MODEL, resolve_config
+    from kvrunahead.sim.flops import layer_cost
 
     paper_cfg, test_cfg = resolve_config("llama-7b"), resolve_config(DEFAULT_MODEL)
     paper = Shape.from_config("Llama-7B fp16", paper_cfg, 2)

@@ -1,4 +1,4 @@
-"""A first estimate of each rank's prefill work, for a partition where no lookup table matches.
+"""A profile-free estimate of each rank's prefill work: the partition where no table and no profile applies.
 
 Per layer, rank i with n_i tokens after a prefix of b_i tokens does work linear in n_i (QKV and output
 projections, MLP: two FLOPs per matrix parameter per token) and attention work proportional to the
@@ -10,7 +10,8 @@ query-key pairs it scores (four FLOPs per pair per query head and head dimension
 
 The chain hands K,V down layer by layer, so after the first layers every layer waits on the slowest rank
 (the paper's section 3, eq. 4-6): the estimate gives every rank the same work. It counts FLOPs only, at
-equal efficiency for matrix products and attention; a measured table replaces it where one exists.
+equal efficiency for matrix products and attention; a measured table, or the cost model on a measured
+profile (``kvrunahead.sim``), replaces it where one exists.
 """
 
 from __future__ import annotations

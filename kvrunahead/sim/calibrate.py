@@ -1,0 +1,309 @@
+"""Measure a hardware profile on the local device through the runtime's own model code and kernels.
+
+- Projections and MLP: the model's decoder layers over n tokens with the attention call replaced by a no-op
+  (registered with transformers' AttentionInterface), divided by the layer count; fitted to
+  ``layer_s + FLOPs(n) / matmul rate``.
+- Attention: the kernels the modes call, on the model's head shapes: the model's SDPA path with the offset
+  causal mask (KVR masked, TSP, cp-allgather), the causal diagonal block and the full prefix block with their
+  log-sum-exp merge (KVR split, ring); each fitted to ``call + per query + per key + pairs x FLOPs / rate``.
+- Copies: the cache concatenation; links: ``kvrunahead.sim.linkbench`` on two ranks (in namespaces with a cap).
+- Whole prefills of the model against the sum of their simulated steps: ``compute_factor``, what the steps leave
+  out (the model's glue between kernels, the cache's bookkeeping).
+With ``concurrent`` ranks the steps are timed while the others compute the same steps (shared memory bandwidth
+and caches, as in a run). Every fit keeps its worst relative residual in ``profile.fit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
+from kvrunahead.sim.shape import ModelShape
+from kvrunahead.sim.simulate import simulate
+
+log = logging.getLogger(__name__)
+
+NULL_ATTENTION = "kvrunahead_null"
+LINEAR_TOKENS = (256, 1024, 2048, 4096, 8192, 16384)
+LINEAR_LAYERS = 4  # decoder layers timed (the first ones of the model): per-layer cost at a fraction of the time
+# (queries, keys) of the attention kernels: the parts and prefixes of 1k-16k prompts at p = 2-8.
+ATTENTION_SHAPES = ((256, 256), (512, 512), (1024, 1024), (512, 2048), (2048, 2048), (1024, 4096),
+                    (2048, 4096), (4096, 4096), (2048, 8192), (8192, 8192), (4096, 16384), (8192, 16384))
+LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+LARGE_MESSAGE = 1 << 22
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(columns: list[list[float]], times: list[float]) -> tuple[np.ndarray, float]:
+    """Non-negative least squares in relative error; returns the coefficients and the worst residual."""
+    from scipy.optimize import nnls
+
+    a = np.array(columns, dtype=float).T
+    t = np.array(times, dtype=float)
+    coef, _ = nnls(a / t[:, None], np.ones_like(t))
+    worst = float(np.max(np.abs(a @ coef - t) / t))
+    return coef, worst
+
+
+def _null_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    import torch
+
+    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+
+
+def measure_linear(model, shape: ModelShape, repeats: int, tokens=LINEAR_TOKENS) -> tuple[float, float, float]:
+    """(layer_s, matmul FLOP/s, worst residual) of the decoder layers without their attention kernel."""
+    import torch
+
+    from kvrunahead.attention import attention_mode, register
+
+    register(NULL_ATTENTION, _null_attention)
+    device = next(model.parameters()).device
+    times = []
+    base = model.base_model
+    all_layers = base.layers
+    used = min(LINEAR_LAYERS, len(all_layers))
+    base.layers = all_layers[:used]  # the forward runs the layers it holds
+    try:
+        with torch.no_grad(), attention_mode(model, NULL_ATTENTION, None):
+            for n in tokens:
+                ids = torch.zeros((1, n), dtype=torch.long, device=device)
+                times.append(_median_time(lambda ids=ids: base(input_ids=ids, use_cache=False), repeats) / used)
+                log.info("linear n=%d: %.4f s per layer", n, times[-1])
+    finally:
+        base.layers = all_layers
+    flops = shape.qkv_flops_per_token + shape.other_flops_per_token
+    coef, worst = _fit([[1.0] * len(tokens), [flops * n for n in tokens]], times)
+    return float(coef[0]), 1.0 / max(float(coef[1]), 1e-30), worst
+
+
+def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_SHAPES) -> tuple[dict, dict]:
+    """Each kernel's ``AttentionCost`` and worst residual."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvrunahead.attention import attend_with_lse, expand_kv, merge_lse
+
+    module = model.base_model.layers[0].self_attn
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    scale = shape.head_dim ** -0.5
+    kernels: dict[str, AttentionCost] = {}
+    worst: dict[str, float] = {}
+
+    def tensors(q, k):
+        g = torch.Generator(device="cpu").manual_seed(q * 31 + k)
+        return (torch.randn(1, shape.heads, q, shape.head_dim, generator=g).to(device, dtype),
+                torch.randn(1, shape.kv_heads, k, shape.head_dim, generator=g).to(device, dtype),
+                torch.randn(1, shape.kv_heads, k, shape.head_dim, generator=g).to(device, dtype))
+
+    def causal(q, k):  # a diagonal block, as split and ring attend it (q == k)
+        qt, kt, vt = tensors(q, q)
+        return lambda: attend_with_lse(qt, expand_kv(kt, shape.heads), expand_kv(vt, shape.heads), True, scale)
+
+    def full(q, k):  # a prefix block, merged by log-sum-exp into the rank's diagonal block
+        qt, kt, vt = tensors(q, k)
+        out = torch.zeros(1, shape.heads, q, shape.head_dim, dtype=torch.float32, device=device)
+        lse = torch.zeros(1, shape.heads, q, dtype=torch.float32, device=device)
+
+        def run():
+            o, s = attend_with_lse(qt, expand_kv(kt, shape.heads), expand_kv(vt, shape.heads), False, scale)
+            return merge_lse(out, lse, o, s)
+        return run
+
+    def masked(q, k):  # the model's SDPA with the offset causal mask (queries are the last q of k positions)
+        qt, kt, vt = tensors(q, k)
+        qpos = torch.arange(k - q, k, device=device)[:, None]
+        mask = (torch.arange(k, device=device)[None, :] <= qpos)[None, None]
+        return lambda: sdpa_attention_forward(module, qt, kt, vt, mask, scaling=scale)
+
+    pairs_of = {"causal": lambda q, k: q * (q + 1) / 2, "full": lambda q, k: q * k, "masked": lambda q, k: q * k}
+    with torch.no_grad():
+        for name, make in (("causal", causal), ("full", full), ("masked", masked)):
+            cases = sorted({(q, q) for q, _ in shapes}) if name == "causal" else list(shapes)
+            times = [_median_time(make(q, k), repeats) for q, k in cases]
+            cols = [[1.0] * len(cases), [q for q, _ in cases], [k for _, k in cases],
+                    [pairs_of[name](q, k) * shape.flops_per_pair for q, k in cases]]
+            coef, worst[name] = _fit(cols, times)
+            kernels[name] = AttentionCost(flops_per_s=1.0 / max(float(coef[3]), 1e-30), call_s=float(coef[0]),
+                                          query_s=float(coef[1]), key_s=float(coef[2]), skips_masked=True)
+            log.info("attention %s: %.3g FLOP/s, worst residual %.1f%%", name, kernels[name].flops_per_s,
+                     100 * worst[name])
+    return kernels, worst
+
+
+WHOLE_TOKENS = (1024, 4096)
+
+
+def measure_whole(model, repeats: int, tokens=WHOLE_TOKENS) -> list[tuple[int, float]]:
+    """Whole prefills of the model (its own SDPA, causal, LM head on the last token) at a few lengths."""
+    import torch
+
+    from kvrunahead.runahead import last_token_logits
+
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for n in tokens:
+            ids = torch.zeros((1, n), dtype=torch.long, device=device)
+            out.append((n, _median_time(lambda ids=ids: last_token_logits(model, ids), repeats)))
+    return out
+
+
+def measure_copy(repeats: int, tokens: int = 8192, bytes_per_token: int = 1536) -> float:
+    """Bytes per second of the cache concatenation (prefix and own K,V into one tensor)."""
+    import torch
+
+    a = torch.zeros(bytes_per_token * tokens // 8)
+    b = torch.zeros(bytes_per_token * tokens // 8)
+    return 2 * a.numel() * 4 / _median_time(lambda: torch.cat((a, b)), repeats)
+
+
+def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkProfile, float, list[dict]]:
+    """Latency and bandwidth of one direction between two ranks, and the all-gather's efficiency."""
+    from kvrunahead.launcher import spawn
+    from kvrunahead.net.spec import parse_net
+
+    spec = parse_net(net)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "link.json"
+        code = spawn(2, [str(out), str(repeats), *map(str, sizes)], module="kvrunahead.sim.linkbench", net=spec)
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"the link benchmark failed (exit {code}) on {spec.label}")
+        data = json.loads(out.read_text())
+    rows = data["rows"]
+    # Bandwidth from the messages of the sizes the modes move (a layer's K,V: megabytes), latency from the
+    # smallest; tbf lets a short burst through faster than the rate, which a fit over all sizes would take in.
+    big = [r for r in rows if r["bytes"] >= LARGE_MESSAGE] or rows[-1:]
+    coef, _ = _fit([[r["bytes"] for r in big]], [r["send_s"] for r in big])
+    bandwidth = 1.0 / max(float(coef[0]), 1e-30)
+    latency = max(0.0, min(r["send_s"] - r["bytes"] / bandwidth for r in rows if r["bytes"] < LARGE_MESSAGE))
+    worst = max(abs(latency + r["bytes"] / bandwidth - r["send_s"]) / r["send_s"] for r in big)
+    # At p = 2 an all-gather is one exchange each way: its efficiency is one transfer's time over its own.
+    efficiency = statistics.median(r["send_s"] / r["allgather_s"] for r in big)
+    kind = "ring" if data["allgather"] == "p2p" else "native"
+    return LinkProfile(bandwidth, latency, kind, round(min(1.0, efficiency), 3)), worst, rows
+
+
+def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: bool) -> None:
+    """Another rank while one is timed: the same measurements in the same order (so both ranks run the same
+    step at the same time, as in a run), over and over until terminated. Starts on 'go' from stdin."""
+    import torch
+
+    from kvrunahead.models import load_model, resolve_config
+    from kvrunahead.sim.shape import shape_from_config
+
+    torch.set_num_threads(threads)
+    model = load_model(model_name, getattr(torch, dtype), torch.device("cpu")).model
+    shape = shape_from_config(resolve_config(model_name), dtype, model_name)
+    linear, attention = _shapes(quick)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    while True:
+        measure_linear(model, shape, repeats, linear)
+        measure_attention(model, shape, repeats, attention)
+
+
+def _shapes(quick: bool):
+    return (LINEAR_TOKENS[:4], ATTENTION_SHAPES[:6]) if quick else (LINEAR_TOKENS, ATTENTION_SHAPES)
+
+
+@contextlib.contextmanager
+def companions(count: int, model_name: str, dtype: str, threads: int, repeats: int, quick: bool):
+    """``count`` processes measuring the same steps beside the timed one, in step with it, as the other ranks
+    of a run compute beside it (they share the machine's memory bandwidth and caches)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "kvrunahead.sim.calibrate", model_name, dtype, str(threads),
+                               str(repeats), str(int(quick))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a companion rank of the calibration failed to start")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+
+
+def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads: int = 1,
+              nets: tuple[str, ...] = ("loopback",), repeats: int = 3, quick: bool = False,
+              on_step: Callable[[str], None] | None = None, concurrent: int = 1) -> HardwareProfile:
+    """Measure a profile; with ``concurrent`` > 1 the compute steps are timed while that many ranks compute
+    in all (the others run the same layers), as in a run of that many ranks on this machine."""
+    import torch
+    import transformers
+
+    from kvrunahead import __version__
+    from kvrunahead.bench import environment
+    from kvrunahead.models import load_model, resolve_config
+    from kvrunahead.sim.shape import shape_from_config
+
+    step = on_step or (lambda s: None)
+    torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    shape = shape_from_config(resolve_config(model_name), dtype, model_name)
+    model = load_model(model_name, torch_dtype, torch.device("cpu")).model
+    linear_tokens, attention_shapes = _shapes(quick)
+    with companions(concurrent - 1, model_name, dtype, threads, repeats, quick):
+        step(f"projections and MLP at {', '.join(map(str, linear_tokens))} tokens"
+             + (f", {concurrent - 1} other rank(s) computing" if concurrent > 1 else ""))
+        layer_s, matmul, linear_worst = measure_linear(model, shape, repeats, linear_tokens)
+        step(f"attention kernels at {len(attention_shapes)} shapes")
+        kernels, attention_worst = measure_attention(model, shape, repeats, attention_shapes)
+        step("memory copies")
+        memory = measure_copy(repeats)
+        step(f"whole prefills at {', '.join(map(str, WHOLE_TOKENS))} tokens")
+        whole = measure_whole(model, repeats, WHOLE_TOKENS[:1] if quick else WHOLE_TOKENS)
+    links, link_worst = {}, {}
+    for net in nets:
+        step(f"link on {net} (2 ranks)")
+        links[net], link_worst[net], _ = measure_link(net, repeats, LINK_SIZES[:3] if quick else LINK_SIZES)
+    env = environment(model_name, "torch", threads, nets[0] if nets else "loopback")
+    profile = HardwareProfile(
+        name=f"cpu-t{threads}", device=f"{env['cpu']}, {env['cores']} cores",
+        matmul_flops_per_s=matmul, matmul_half_tokens=0.0, memory_Bps=memory, layer_s=layer_s,
+        attention=kernels, threads=threads, dtype=dtype,
+        # --no-link: a placeholder the CLI replaces with the shipped profile's links
+        links=links or {"loopback": LinkProfile(2.5e9)}, default_link=nets[0] if nets else "loopback",
+        versions={"torch": torch.__version__, "transformers": transformers.__version__, "kvrunahead": __version__,
+                  "python": platform.python_version()},
+        sources={"calibrated": f"kvr-calibrate on {model_name} ({dtype}, {threads} thread(s) per rank, "
+                               f"{concurrent} rank(s) computing)",
+                 "shape": json.dumps(shape.to_dict())},
+        fit={"linear": round(linear_worst, 4), **{f"attention_{k}": round(v, 4) for k, v in attention_worst.items()},
+             **{f"link_{k}": round(v, 4) for k, v in link_worst.items()}})
+    cost = CostModel(shape, profile)
+    ratios = [t / simulate(cost, "single", n, 1).ttft_s for n, t in whole]
+    profile.compute_factor = round(statistics.median(ratios), 4)
+    profile.fit["whole_prefill_spread"] = round(max(ratios) / min(ratios) - 1, 4)
+    return profile
+
+
+if __name__ == "__main__":
+    _companion(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), bool(int(sys.argv[5])))

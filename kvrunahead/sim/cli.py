@@ -1,0 +1,200 @@
+"""``kvr-calibrate`` (measure this machine's profile) and ``kvr-plan`` (rank count, mode and partition)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kvrunahead.sim.profile import ProfileError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def resolve_shape(name: str, dtype: str):
+    """A paper model's shape by name, or any model kvr-prefill knows (preset, default, local directory)."""
+    from kvrunahead.models import ModelError, resolve_config
+    from kvrunahead.sim.shape import PAPER_SHAPES, ModelShape, shape_from_config
+
+    if name in PAPER_SHAPES:
+        s = PAPER_SHAPES[name]
+        return s if dtype is None else ModelShape(**{**s.to_dict(), "dtype_bytes": {"float32": 4}.get(dtype, 2)})
+    try:
+        return shape_from_config(resolve_config(name), dtype or "float32", name)
+    except ModelError as e:
+        raise ProfileError(f"{e} (or a paper shape: {', '.join(PAPER_SHAPES)})") from None
+
+
+def parse_noise(spec: str | None, interval_s: float = 1.0, duty: float = 0.5):
+    from kvrunahead.net.spec import parse_rate
+    from kvrunahead.sim.links import NoiseModel
+
+    return None if not spec else NoiseModel(parse_rate(spec), interval_s, duty)
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--model", default="smollm2-135m", show_default=True, help="Model whose layers are timed.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--threads", type=int, default=1, show_default=True, help="Threads per rank, as the runs will use.")
+@click.option("--net", "nets", multiple=True,
+              help="Network(s) whose link to measure, as kvr-prefill --net takes them (repeatable; default "
+                   "loopback; a cap needs root).")
+@click.option("--no-link", is_flag=True, help="Skip the two-rank link benchmark (keep the shipped link figures).")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
+@click.option("--quick", is_flag=True, help="Fewer shapes (about a minute); for a check, not for predictions.")
+@click.option("--ranks", "concurrent", type=int, default=None,
+              help="Ranks computing at once while the steps are timed, as in the runs to predict (they share "
+                   "memory bandwidth and caches). Default: 2 where the machine has 2 or more cores, else 1.")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Profile to write. Default: this machine's profile, where kvr-plan and kvr-search "
+                   "--backend model find it (~/.cache/kvrunahead/profiles/cpu-t<threads>.json).")
+def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurrent, out) -> None:
+    """Measure this machine's hardware profile for the cost model and simulator.
+
+    \b
+    Times the runtime's own model code and kernels on one rank: the decoder layers' projections and MLP,
+    the attention kernels of every mode at the shapes of 1k-16k prompts, the cache copies; and, on two
+    ranks, the link through the runtime's transport (point-to-point and all-gather), on each --net.
+    Writes JSON with the machine, versions, date and each fit's worst residual. Example:
+      kvr-calibrate --out /tmp/cpu.json
+    """
+    from kvrunahead.sim.calibrate import calibrate
+    from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile, local_profile_path
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    import os
+
+    if concurrent is None:
+        concurrent = 2 if (os.cpu_count() or 1) >= 2 * threads else 1
+    if threads < 1 or repeats < 1 or concurrent < 1:
+        click.echo("kvr-calibrate: error: --threads, --repeats and --ranks must be at least 1", err=True)
+        sys.exit(2)
+    target = Path(out) if out else local_profile_path(threads)
+    start = time.perf_counter()
+
+    def step(what: str) -> None:
+        click.echo(f"[{time.perf_counter() - start:5.0f} s] measuring {what}", err=True)
+
+    try:
+        profile = calibrate(model, dtype, threads, () if no_link else (tuple(nets) or ("loopback",)), repeats,
+                            quick, step, concurrent)
+    except Exception as e:  # noqa: BLE001 - one line for the user, whatever broke
+        click.echo(f"kvr-calibrate: error: {e}", err=True)
+        sys.exit(1)
+    if no_link:
+        shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
+        base = HardwareProfile.load(shipped) if shipped.exists() else None
+        if base is None:
+            click.echo("kvr-calibrate: error: --no-link needs a shipped profile to take the link from", err=True)
+            sys.exit(2)
+        profile.links, profile.default_link = base.links, base.default_link
+        profile.sources["links"] = f"from the shipped profile ({base.device}, {base.date[:10]})"
+    profile.save(target)
+    click.echo(describe(profile))
+    click.echo(f"wrote {target} in {time.perf_counter() - start:.0f} s")
+
+
+def describe(profile) -> str:
+    lines = [f"profile {profile.name}: {profile.device}, {profile.threads} thread(s), {profile.dtype}",
+             f"  projections/MLP {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, layer overhead "
+             f"{profile.layer_s * 1e3:.2f} ms, copies {profile.memory_Bps / 1e9:.1f} GB/s"]
+    for name, k in profile.attention.items():
+        lines.append(f"  attention {name:<6} {k.flops_per_s / 1e9:.1f} GFLOP/s on the pairs it computes, "
+                     f"{k.call_s * 1e3:.2f} ms per call")
+    for name, link in profile.links.items():
+        lines.append(f"  link {name}: {link.bandwidth_Bps / 1e6:.0f} MB/s, {link.latency_s * 1e6:.0f} us, "
+                     f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}")
+    if profile.fit:
+        lines.append("  worst fit residual: " + ", ".join(f"{k} {v:.1%}" for k, v in profile.fit.items()))
+    return "\n".join(lines)
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--ctx", "contexts", required=True, help="Context length(s), e.g. 16k or 1k,8k,1M.")
+@click.option("--profile", default=None,
+              help="a100-nvlink, a100-pcie, a100-nvlink-flash, h100-nvlink, cpu (this machine's kvr-calibrate "
+                   "profile, else the shipped one) or a profile file. Default: cpu.")
+@click.option("--model", default=None,
+              help="Model shape: llama-7b, llama-13b, llama-7b-gqa8, llama-7b-mqa, falcon-7b, or any model "
+                   "kvr-prefill takes. Default: llama-7b on a GPU profile, smollm2-135m on a CPU one.")
+@click.option("--max-ranks", type=int, default=8, show_default=True)
+@click.option("--ranks", default=None, help="Rank counts to consider instead, e.g. 2,3,4.")
+@click.option("--modes", default="kvr,tsp,cp-allgather,ring", show_default=True)
+@click.option("--kvr-attention", "attention", type=click.Choice(["split", "masked"]), default=None,
+              help="KV-Runahead's attention (default: masked on the eager paper profiles, else split).")
+@click.option("--link", default=None, help="Which of the profile's links (e.g. loopback, cap=22MB/s).")
+@click.option("--noise", default=None, help="Noise on one random adjacent link, e.g. 100MB/s (1 s, duty 0.5).")
+@click.option("--json", "as_json", is_flag=True, help="Every option as JSON on stdout.")
+@click.option("--timeline", type=click.Path(dir_okay=False), help="Plot the recommended option's timeline (PNG).")
+def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link, noise, as_json, timeline) -> None:
+    """Recommend the rank count, mode and partition for a context length, with every option's predicted TTFT.
+
+    \b
+    Simulates single and every parallel mode at 2, 4, 8, ... up to --max-ranks ranks on a hardware profile,
+    KV-Runahead with the partition the cost model finds for each count. Example:
+      kvr-plan --ctx 16k --profile a100-nvlink --max-ranks 8
+    """
+    from kvrunahead.prompt import PromptError, parse_tokens
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.plan import plan
+    from kvrunahead.sim.profile import resolve_profile
+    from kvrunahead.sim.simulate import MODES, SimError
+
+    try:
+        ctxs = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
+        prof, which = resolve_profile(profile)
+        shape = resolve_shape(model or ("llama-7b" if prof.device_kind == "cuda" else "smollm2-135m"), prof.dtype)
+        chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+        bad = [m for m in chosen if m not in MODES or m in ("single", "kvr-nocomm")]
+        if bad:
+            raise ProfileError(f"unknown mode(s) {bad}: choose from kvr, tsp, cp-allgather, ring")
+        counts = [int(x) for x in ranks.split(",")] if ranks else None
+        if max_ranks < 1 or (counts and min(counts) < 1):
+            raise ProfileError("rank counts must be at least 1")
+        cost = CostModel(shape, prof, link)
+        cost.link  # noqa: B018 - one-line error now if the profile lacks the link
+        noise_model = parse_noise(noise)
+    except (PromptError, ProfileError, ValueError) as e:
+        click.echo(f"kvr-plan: error: {e}", err=True)
+        sys.exit(2)
+    attention = attention or ("masked" if prof.attention["masked"].score_bytes else "split")
+    click.echo(f"{shape.name} on {which}, link {link or prof.default_link}"
+               + (f", noise {noise}" if noise else "") + f", KVR attention {attention}", err=True)
+    report = []
+    for ctx in ctxs:
+        t = time.perf_counter()
+        try:
+            options = plan(cost, ctx, max_ranks, chosen, attention, noise_model, counts, record=bool(timeline))
+        except SimError as e:
+            click.echo(f"kvr-plan: error: {e}", err=True)
+            sys.exit(2)
+        single = next(o for o in options if o.mode == "single").ttft_s
+        best = options[0]
+        report.append({"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode,
+                                                           "boundaries": list(best.boundaries),
+                                                           "ttft_s": best.ttft_s},
+                       "options": [{"ranks": o.ranks, "mode": o.mode, "ttft_s": o.ttft_s,
+                                    "boundaries": list(o.boundaries), "speedup_vs_single": single / o.ttft_s}
+                                   for o in options]})
+        if not as_json:
+            click.echo(f"\ncontext {ctx}: predicted TTFT of every option ({time.perf_counter() - t:.1f} s)")
+            click.echo(f"  {'option':<18} {'TTFT s':>10} {'vs single':>10}  partition")
+            for o in sorted(options, key=lambda o: (o.ranks, o.mode)):
+                part = ",".join(map(str, o.boundaries)) if o.mode == "kvr" else "even/zigzag"
+                if len(part) > 60:
+                    part = part[:57] + "..."
+                click.echo(f"  {o.label:<18} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x  {part}")
+            click.echo(f"recommended: {best.label}, TTFT {best.ttft_s:.4f} s ({single / best.ttft_s:.2f}x single)"
+                       + (f", partition {','.join(map(str, best.boundaries))}" if best.mode == "kvr" else ""))
+        if timeline:
+            from kvrunahead.sim.timeline import plot_timeline
+
+            path = Path(timeline) if len(ctxs) == 1 else Path(timeline).with_stem(f"{Path(timeline).stem}_{ctx}")
+            plot_timeline(best.result, path)
+            click.echo(f"timeline: {path}", err=True)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))

@@ -1,0 +1,87 @@
+"""The time of every per-layer step on one rank: a model's shape (``shape``) on a device (``profile``).
+
+Per layer, a rank with n tokens runs its Q,K,V projections, its attention over k keys, and the output
+projection and MLP; the emitting rank ends with the LM head on its last token. Attention is priced by the
+query-key pairs its kernel computes: a flash kernel skips the masked half of a causal diagonal block, an
+explicit mask (the paper's KVR, TSP, cp-allgather) computes every pair of its rectangle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
+from kvrunahead.sim.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class CostModel:
+    shape: ModelShape
+    profile: HardwareProfile
+    link_label: str | None = None
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def link(self) -> LinkProfile:
+        return self.profile.link(self.link_label)
+
+    def _matmul_s(self, flops_per_token: float, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        p = self.profile
+        return p.compute_factor * flops_per_token * (tokens + p.matmul_half_tokens) / p.matmul_flops_per_s
+
+    def qkv_s(self, tokens: float) -> float:
+        """Layer overhead plus the Q,K,V projections: what a rank does before it needs the prefix K,V."""
+        return self.profile.compute_factor * self.profile.layer_s + self._matmul_s(self.shape.qkv_flops_per_token,
+                                                                                    tokens)
+
+    def other_s(self, tokens: float) -> float:
+        """Output projection and MLP."""
+        return self._matmul_s(self.shape.other_flops_per_token, tokens)
+
+    def _kernel_s(self, kernel: AttentionCost, queries: float, keys: float, pairs: float) -> float:
+        s = self.shape
+        per_pair = s.flops_per_pair / kernel.flops_per_s + s.heads * kernel.score_bytes / self.profile.memory_Bps
+        return self.profile.compute_factor * (kernel.call_s + kernel.query_s * queries + kernel.key_s * keys
+                                              + per_pair * pairs)
+
+    def causal_s(self, tokens: float) -> float:
+        """A diagonal block: ``tokens`` queries against themselves under the causal mask."""
+        kernel = self.profile.attention["causal"]
+        pairs = tokens * (tokens + 1) / 2 if kernel.skips_masked else tokens * tokens
+        return self._kernel_s(kernel, tokens, tokens, pairs)
+
+    def full_s(self, queries: float, keys: float) -> float:
+        """A block where every key is visible to every query (a prefix, an earlier ring block), log-sum-exp."""
+        return self._kernel_s(self.profile.attention["full"], queries, keys, queries * keys)
+
+    def masked_s(self, queries: float, keys: float) -> float:
+        """SDPA with an explicit mask: every pair of the rectangle is computed."""
+        return self._kernel_s(self.profile.attention["masked"], queries, keys, queries * keys)
+
+    def kvr_attention_s(self, attention: str, tokens: float, prefix: float) -> float:
+        """KV-Runahead's attention for a part of ``tokens`` after ``prefix`` (cost.py's pair counts)."""
+        if prefix == 0:
+            return self.causal_s(tokens)  # rank 0's mask is the plain causal one, in both formulations
+        if attention == "split":
+            return self.causal_s(tokens) + self.full_s(tokens, prefix)
+        return self.masked_s(tokens, prefix + tokens)
+
+    def copy_s(self, nbytes: float) -> float:
+        return self.profile.compute_factor * nbytes / self.profile.memory_Bps
+
+    def kv_bytes(self, tokens: float) -> float:
+        return tokens * self.shape.kv_bytes_per_token
+
+    def lm_head_s(self) -> float:
+        s, p = self.shape, self.profile
+        return max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
+
+    def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
+        """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""
+        copy = self.copy_s(self.kv_bytes(prefix + tokens)) if prefix else 0.0
+        return self.qkv_s(tokens) + copy + self.kvr_attention_s(attention, tokens, prefix) + self.other_s(tokens)

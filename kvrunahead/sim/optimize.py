@@ -1,0 +1,123 @@
+"""Partitions from the cost model: the measured search's question (section 4.2) answered by simulation.
+
+First the balanced partition of eq. 4-6: every rank's per-layer time (projections, concatenation, attention,
+MLP, as ``CostModel.rank_layer_s`` prices them) equal, found by bisection on the common level. Then the
+simulated TTFT is hill-climbed boundary by boundary with halving strides down to ``min_stride``, which adds
+what the balance leaves out: the pipeline's fill, the transfers and the LM head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.links import NoiseModel
+from kvrunahead.sim.simulate import simulate
+
+MAX_SIMULATIONS = 600  # hill-climbing budget: a 64-rank, million-token search stays within seconds
+
+
+@dataclass
+class ModelSearch:
+    boundaries: tuple[int, ...]
+    ttft_s: float
+    even_ttft_s: float
+    balanced: tuple[int, ...]
+    simulations: int
+    search_s: float
+
+
+def balanced_boundaries(model: CostModel, context_len: int, world_size: int, attention: str) -> tuple[int, ...]:
+    """Boundaries with equal per-layer compute on every rank (continuous solution, rounded to tokens)."""
+
+    def tokens_within(prefix: float, level: float) -> float:
+        lo, hi = 0.0, float(context_len)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if model.rank_layer_s(attention, mid, prefix) <= level:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def covered(level: float) -> list[float]:
+        prefix, sizes = 0.0, []
+        for _ in range(world_size):
+            n = tokens_within(prefix, level)
+            sizes.append(n)
+            prefix += n
+        return sizes
+
+    lo, hi = 0.0, model.rank_layer_s(attention, context_len, 0)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(covered(mid)) < context_len:
+            lo = mid
+        else:
+            hi = mid
+    sizes = covered(hi)
+    scale = context_len / sum(sizes)
+    bounds = [0]
+    for s in sizes[:-1]:
+        bounds.append(min(max(round(bounds[-1] + s * scale), bounds[-1] + 1), context_len - (world_size - len(bounds))))
+    return (*bounds, context_len)
+
+
+def search_partition(model: CostModel, context_len: int, world_size: int, attention: str = "split",
+                     noise: NoiseModel | None = None, min_stride: int = 1,
+                     max_simulations: int = MAX_SIMULATIONS) -> ModelSearch:
+    """The TTFT-minimising kvr partition under the model."""
+    t0 = time.perf_counter()
+    p = world_size
+    count = {"n": 0}
+    memo: dict[tuple[int, ...], float] = {}
+
+    def ttft(b: tuple[int, ...]) -> float:
+        if b not in memo:
+            count["n"] += 1
+            memo[b] = simulate(model, "kvr", context_len, p, b, attention, noise).ttft_s
+        return memo[b]
+
+    even = tuple(round(i * context_len / p) for i in range(p + 1))
+    if p == 1:
+        t = ttft(even)
+        return ModelSearch(even, t, t, even, count["n"], time.perf_counter() - t0)
+    balanced = balanced_boundaries(model, context_len, p, attention)
+    # Candidates stay on the measured search's grid: the even boundaries plus multiples of min_stride.
+    snapped = tuple(e + round((x - e) / min_stride) * min_stride for x, e in zip(balanced, even))
+    if any(y <= x for x, y in zip(snapped, snapped[1:])):
+        snapped = even
+    best = min((even, snapped), key=ttft)
+    stride = min_stride
+    while stride * 2 <= context_len // (4 * p):
+        stride *= 2
+    while count["n"] < max_simulations:
+        moved = False
+        for i in range(1, p):
+            for step in (-stride, stride):
+                b = (*best[:i], best[i] + step, *best[i + 1:])
+                if b[i - 1] < b[i] < b[i + 1] and ttft(b) < ttft(best):
+                    best, moved = b, True
+            if count["n"] >= max_simulations:
+                break
+        if not moved:
+            if stride <= min_stride:
+                break
+            stride = max(min_stride, stride // 2)
+    return ModelSearch(best, ttft(best), ttft(even), balanced, count["n"], time.perf_counter() - t0)
+
+
+def predicted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
+                        link: str | None = None):
+    """``--partition auto`` where no table covers the context: the cost model's partition on this machine's
+    profile (``kvr-calibrate``, else the shipped CPU profile). Returns the partition and a line saying so."""
+    from kvrunahead.partition import Partition
+    from kvrunahead.sim.profile import resolve_profile
+    from kvrunahead.sim.shape import shape_from_config
+
+    profile, which = resolve_profile(None, threads)
+    cost = CostModel(shape_from_config(config, dtype), profile, link if link in profile.links else None)
+    stride = max(1, min(64, context_len // (8 * world_size)))
+    r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
+    return Partition(r.boundaries), f"cost model on {which}: predicted TTFT {r.ttft_s:.2f} s"

@@ -1,0 +1,211 @@
+"""Replay the per-layer schedule of every prefill mode on p ranks (paper fig. 3-5) with a ``CostModel``.
+
+- kvr: rank i computes its Q,K,V, waits for the prefix K,V of the layer from rank i-1 (posted before the
+  projection, so the wait overlaps it), concatenates, sends [0, b_{i+1}) on to rank i+1 (in order on its
+  link, overlapped with its attention and MLP), then attends and runs the MLP.
+- kvr-nocomm: the same with the prefix already local (the practical bound of section 5).
+- tsp: even parts; every layer all-gathers K,V (all ranks meet), then full masked score rows.
+- cp-allgather: zigzag chunks (rank i holds chunks i and 2p-1-i), all-gather, each chunk against the keys it sees.
+- ring: zigzag chunks; p steps per layer, each attends to the block in hand while passing it on.
+- single: one rank, the whole prompt.
+Compute of one rank is serial; transfers run beside it. TTFT ends with the LM head on the emitting rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.links import Links, NoiseModel
+
+MODES = ("single", "kvr", "kvr-nocomm", "tsp", "cp-allgather", "ring")
+
+
+class SimError(ValueError):
+    """A simulation that cannot run as asked."""
+
+
+@dataclass
+class RankTimes:
+    rank: int
+    tokens: int
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    send_s: float = 0.0  # time this rank's outgoing links were busy
+    bytes_sent: float = 0.0
+    end_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    layer: int
+    kind: str  # "compute", "wait" or "send"
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class SimResult:
+    mode: str
+    context_len: int
+    world_size: int
+    boundaries: tuple[int, ...]
+    ttft_s: float
+    ranks: list[RankTimes]
+    link_bytes: dict[str, float]
+    spans: list[Span] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "context_len": self.context_len, "world_size": self.world_size,
+                "boundaries": list(self.boundaries), "ttft_s": self.ttft_s,
+                "ranks": [r.__dict__ for r in self.ranks], "link_bytes": self.link_bytes}
+
+
+class _Clock:
+    """Per-rank time and accounting."""
+
+    def __init__(self, p: int, tokens: list[int], record: bool) -> None:
+        self.t = [0.0] * p
+        self.ranks = [RankTimes(r, tokens[r]) for r in range(p)]
+        self.record = record
+        self.spans: list[Span] = []
+
+    def compute(self, rank: int, layer: int, seconds: float) -> None:
+        self._span(rank, layer, "compute", self.t[rank], self.t[rank] + seconds)
+        self.ranks[rank].compute_s += seconds
+        self.t[rank] += seconds
+
+    def wait_until(self, rank: int, layer: int, when: float) -> None:
+        if when > self.t[rank]:
+            self._span(rank, layer, "wait", self.t[rank], when)
+            self.ranks[rank].wait_s += when - self.t[rank]
+            self.t[rank] = when
+
+    def sent(self, rank: int, layer: int, start: float, end: float, nbytes: float) -> None:
+        self._span(rank, layer, "send", start, end)
+        self.ranks[rank].send_s += end - start
+        self.ranks[rank].bytes_sent += nbytes
+
+    def _span(self, rank, layer, kind, start, end) -> None:
+        if self.record and end > start:
+            self.spans.append(Span(rank, layer, kind, start, end))
+
+
+def even(context_len: int, parts: int) -> tuple[int, ...]:
+    return tuple(round(i * context_len / parts) for i in range(parts + 1))
+
+
+def zigzag(context_len: int, p: int) -> list[list[tuple[int, int]]]:
+    b = even(context_len, 2 * p)
+    return [[(b[i], b[i + 1]), (b[2 * p - 1 - i], b[2 * p - i])] for i in range(p)]
+
+
+def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
+             boundaries: tuple[int, ...] | None = None, attention: str = "split", noise: NoiseModel | None = None,
+             record: bool = False) -> SimResult:
+    """TTFT and per-rank breakdown of one prefill. ``boundaries``: the kvr partition (even if None)."""
+    if mode not in MODES:
+        raise SimError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+    p = 1 if mode == "single" else world_size
+    if context_len < p or context_len < 1:
+        raise SimError(f"context of {context_len} tokens cannot be split over {p} ranks")
+    if mode in ("cp-allgather", "ring") and context_len < 2 * p:
+        raise SimError(f"{mode} needs at least {2 * p} tokens for its 2p chunks")
+    b = tuple(boundaries) if boundaries is not None and mode in ("kvr", "kvr-nocomm") else even(context_len, p)
+    if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
+        raise SimError(f"boundaries {b} are not a partition of {context_len} tokens over {p} ranks")
+    links = Links(model.link, p, noise)
+    if mode in ("cp-allgather", "ring"):
+        ranges = zigzag(context_len, p)
+    else:
+        ranges = [[(b[r], b[r + 1])] for r in range(p)]
+    clock = _Clock(p, [sum(e - a for a, e in r) for r in ranges], record)
+    if mode in ("single", "kvr", "kvr-nocomm"):
+        _kvr(model, clock, links, b, attention, comm=mode == "kvr")
+        emitter = p - 1
+    elif mode == "tsp":
+        _gather(model, clock, links, ranges, context_len, zig=False)
+        emitter = p - 1
+    elif mode == "cp-allgather":
+        _gather(model, clock, links, ranges, context_len, zig=True)
+        emitter = 0
+    else:
+        _ring(model, clock, links, ranges)
+        emitter = 0
+    clock.compute(emitter, model.layers, model.lm_head_s())
+    for r in clock.ranks:
+        r.end_s = clock.t[r.rank]
+    link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
+    return SimResult(mode, context_len, p, b, clock.t[emitter], clock.ranks, link_bytes, clock.spans)
+
+
+def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], attention: str, comm: bool) -> None:
+    p = len(b) - 1
+    for layer in range(model.layers):
+        arrival = 0.0
+        for i in range(p):
+            n, prefix = b[i + 1] - b[i], b[i]
+            clock.compute(i, layer, model.qkv_s(n))
+            if i > 0 and comm:
+                clock.wait_until(i, layer, arrival)
+            if prefix:
+                clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n)))
+            if i < p - 1 and comm:
+                nbytes = model.kv_bytes(b[i + 1])
+                start = max(clock.t[i], links.free_at.get((i, i + 1), 0.0))
+                arrival = links.send(i, i + 1, clock.t[i], nbytes)
+                clock.sent(i, layer, start, arrival, nbytes)
+            clock.compute(i, layer, model.kvr_attention_s(attention, n, prefix) + model.other_s(n))
+
+
+def _gather(model: CostModel, clock: _Clock, links: Links, ranges, context_len: int, zig: bool) -> None:
+    p = len(ranges)
+    tokens = [sum(e - a for a, e in r) for r in ranges]
+    width = max(tokens)  # all-gather blocks are padded to the largest part
+    for layer in range(model.layers):
+        for r in range(p):
+            clock.compute(r, layer, model.qkv_s(tokens[r]))
+        start = max(clock.t)
+        end = links.all_gather(start, model.kv_bytes(width))
+        for r in range(p):
+            clock.sent(r, layer, start, end, (p - 1) * model.kv_bytes(width) if p > 1 else 0.0)
+            clock.wait_until(r, layer, end)
+            if zig:
+                attn = sum(model.masked_s(e - a, e) for a, e in ranges[r])
+            else:
+                attn = model.masked_s(tokens[r], context_len)
+            clock.compute(r, layer, model.copy_s(model.kv_bytes(context_len)) + attn + model.other_s(tokens[r]))
+
+
+def _block_s(model: CostModel, q_range: tuple[int, int], k_range: tuple[int, int]) -> float:
+    (qa, qe), (ka, ke) = q_range, k_range
+    if ka >= qe:
+        return 0.0
+    if ka == qa:
+        return model.causal_s(qe - qa)
+    return model.full_s(qe - qa, ke - ka)
+
+
+def _ring(model: CostModel, clock: _Clock, links: Links, ranges) -> None:
+    p = len(ranges)
+    tokens = [sum(e - a for a, e in r) for r in ranges]
+    for layer in range(model.layers):
+        for r in range(p):
+            clock.compute(r, layer, model.qkv_s(tokens[r]))
+        for step in range(p):
+            arrivals = [0.0] * p
+            if step < p - 1:
+                for r in range(p):
+                    held = (r - step) % p
+                    nbytes = model.kv_bytes(tokens[held])
+                    start = max(clock.t[r], links.free_at.get((r, (r + 1) % p), 0.0))
+                    arrivals[(r + 1) % p] = links.send(r, (r + 1) % p, clock.t[r], nbytes)
+                    clock.sent(r, layer, start, arrivals[(r + 1) % p], nbytes)
+            for r in range(p):
+                held = (r - step) % p
+                clock.compute(r, layer, sum(_block_s(model, q, k) for q in ranges[r] for k in ranges[held]))
+                if step < p - 1:
+                    clock.wait_until(r, layer, arrivals[r])
+        for r in range(p):
+            clock.compute(r, layer, model.other_s(tokens[r]))

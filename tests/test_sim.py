@@ -1,0 +1,242 @@
+"""The cost model and simulator: hand-computed schedules, units, monotonicity, model-backed search, profiles."""
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.links import Links, NoiseModel
+from kvrunahead.sim.optimize import search_partition
+from kvrunahead.sim.plan import plan, rank_counts
+from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, builtin_profiles, resolve_profile
+from kvrunahead.sim.shape import PAPER_SHAPES, ModelShape
+from kvrunahead.sim.simulate import SimError, simulate
+
+# Unit costs: one token's projections take 1 s, its output projection and MLP 1 s, one computed query-key
+# pair 1 s, one token's K,V (2 bytes) crosses a link in 1 s, copies are free, the LM head takes 1 s.
+UNIT_SHAPE = ModelShape("unit", layers=1, hidden=1, heads=1, kv_heads=1, head_dim=1, qkv_params=1, other_params=1,
+                        vocab=1, dtype_bytes=1)
+
+
+def unit_profile(**link) -> HardwareProfile:
+    kernel = AttentionCost(flops_per_s=4.0)  # flops_per_pair = 4 * heads * head_dim = 4
+    return HardwareProfile("unit", "unit", matmul_flops_per_s=2.0, matmul_half_tokens=0.0, memory_Bps=1e30,
+                           layer_s=0.0, attention={"causal": kernel, "full": kernel, "masked": kernel},
+                           links={"unit": LinkProfile(**{"bandwidth_Bps": 2.0, **link})}, default_link="unit")
+
+
+def unit_model(layers: int = 1, **link) -> CostModel:
+    shape = ModelShape(**{**UNIT_SHAPE.to_dict(), "layers": layers})
+    return CostModel(shape, unit_profile(**link))
+
+
+def test_unit_costs_are_what_the_hand_computations_assume():
+    m = unit_model()
+    assert m.qkv_s(1) == 1 and m.other_s(1) == 1 and m.lm_head_s() == 1 and m.copy_s(100) < 1e-20
+    assert m.causal_s(1) == 1 and m.causal_s(2) == 3 and m.full_s(1, 2) == 2 and m.masked_s(1, 2) == 2
+    assert m.link.transfer_s(m.kv_bytes(1)) == 1
+
+
+def test_two_ranks_one_layer_the_successor_waits_for_the_prefix():
+    # rank 0: QKV 0-1, sends 1 token 1-2, attends+MLP 1-3. rank 1: QKV 0-1, waits 1-2, attends (causal 1 +
+    # prefix 1) and MLP 2-5, LM head 5-6.
+    r = simulate(unit_model(), "kvr", 2, 2, (0, 1, 2), "split")
+    assert r.ttft_s == pytest.approx(6)
+    assert r.ranks[1].wait_s == pytest.approx(1) and r.ranks[0].wait_s == 0
+    assert r.ranks[0].bytes_sent == 2 and r.ranks[1].bytes_sent == 0
+
+
+def test_two_ranks_two_layers_overlap_the_second_transfer():
+    # Layer 2: rank 0 QKV 3-4, sends 4-5; rank 1 QKV 5-6 finds the prefix there (no wait), attends 6-8,
+    # MLP 8-9, LM head 9-10. Only the first layer's transfer shows: nocomm takes 2 x 4 + 1 = 9.
+    r = simulate(unit_model(layers=2), "kvr", 2, 2, (0, 1, 2), "split")
+    assert r.ttft_s == pytest.approx(10)
+    assert r.ranks[1].wait_s == pytest.approx(1)
+    assert simulate(unit_model(layers=2), "kvr-nocomm", 2, 2, (0, 1, 2), "split").ttft_s == pytest.approx(9)
+
+
+def test_a_transfer_not_overlapped_adds_its_whole_time():
+    # With 1 s latency per message the second layer's prefix arrives at 6, after rank 1's QKV (5-6): still no
+    # wait; at 3 s latency it arrives at 8 and rank 1 waits 2 s in layer 2 as well.
+    assert simulate(unit_model(layers=2, latency_s=1.0), "kvr", 2, 2, (0, 1, 2), "split").ttft_s == pytest.approx(11)
+    r = simulate(unit_model(layers=2, latency_s=3.0), "kvr", 2, 2, (0, 1, 2), "split")
+    # layer 1: prefix at 1 + 3 + 1 = 5, rank 1 attends 5-8; layer 2: rank 0 sends at 4, arrives 4 + 4 = 8,
+    # rank 1's QKV 8-9: no wait; attends 9-12, LM head 12-13.
+    assert r.ttft_s == pytest.approx(13) and r.ranks[1].wait_s == pytest.approx(4)
+
+
+def test_three_ranks_the_prefix_grows_down_the_chain():
+    # rank 1 waits 1-2, sends 2 tokens 2-4; rank 2 waits 1-4, attends causal 1 + prefix 2, MLP 1: 4-8, head 8-9.
+    r = simulate(unit_model(), "kvr", 3, 3, (0, 1, 2, 3), "split")
+    assert r.ttft_s == pytest.approx(9)
+    assert [x.wait_s for x in r.ranks] == pytest.approx([0, 1, 3])
+    assert [x.bytes_sent for x in r.ranks] == [2, 4, 0]
+    assert r.link_bytes == {"0->1": 2, "1->2": 4}
+
+
+def test_masked_attention_computes_the_whole_rectangle():
+    # rank 1 with 2 tokens after 1: split = causal(2) 3 + prefix 2 = 5 pairs; masked = 2 x 3 = 6 pairs.
+    m = unit_model()
+    assert m.kvr_attention_s("split", 2, 1) == 5 and m.kvr_attention_s("masked", 2, 1) == 6
+    assert m.kvr_attention_s("masked", 2, 0) == m.causal_s(2)  # rank 0's mask is the plain causal one
+
+
+def test_tsp_all_gathers_then_attends_to_full_rows():
+    # both QKV 0-1, all-gather (1 ring step of 1 token) 1-2, masked 1x2 = 2 and MLP 1: 2-5, head 5-6.
+    r = simulate(unit_model(), "tsp", 2, 2)
+    assert r.ttft_s == pytest.approx(6)
+    assert [x.wait_s for x in r.ranks] == pytest.approx([1, 1])
+
+
+def test_ring_passes_blocks_and_skips_the_masked_ones():
+    # 4 tokens, chunks of 1: rank 0 holds 0 and 3, rank 1 holds 1 and 2. QKV 0-2; step 0 (own block: causal,
+    # causal and one full pair) 2-5 while the blocks cross (2 s); step 1 (two visible pairs) 5-7; MLP 7-9;
+    # rank 0 emits: head 9-10.
+    r = simulate(unit_model(), "ring", 4, 2)
+    assert r.ttft_s == pytest.approx(10)
+    assert r.ranks[0].bytes_sent == 4 and r.ranks[1].bytes_sent == 4
+
+
+def test_single_is_one_rank_over_everything():
+    assert simulate(unit_model(), "single", 2, 1).ttft_s == pytest.approx(2 + 3 + 2 + 1)
+
+
+def test_noise_slows_a_transfer_while_its_pair_is_loaded():
+    # 10 B/s, noise 8 B/s on the only pair for the first half of every second: 10 bytes from t = 0 move
+    # 1 byte (0-0.5 s), 5 (0.5-1), 1 (1-1.5) and the last 3 at full speed: done at 1.8 s.
+    links = Links(LinkProfile(10.0), 2, NoiseModel(8.0, 1.0, 0.5))
+    assert links.send(0, 1, 0.0, 10) == pytest.approx(1.8)
+    assert Links(LinkProfile(10.0), 2).send(0, 1, 0.0, 10) == pytest.approx(1.0)
+
+
+def test_messages_on_one_link_go_in_order():
+    links = Links(LinkProfile(1.0), 2)
+    assert links.send(0, 1, 0.0, 2) == 2 and links.send(0, 1, 1.0, 1) == 3 and links.send(1, 0, 1.0, 1) == 2
+
+
+def test_bad_partitions_and_modes_are_refused():
+    with pytest.raises(SimError, match="not a partition"):
+        simulate(unit_model(), "kvr", 4, 2, (0, 4, 4))
+    with pytest.raises(SimError, match="unknown mode"):
+        simulate(unit_model(), "pipeline", 4, 2)
+
+
+def test_cost_model_units_and_monotonicity():
+    a100 = builtin_profiles()["a100-nvlink-flash"]
+    m = CostModel(PAPER_SHAPES["llama-7b"], a100)
+    assert PAPER_SHAPES["llama-7b"].kv_bytes_per_token == 2 * 32 * 128 * 2  # K and V, fp16, per layer
+    assert PAPER_SHAPES["falcon-7b"].kv_bytes_per_token == 2 * 1 * 64 * 2  # multi-query
+    times = [m.qkv_s(n) for n in (1, 64, 1024, 8192)]
+    assert times == sorted(times) and len(set(times)) == 4
+    for attention in ("split", "masked"):
+        by_prefix = [m.kvr_attention_s(attention, 1024, b) for b in (0, 1024, 4096, 16384)]
+        assert by_prefix == sorted(by_prefix)
+    assert m.kvr_attention_s("masked", 2048, 4096) > m.kvr_attention_s("split", 2048, 4096)
+    # A 7B model's prefill of 8k tokens: seconds, not micro- or kiloseconds.
+    assert 0.05 < simulate(m, "single", 8192, 1).ttft_s < 5
+
+
+def test_model_search_finds_the_analytic_optimum():
+    # Attention only (projections free, instant links): split attention costs rank 0 n0^2/2 and rank 1
+    # n1 n0 + n1^2/2; they are equal at n0 = (1 + sqrt 2) n1, i.e. rank 0's share 1/sqrt(2).
+    shape = ModelShape("attn", 64, 1, 1, 1, 1, 1, 1, 1, 1)
+    kernel = AttentionCost(flops_per_s=4.0)
+    prof = HardwareProfile("attn", "attn", 1e30, 0.0, 1e30, 0.0, {k: kernel for k in ("causal", "full", "masked")},
+                           {"l": LinkProfile(1e30)}, "l")
+    r = search_partition(CostModel(shape, prof), 4096, 2, "split", min_stride=16)
+    assert r.boundaries[1] / 4096 == pytest.approx(1 / math.sqrt(2), abs=0.01)
+    assert r.ttft_s < r.even_ttft_s
+
+
+def test_model_search_scales_to_many_ranks():
+    m = CostModel(PAPER_SHAPES["llama-7b"], builtin_profiles()["h100-nvlink"])
+    r = search_partition(m, 1 << 17, 16, "split", min_stride=64)
+    sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
+    assert sizes[0] > sizes[-1]  # later ranks carry longer prefixes: fewer tokens
+    assert r.ttft_s <= r.even_ttft_s
+
+
+def test_plan_considers_every_rank_count_and_mode():
+    assert rank_counts(8) == [1, 2, 4, 8] and rank_counts(6) == [1, 2, 4, 6]
+    m = CostModel(PAPER_SHAPES["llama-7b"], builtin_profiles()["a100-nvlink"])
+    options = plan(m, 16384, 8, attention="masked")
+    assert {(o.ranks, o.mode) for o in options} >= {(1, "single"), (8, "kvr"), (4, "tsp"), (2, "ring")}
+    assert options == sorted(options, key=lambda o: o.ttft_s)
+    # Appendix B's shape: on a link slow enough, a short prompt is fastest on fewer ranks than allowed.
+    prof = builtin_profiles()["a100-pcie"]
+    prof.links = {"pcie": LinkProfile(0.5e9, 10e-6, "native")}
+    assert plan(CostModel(PAPER_SHAPES["llama-7b"], prof), 1024, 8, ("tsp",))[0].ranks < 8
+
+
+def test_profile_round_trips(tmp_path):
+    for name, prof in builtin_profiles().items():
+        path = tmp_path / f"{name}.json"
+        prof.save(path)
+        assert HardwareProfile.load(path) == prof
+    assert resolve_profile(str(tmp_path / "a100-nvlink.json"))[0].name == "a100-nvlink"
+
+
+def test_shipped_cpu_profile_loads_and_predicts():
+    prof, which = resolve_profile("cpu")
+    assert prof.device_kind == "cpu" and prof.threads == 1 and "loopback" in prof.links
+    assert "profile" in which
+
+
+def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
+    from kvrunahead.search_cli import main
+
+    out = tmp_path / "t.json"
+    res = CliRunner().invoke(main, ["--backend", "model", "--nproc", "8", "--ctx", "16k", "--out", str(out),
+                                    "--profile", "a100-nvlink-flash"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["meta"]["source"] == "cost model: a100-nvlink-flash" and data["meta"]["world_size"] == 8
+    assert data["meta"]["device_kind"] == "cuda"
+    entry = data["entries"][0]
+    assert len(entry["boundaries"]) == 9 and entry["ttft_s"] < entry["even_ttft_s"]
+
+
+def test_refine_needs_the_model_backend():
+    from kvrunahead.search_cli import main
+
+    res = CliRunner().invoke(main, ["--refine", "--ctx", "1k"])
+    assert res.exit_code == 2 and "--backend model" in res.output
+
+
+def test_kvr_plan_cli(tmp_path):
+    from kvrunahead.sim.cli import plan_main
+
+    res = CliRunner().invoke(plan_main, ["--ctx", "32k", "--profile", "h100-nvlink", "--max-ranks", "8", "--json",
+                                         "--timeline", str(tmp_path / "t.png")])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report[0]["recommended"]["ranks"] >= 2 and (tmp_path / "t.png").stat().st_size > 1000
+    bad = CliRunner().invoke(plan_main, ["--ctx", "1k", "--profile", "tpu-v5"])
+    assert bad.exit_code == 2 and "no profile" in bad.output
+
+
+def test_kvr_calibrate_writes_a_profile_the_simulator_reads(tmp_path):
+    from kvrunahead.sim.cli import calibrate_main
+
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(calibrate_main, ["--model", "tiny-llama", "--quick", "--repeats", "1", "--ranks", "1",
+                                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    prof = HardwareProfile.load(out)
+    assert prof.matmul_flops_per_s > 1e8 and prof.memory_Bps > 1e8 and prof.compute_factor > 0
+    assert all(k.flops_per_s > 1e8 for k in prof.attention.values())
+    link = prof.links["loopback"]
+    assert link.bandwidth_Bps > 1e7 and 0 < link.allgather_efficiency <= 1
+    assert prof.versions["torch"] and prof.date and "linear" in prof.fit
+    # It predicts: a longer prompt takes longer, and two ranks beat one on a long one.
+    m = CostModel(PAPER_SHAPES["llama-7b"], prof)
+    assert simulate(m, "single", 2048, 1).ttft_s > simulate(m, "single", 1024, 1).ttft_s
+
+
+def test_kvr_calibrate_refuses_bad_input():
+    from kvrunahead.sim.cli import calibrate_main
+
+    res = CliRunner().invoke(calibrate_main, ["--threads", "0"])
+    assert res.exit_code == 2 and "at least 1" in res.output
