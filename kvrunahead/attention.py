@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvrunahead.partition import Partition
+from kvrunahead.partition import Partition, zigzag_ranges
 
 _STATE: contextvars.ContextVar = contextvars.ContextVar("kvrunahead_attention_state")
 
@@ -71,12 +71,6 @@ def uses_attention_interface(model: torch.nn.Module) -> bool:
 
 
 register(_PROBE, _probe_attention)
-
-
-def zigzag_ranges(context_len: int, world_size: int) -> list[list[tuple[int, int]]]:
-    """Rank i holds chunks i and 2p-1-i of 2p (load-balanced under the causal mask)."""
-    chunks = Partition.even(context_len, 2 * world_size)
-    return [[chunks.part(i), chunks.part(2 * world_size - 1 - i)] for i in range(world_size)]
 
 
 def zigzag_token_ranges(partition: Partition) -> list[list[tuple[int, int]]]:

@@ -82,6 +82,12 @@ class Partition:
         return cls(tuple(bounds))
 
 
+def zigzag_ranges(context_len: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Rank i holds chunks i and 2p-1-i of 2p (load-balanced under the causal mask)."""
+    chunks = Partition.even(context_len, 2 * world_size)
+    return [[chunks.part(i), chunks.part(2 * world_size - 1 - i)] for i in range(world_size)]
+
+
 def check_fits(context_len: int, world_size: int) -> None:
     if world_size < 1:
         raise PartitionError(f"world size must be >= 1, got {world_size}")

@@ -71,11 +71,15 @@ def check_inputs(opts: dict, world_size: int) -> Path:
     except (ModelError, ContextError) as e:
         raise InputError(str(e)) from None
     out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
-    if out.exists():
+    if out.exists() and not (opts["backend"] == "model" and not opts["refine"]):  # model_search checks its own
         try:
-            Table.load(out).check(key, name=str(out))
+            existing = Table.load(out)
+            existing.check(key, name=str(out))
         except TableError as e:
             raise InputError(f"{e}; --out must be a new table or one made for the same setting") from None
+        if existing.meta.source != "measured":
+            raise InputError(f"{out} holds the cost model's predictions ({existing.meta.source}); a measured "
+                             f"search writes a table of its own (--out)")
     for ctx in opts["contexts"]:
         if ctx < world_size * opts["min_stride"]:
             raise InputError(f"context of {ctx} tokens is too short for {world_size} ranks at --min-stride "
@@ -151,7 +155,8 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
         seed = None
         seeds = Table.load(Path(opts["seed_table"])) if opts["seed_table"] else table
         if opts["refine"]:
-            seed = _model_answer(opts, ctx, p).boundaries  # the same on every rank: the model is deterministic
+            # Rank 0's answer for all: ranks on other hosts may hold other profiles.
+            seed = _share(_model_answer(opts, ctx, p).boundaries if lead else None, world)
             if lead:
                 click.echo(f"[ctx {ctx}] the cost model's partition {','.join(map(str, seed))}: measuring it and "
                            f"its neighbours {opts['min_stride']} tokens away", err=True)
@@ -214,15 +219,23 @@ def _model_answer(opts: dict, ctx: int, world_size: int):
 def model_search(opts: dict, world_size: int) -> None:
     """``--backend model``: the table from the cost model, without starting a rank."""
     from kvrunahead import __version__
+    from kvrunahead.runner import InputError
     from kvrunahead.sim.optimize import search_partition
     from kvrunahead.tables import TABLES_DIR, Table, TableEntry, TableMeta, table_filename
 
     key, cost, which = _cost_model(opts, world_size)
-    out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key)
+    # Its own file: a prediction never lands in (or is read as) the measured table of the same setting.
+    out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key).replace(".json", "_model.json")
     link = cost.link_label or cost.profile.default_link
     click.echo(f"model search for {key.describe()} on {which}, link {link} -> {out}", err=True)
     if link != key.bandwidth:
         click.echo(f"warning: the profile has no link {key.bandwidth!r}; its {link!r} link is used", err=True)
+    if out.exists():
+        existing = Table.load(out)
+        existing.check(key, name=str(out))
+        if existing.meta.source == "measured":
+            raise InputError(f"{out} holds measured entries; a model-backed search writes a table of its own "
+                             f"(--out)")
     table = Table.load(out) if out.exists() else Table(TableMeta(
         model=opts["model"], config_hash=key.config_hash, dtype=key.dtype, world_size=world_size, backend="model",
         transport="model", device=cost.profile.device, threads_per_rank=opts["threads"], bandwidth=key.bandwidth,

@@ -10,7 +10,14 @@ from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 from kvrunahead.sim.optimize import search_partition
 from kvrunahead.sim.plan import plan, rank_counts
-from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, builtin_profiles, resolve_profile
+from kvrunahead.sim.profile import (
+    AttentionCost,
+    HardwareProfile,
+    LinkProfile,
+    ProfileError,
+    builtin_profiles,
+    resolve_profile,
+)
 from kvrunahead.sim.shape import PAPER_SHAPES, ModelShape
 from kvrunahead.sim.simulate import SimError, simulate
 
@@ -36,7 +43,7 @@ def test_unit_costs_are_what_the_hand_computations_assume():
     m = unit_model()
     assert m.qkv_s(1) == 1 and m.other_s(1) == 1 and m.lm_head_s() == 1 and m.copy_s(100) < 1e-20
     assert m.causal_s(1) == 1 and m.causal_s(2) == 3 and m.full_s(1, 2) == 2 and m.masked_s(1, 2) == 2
-    assert m.link.transfer_s(m.kv_bytes(1)) == 1
+    assert Links(m.link, 2).send(0, 1, 0.0, m.kv_bytes(1)) == 1
 
 
 def test_two_ranks_one_layer_the_successor_waits_for_the_prefix():
@@ -57,14 +64,18 @@ def test_two_ranks_two_layers_overlap_the_second_transfer():
     assert simulate(unit_model(layers=2), "kvr-nocomm", 2, 2, (0, 1, 2), "split").ttft_s == pytest.approx(9)
 
 
-def test_a_transfer_not_overlapped_adds_its_whole_time():
-    # With 1 s latency per message the second layer's prefix arrives at 6, after rank 1's QKV (5-6): still no
-    # wait; at 3 s latency it arrives at 8 and rank 1 waits 2 s in layer 2 as well.
-    assert simulate(unit_model(layers=2, latency_s=1.0), "kvr", 2, 2, (0, 1, 2), "split").ttft_s == pytest.approx(11)
-    r = simulate(unit_model(layers=2, latency_s=3.0), "kvr", 2, 2, (0, 1, 2), "split")
-    # layer 1: prefix at 1 + 3 + 1 = 5, rank 1 attends 5-8; layer 2: rank 0 sends at 4, arrives 4 + 4 = 8,
-    # rank 1's QKV 8-9: no wait; attends 9-12, LM head 12-13.
+def test_latency_shows_once_and_a_busy_link_delays_the_next_message():
+    # 1 s latency: layer 1's prefix arrives at 1 + 1 + 1 = 3 (rank 1 waits 1-3, attends 3-6); layer 2's is sent
+    # at 4 and arrives at 6, when rank 1's QKV (6-7) has not even started: no wait. TTFT 6 + 4 + 1 = 11.
+    r = simulate(unit_model(layers=2, latency_s=1.0), "kvr", 2, 2, (0, 1, 2), "split", record=True)
+    assert r.ttft_s == pytest.approx(11) and r.ranks[1].wait_s == pytest.approx(2)
+    # 3 s latency: layer 1's arrives at 5 (rank 1 waits 1-5, attends 5-8; the link is busy until 5); layer 2's
+    # can start only at 5, when rank 1 has posted its receive and the link is free, and arrives at 9, exactly
+    # when rank 1's QKV (8-9) ends: no second wait. TTFT 9 + 3 + 1 = 13.
+    r = simulate(unit_model(layers=2, latency_s=3.0), "kvr", 2, 2, (0, 1, 2), "split", record=True)
     assert r.ttft_s == pytest.approx(13) and r.ranks[1].wait_s == pytest.approx(4)
+    sends = [(s.start_s, s.end_s) for s in r.spans if s.kind == "send"]
+    assert sends == [(1, 5), (5, 9)]
 
 
 def test_three_ranks_the_prefix_grows_down_the_chain():
@@ -74,6 +85,25 @@ def test_three_ranks_the_prefix_grows_down_the_chain():
     assert [x.wait_s for x in r.ranks] == pytest.approx([0, 1, 3])
     assert [x.bytes_sent for x in r.ranks] == [2, 4, 0]
     assert r.link_bytes == {"0->1": 2, "1->2": 4}
+
+
+def test_three_ranks_two_layers_the_chain_settles_into_overlap():
+    # Layer 2: rank 0 sends 4-5, rank 1 (QKV 5-6) finds it and sends 6-8, rank 2 (QKV 8-9) finds that: the only
+    # waits are layer 1's. Rank 2 attends 9-13, LM head 13-14.
+    r = simulate(unit_model(layers=2), "kvr", 3, 3, (0, 1, 2, 3), "split")
+    assert r.ttft_s == pytest.approx(14)
+    assert [x.wait_s for x in r.ranks] == pytest.approx([0, 1, 3])
+    assert r.link_bytes == {"0->1": 4, "1->2": 8}
+
+
+def test_a_sender_waits_for_its_successor_to_post_the_receive():
+    # rank 0 holds one token (3 s a layer), rank 1 three (QKV 3, attention 6 + 3 pairs, MLP 3: 15 s). Rank 1
+    # posts its receive for layer l + 1 when layer l's prefix is in, after its QKV: at 3 for layer 2, at 18 for
+    # layer 3. Rank 0 is ready to send layer 3's at 7 but the message leaves at 18.
+    r = simulate(unit_model(layers=3), "kvr", 4, 2, (0, 1, 4), "split", record=True)
+    sends = [(s.start_s, s.end_s) for s in r.spans if s.kind == "send"]
+    assert sends == [(1, 2), (4, 5), (18, 19)]
+    assert r.ranks[1].wait_s == 0
 
 
 def test_masked_attention_computes_the_whole_rectangle():
@@ -88,6 +118,31 @@ def test_tsp_all_gathers_then_attends_to_full_rows():
     r = simulate(unit_model(), "tsp", 2, 2)
     assert r.ttft_s == pytest.approx(6)
     assert [x.wait_s for x in r.ranks] == pytest.approx([1, 1])
+    assert r.link_bytes == {"0->1": 2, "1->0": 2}
+
+
+def test_tsp_pads_the_all_gather_to_the_largest_part():
+    # 5 tokens: parts of 2 and 3; both send 3 tokens (6 bytes, 3 s) once the slower QKV ends at 3: 3-6. Then
+    # rank 0 scores 2 x 5 pairs (10 s) and rank 1 3 x 5 (15 s), MLP 2 and 3: rank 1 ends at 24, LM head 25.
+    r = simulate(unit_model(), "tsp", 5, 2)
+    assert r.ttft_s == pytest.approx(25) and r.link_bytes == {"0->1": 6, "1->0": 6}
+    assert [x.wait_s for x in r.ranks] == pytest.approx([4, 3])
+
+
+def test_all_gather_bytes_are_bytes_when_the_collective_is_slower():
+    m = unit_model()
+    m.profile.links["unit"] = LinkProfile(2.0, 0.0, "ring", 0.5)
+    r = simulate(m, "tsp", 2, 2)
+    assert r.link_bytes == {"0->1": 2, "1->0": 2}  # the same bytes
+    assert r.ttft_s == pytest.approx(7)  # moved at half the rate: 2 s
+
+
+def test_cp_allgather_attends_each_chunk_to_the_keys_it_sees():
+    # 4 tokens, chunks of 1: rank 0 holds 0 and 3, rank 1 holds 1 and 2. QKV 0-2, all-gather (2 tokens) 2-4;
+    # rank 0 scores 1 x 1 + 1 x 4 pairs, rank 1 1 x 2 + 1 x 3 (masked rectangles: 5 each), MLP 2: 4-11;
+    # rank 0 holds the last token: LM head 11-12.
+    r = simulate(unit_model(), "cp-allgather", 4, 2)
+    assert r.ttft_s == pytest.approx(12)
 
 
 def test_ring_passes_blocks_and_skips_the_masked_ones():
@@ -155,7 +210,7 @@ def test_model_search_scales_to_many_ranks():
     r = search_partition(m, 1 << 17, 16, "split", min_stride=64)
     sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
     assert sizes[0] > sizes[-1]  # later ranks carry longer prefixes: fewer tokens
-    assert r.ttft_s <= r.even_ttft_s
+    assert r.ttft_s < 0.9 * r.even_ttft_s
 
 
 def test_plan_considers_every_rank_count_and_mode():
@@ -163,7 +218,7 @@ def test_plan_considers_every_rank_count_and_mode():
     m = CostModel(PAPER_SHAPES["llama-7b"], builtin_profiles()["a100-nvlink"])
     options = plan(m, 16384, 8, attention="masked")
     assert {(o.ranks, o.mode) for o in options} >= {(1, "single"), (8, "kvr"), (4, "tsp"), (2, "ring")}
-    assert options == sorted(options, key=lambda o: o.ttft_s)
+    assert options[0].ranks == 8  # 16k on NVLink: the most ranks win
     # Appendix B's shape: on a link slow enough, a short prompt is fastest on fewer ranks than allowed.
     prof = builtin_profiles()["a100-pcie"]
     prof.links = {"pcie": LinkProfile(0.5e9, 10e-6, "native")}
@@ -178,10 +233,38 @@ def test_profile_round_trips(tmp_path):
     assert resolve_profile(str(tmp_path / "a100-nvlink.json"))[0].name == "a100-nvlink"
 
 
-def test_shipped_cpu_profile_loads_and_predicts():
-    prof, which = resolve_profile("cpu")
-    assert prof.device_kind == "cpu" and prof.threads == 1 and "loopback" in prof.links
-    assert "profile" in which
+def test_malformed_profiles_are_refused(tmp_path):
+    with pytest.raises(ProfileError, match="malformed"):
+        HardwareProfile.from_dict({"name": "x"})
+    data = builtin_profiles()["h100-nvlink"].to_dict()
+    data["matmul_flops_per_s"] = -1.0
+    with pytest.raises(ProfileError, match="not positive"):
+        HardwareProfile.from_dict(data)
+    with pytest.raises(ProfileError, match="no profile"):
+        resolve_profile(str(tmp_path / "missing.json"))
+
+
+def test_without_a_local_profile_the_shipped_cpu_profile_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+    prof, which = resolve_profile(None)
+    assert which.startswith("the shipped CPU profile")
+    assert prof.device_kind == "cpu" and prof.threads == 1 and set(prof.links) >= {"loopback", "cap=650MB/s"}
+    local = tmp_path / "profiles" / "cpu-t1.json"
+    prof.save(local)
+    assert resolve_profile(None)[1] == f"this machine's profile {local}"
+
+
+def test_refine_measures_the_seed_and_moves_to_a_better_neighbour():
+    from kvrunahead.search import refine
+
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return (b[1] - 700) ** 2
+
+    r = refine(measure, (0, 640, 2048), min_stride=64)
+    assert r.boundaries == (0, 704, 2048) and len(calls) == 4
 
 
 def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
@@ -195,6 +278,13 @@ def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
     assert data["meta"]["source"] == "cost model: a100-nvlink-flash" and data["meta"]["world_size"] == 8
     assert data["meta"]["device_kind"] == "cuda"
     entry = data["entries"][0]
+    # A measured table is never written to by a model-backed search.
+    measured = tmp_path / "measured.json"
+    data["meta"]["source"] = "measured"
+    measured.write_text(json.dumps(data))
+    res = CliRunner().invoke(main, ["--backend", "model", "--nproc", "8", "--ctx", "8k", "--out", str(measured),
+                                    "--profile", "a100-nvlink-flash"])
+    assert res.exit_code == 2 and "measured entries" in res.output
     assert len(entry["boundaries"]) == 9 and entry["ttft_s"] < entry["even_ttft_s"]
 
 
@@ -233,6 +323,7 @@ def test_kvr_calibrate_writes_a_profile_the_simulator_reads(tmp_path):
     # It predicts: a longer prompt takes longer, and two ranks beat one on a long one.
     m = CostModel(PAPER_SHAPES["llama-7b"], prof)
     assert simulate(m, "single", 2048, 1).ttft_s > simulate(m, "single", 1024, 1).ttft_s
+    assert search_partition(m, 4096, 2, "split").ttft_s < simulate(m, "single", 4096, 1).ttft_s
 
 
 def test_kvr_calibrate_refuses_bad_input():

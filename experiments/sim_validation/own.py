@@ -24,7 +24,7 @@ from kvrunahead.net.spec import parse_net
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.optimize import search_partition
-from kvrunahead.sim.profile import resolve_profile
+from kvrunahead.sim.profile import SHIPPED_DIR, resolve_profile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import simulate
 
@@ -69,7 +69,7 @@ def noise_model(spec) -> NoiseModel | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--profile", default=str(SHIPPED_DIR / "cpu-t1.json"))
     args = ap.parse_args()
     profile, which = resolve_profile(args.profile)
     shape = shape_from_config(resolve_config("smollm2-135m"), "float32", "smollm2-135m")
@@ -100,12 +100,11 @@ def main() -> None:
         for e in table["entries"]:
             ctx = e["context_len"]
             r = search_partition(cost, ctx, 2, meta["kvr_attention"], min_stride=64)
-            measured_at_model = None
             parts.append({"table": name, "context": ctx, "searched": e["boundaries"][1], "model": r.boundaries[1],
                           "difference_of_context": (r.boundaries[1] - e["boundaries"][1]) / ctx,
                           "searched_ttft_s": e["ttft_s"], "sim_ttft_at_searched_s":
                           simulate(cost, "kvr", ctx, 2, tuple(e["boundaries"]), meta["kvr_attention"]).ttft_s,
-                          "sim_ttft_at_model_s": r.ttft_s, "measured_at_model": measured_at_model})
+                          "sim_ttft_at_model_s": r.ttft_s})
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     worst_part = max(parts, key=lambda p: abs(p["difference_of_context"])) if parts else None

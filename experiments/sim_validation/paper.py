@@ -43,31 +43,33 @@ TABLE3 = {1 * K: (0.10, 0.10, 0.10, 0.11, 0.19), 2 * K: (0.24, 0.16, 0.19, 0.21,
           12 * K: (3.95, 1.82, 1.15, 2.28, 2.30)}
 
 
+def _single_s(ctx: int, efficiency: float, eager_bytes: float, layer_s: float) -> float:
+    profile = builtin_profiles(efficiency, eager_bytes, layer_s)["a100-nvlink"]
+    return simulate(CostModel(PAPER_SHAPES["llama-7b"], profile), "single", ctx, 1).ttft_s
+
+
 def fit_globals() -> dict[str, float]:
-    """Least squares of the three globals on table 3's single-GPU column (relative error)."""
-    shape, a100 = PAPER_SHAPES["llama-7b"], prof_mod._A100
-    rows, target = [], []
-    for ctx, cells in TABLE3.items():
-        linear = shape.layers * (shape.qkv_flops_per_token + shape.other_flops_per_token) * (ctx + 256)
-        scores = shape.layers * shape.heads * ctx * ctx  # eager: the whole square, every head and layer
-        rows.append([linear / a100["peak_flops"], scores / (a100["hbm_Bps"] * prof_mod.MEMORY_EFFICIENCY),
-                     shape.layers])
-        target.append(cells[0])
-    a, t = np.array(rows), np.array(target)
+    """Least squares (relative error) of the three globals on table 3's single-GPU column, through the simulator.
+    One process's TTFT is linear in (1 / matmul efficiency, bytes per score, layer cost) up to the LM head's
+    max(compute, weight read): the columns are simulations with one of them on and the others off."""
     from scipy.optimize import nnls
 
+    rows, target = [], []
+    off = 1e9  # an efficiency so high that the FLOP terms vanish
+    for ctx, cells in TABLE3.items():
+        flops = _single_s(ctx, 1.0, 0.0, 0.0)
+        base = _single_s(ctx, off, 0.0, 0.0)
+        rows.append([flops - base, _single_s(ctx, off, 1.0, 0.0) - base, _single_s(ctx, off, 0.0, 1.0) - base])
+        target.append(cells[0])
+    a, t = np.array(rows), np.array(target)
     coef, _ = nnls(a / t[:, None], np.ones_like(t))
     return {"matmul_efficiency": float(1 / coef[0]), "eager_bytes_per_score": float(coef[1]),
             "eager_layer_s": float(coef[2])}
 
 
 def profiles(g: dict[str, float]):
-    prof_mod.MATMUL_EFFICIENCY = g["matmul_efficiency"]
-    prof_mod.EAGER_BYTES_PER_SCORE = g["eager_bytes_per_score"]
-    prof_mod.EAGER_LAYER_S = g["eager_layer_s"]
-    built = builtin_profiles()
-    high = built["a100-nvlink"]
-    low = built["a100-pcie"]
+    built = builtin_profiles(g["matmul_efficiency"], g["eager_bytes_per_score"], g["eager_layer_s"])
+    high, low = built["a100-nvlink"], built["a100-pcie"]
     poor = dataclasses.replace(low, name="a100-1gbs",
                                links={"1GB/s": LinkProfile(1e9 * prof_mod.LINK_EFFICIENCY,
                                                            prof_mod.LINK_LATENCY_S, "native")},

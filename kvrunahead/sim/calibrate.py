@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvrunahead.net.spec import parse_net
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
 from kvrunahead.sim.shape import ModelShape
@@ -183,7 +184,6 @@ def measure_copy(repeats: int, tokens: int = 8192, bytes_per_token: int = 1536) 
 def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkProfile, float, list[dict]]:
     """Latency and bandwidth of one direction between two ranks, and the all-gather's efficiency."""
     from kvrunahead.launcher import spawn
-    from kvrunahead.net.spec import parse_net
 
     spec = parse_net(net)
     with tempfile.TemporaryDirectory() as tmp:
@@ -282,15 +282,16 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
         whole = measure_whole(model, repeats, WHOLE_TOKENS[:1] if quick else WHOLE_TOKENS)
     links, link_worst = {}, {}
     for net in nets:
-        step(f"link on {net} (2 ranks)")
-        links[net], link_worst[net], _ = measure_link(net, repeats, LINK_SIZES[:3] if quick else LINK_SIZES)
-    env = environment(model_name, "torch", threads, nets[0] if nets else "loopback")
+        label = parse_net(net).table_label  # as runs and tables name the network
+        step(f"link on {label} (2 ranks)")
+        links[label], link_worst[label], _ = measure_link(net, repeats, LINK_SIZES[:3] if quick else LINK_SIZES)
+    env = environment(model_name, "torch", threads, next(iter(links), "loopback"))
     profile = HardwareProfile(
         name=f"cpu-t{threads}", device=f"{env['cpu']}, {env['cores']} cores",
         matmul_flops_per_s=matmul, matmul_half_tokens=0.0, memory_Bps=memory, layer_s=layer_s,
         attention=kernels, threads=threads, dtype=dtype,
         # --no-link: a placeholder the CLI replaces with the shipped profile's links
-        links=links or {"loopback": LinkProfile(2.5e9)}, default_link=nets[0] if nets else "loopback",
+        links=links or {"loopback": LinkProfile(2.5e9)}, default_link=next(iter(links), "loopback"),
         versions={"torch": torch.__version__, "transformers": transformers.__version__, "kvrunahead": __version__,
                   "python": platform.python_version()},
         sources={"calibrated": f"kvr-calibrate on {model_name} ({dtype}, {threads} thread(s) per rank, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,11 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 def resolve_shape(name: str, dtype: str):
     """A paper model's shape by name, or any model kvr-prefill knows (preset, default, local directory)."""
     from kvrunahead.models import ModelError, resolve_config
-    from kvrunahead.sim.shape import PAPER_SHAPES, ModelShape, shape_from_config
+    from kvrunahead.sim.shape import DTYPE_BYTES, PAPER_SHAPES, ModelShape, shape_from_config
 
     if name in PAPER_SHAPES:
         s = PAPER_SHAPES[name]
-        return s if dtype is None else ModelShape(**{**s.to_dict(), "dtype_bytes": {"float32": 4}.get(dtype, 2)})
+        return s if dtype is None else ModelShape(**{**s.to_dict(), "dtype_bytes": DTYPE_BYTES[dtype]})
     try:
         return shape_from_config(resolve_config(name), dtype or "float32", name)
     except ModelError as e:
@@ -66,14 +67,26 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
     from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile, local_profile_path
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    import os
-
     if concurrent is None:
         concurrent = 2 if (os.cpu_count() or 1) >= 2 * threads else 1
     if threads < 1 or repeats < 1 or concurrent < 1:
         click.echo("kvr-calibrate: error: --threads, --repeats and --ranks must be at least 1", err=True)
         sys.exit(2)
     target = Path(out) if out else local_profile_path(threads)
+    shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
+    if no_link and not shipped.exists():
+        click.echo(f"kvr-calibrate: error: --no-link takes the links of the shipped profile, and there is none for "
+                   f"{threads} thread(s)", err=True)
+        sys.exit(2)
+    from kvrunahead.net.spec import NetError, parse_net
+
+    try:
+        for net in nets:
+            if parse_net(net).noise is not None:
+                raise NetError(f"--net {net}: a link is measured quiet (noise is the simulator's --noise)")
+    except NetError as e:
+        click.echo(f"kvr-calibrate: error: {e}", err=True)
+        sys.exit(2)
     start = time.perf_counter()
 
     def step(what: str) -> None:
@@ -86,11 +99,7 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
         click.echo(f"kvr-calibrate: error: {e}", err=True)
         sys.exit(1)
     if no_link:
-        shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
-        base = HardwareProfile.load(shipped) if shipped.exists() else None
-        if base is None:
-            click.echo("kvr-calibrate: error: --no-link needs a shipped profile to take the link from", err=True)
-            sys.exit(2)
+        base = HardwareProfile.load(shipped)
         profile.links, profile.default_link = base.links, base.default_link
         profile.sources["links"] = f"from the shipped profile ({base.device}, {base.date[:10]})"
     profile.save(target)
@@ -191,7 +200,13 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
             click.echo(f"recommended: {best.label}, TTFT {best.ttft_s:.4f} s ({single / best.ttft_s:.2f}x single)"
                        + (f", partition {','.join(map(str, best.boundaries))}" if best.mode == "kvr" else ""))
         if timeline:
-            from kvrunahead.sim.timeline import plot_timeline
+            try:
+                import matplotlib  # noqa: F401
+
+                from kvrunahead.sim.timeline import plot_timeline
+            except ImportError:
+                click.echo("kvr-plan: error: --timeline needs matplotlib: pip install matplotlib", err=True)
+                sys.exit(2)
 
             path = Path(timeline) if len(ctxs) == 1 else Path(timeline).with_stem(f"{Path(timeline).stem}_{ctx}")
             plot_timeline(best.result, path)

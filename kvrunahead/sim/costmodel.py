@@ -79,7 +79,7 @@ class CostModel:
 
     def lm_head_s(self) -> float:
         s, p = self.shape, self.profile
-        return max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
+        return p.compute_factor * max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
 
     def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""

@@ -48,54 +48,51 @@ def layer_cost(config) -> LayerCost:
 
 
 def _count_layer_cost(config) -> LayerCost:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from kvrunahead.sim.shape import shape_from_config
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    embeddings = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                  if m is not None and getattr(m, "weight", None) is not None}
-    # Learned absolute position embeddings (GPT-2 style) are no per-token layer work either.
-    for name, p in model.named_parameters():
-        if name.endswith(("wpe.weight", "embed_positions.weight")):
-            embeddings[id(p)] = p.numel()
-    layers = config.num_hidden_layers
-    per_layer = (total - sum(embeddings.values())) / layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return LayerCost(flops_per_token=2.0 * per_layer, flops_per_pair=4.0 * heads * head_dim)
+    shape = shape_from_config(config, "float32")
+    return LayerCost(flops_per_token=shape.qkv_flops_per_token + shape.other_flops_per_token,
+                     flops_per_pair=shape.flops_per_pair)
 
 
-def balanced_partition(cost: LayerCost, context_len: int, world_size: int, attention: str) -> Partition:
-    """Boundaries that give every rank the same estimated work (bisection on the common work level)."""
-    if attention not in ("masked", "split"):
-        raise ValueError(f"unknown attention {attention!r}")
+def equal_work_sizes(work, context_len: int, world_size: int) -> list[float]:
+    """Part sizes (continuous, summing to the context) that give every rank the same ``work(prefix, tokens)``,
+    for any work increasing in both: bisection on the common level, each part the most tokens within it."""
 
     def tokens_within(prefix: float, level: float) -> float:
-        # The largest n with rank_flops(prefix, n) <= level: the positive root of a n^2 + b n - level.
-        causal = attention == "split" or prefix == 0
-        a = cost.flops_per_pair * (0.5 if causal else 1.0)
-        b = cost.flops_per_token + cost.flops_per_pair * (prefix + (0.5 if causal else 0.0))
-        return (2 * level) / (b + (b * b + 4 * a * level) ** 0.5)
+        lo, hi = 0.0, float(context_len)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if work(prefix, mid) <= level:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
-    def covered(level: float) -> tuple[float, list[float]]:
+    def covered(level: float) -> list[float]:
         prefix, sizes = 0.0, []
         for _ in range(world_size):
-            n = tokens_within(prefix, level)
-            sizes.append(n)
-            prefix += n
-        return prefix, sizes
+            sizes.append(tokens_within(prefix, level))
+            prefix += sizes[-1]
+        return sizes
 
-    lo, hi = 0.0, cost.rank_flops(0, context_len, attention)
-    for _ in range(100):
+    lo, hi = 0.0, work(0.0, float(context_len))
+    for _ in range(60):
         mid = (lo + hi) / 2
-        if covered(mid)[0] < context_len:
+        if sum(covered(mid)) < context_len:
             lo = mid
         else:
             hi = mid
-    sizes = covered(hi)[1]
-    return Partition.from_ratios([s / sum(sizes) for s in sizes], context_len)
+    sizes = covered(hi)
+    return [x * context_len / sum(sizes) for x in sizes]
+
+
+def balanced_partition(cost: LayerCost, context_len: int, world_size: int, attention: str) -> Partition:
+    """Boundaries that give every rank the same estimated work."""
+    if attention not in ("masked", "split"):
+        raise ValueError(f"unknown attention {attention!r}")
+    sizes = equal_work_sizes(lambda prefix, n: cost.rank_flops(prefix, n, attention), context_len, world_size)
+    return Partition.from_ratios([s / context_len for s in sizes], context_len)
 
 
 def estimated_partition(config, context_len: int, world_size: int, attention: str) -> Partition:

@@ -47,12 +47,13 @@ class Links:
         change = (n.duty * n.interval_s - phase) if phase < n.duty * n.interval_s else (n.interval_s - phase)
         return (max(bw - n.rate_Bps, FLOOR * bw) if on else bw), max(change, 1e-12)
 
-    def send(self, src: int, dst: int, start_s: float, nbytes: float) -> float:
-        """Queue a message; returns when its last byte arrives."""
+    def send(self, src: int, dst: int, start_s: float, nbytes: float, slowdown: float = 1.0) -> float:
+        """Queue a message; returns when its last byte arrives. ``slowdown``: the message moves that many times
+        slower than the link's rate (an all-gather's transfers, all at once)."""
         if nbytes <= 0:
             return start_s
         t = max(start_s, self.free_at.get((src, dst), 0.0)) + self.link.latency_s
-        left = float(nbytes)
+        left = float(nbytes) * slowdown
         while True:
             bw, window = self._bandwidth(src, dst, t)
             if left <= bw * window:
@@ -71,11 +72,12 @@ class Links:
             return start_s
         if self.link.allgather == "native":
             # A collective: (p-1) blocks into every rank at the collective's rate, on the slowest link.
-            nbytes = (p - 1) * block_bytes / self.link.allgather_efficiency
-            return max(self.send(r, (r + 1) % p, start_s, nbytes) for r in range(p))
+            nbytes = (p - 1) * block_bytes
+            return max(self.send(r, (r + 1) % p, start_s, nbytes, 1 / self.link.allgather_efficiency)
+                       for r in range(p))
         t = start_s
         # The ring: p-1 steps, each waits for the slowest transfer; all links busy at once cost what the
         # measured efficiency says (on one host the transfers share the CPU that copies them).
         for _ in range(p - 1):
-            t = max(self.send(r, (r + 1) % p, t, block_bytes / self.link.allgather_efficiency) for r in range(p))
+            t = max(self.send(r, (r + 1) % p, t, block_bytes, 1 / self.link.allgather_efficiency) for r in range(p))
         return t

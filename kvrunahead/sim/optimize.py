@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvrunahead.search import even_boundaries
 from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.flops import equal_work_sizes
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.simulate import simulate
 
@@ -30,37 +32,11 @@ class ModelSearch:
 
 def balanced_boundaries(model: CostModel, context_len: int, world_size: int, attention: str) -> tuple[int, ...]:
     """Boundaries with equal per-layer compute on every rank (continuous solution, rounded to tokens)."""
-
-    def tokens_within(prefix: float, level: float) -> float:
-        lo, hi = 0.0, float(context_len)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if model.rank_layer_s(attention, mid, prefix) <= level:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def covered(level: float) -> list[float]:
-        prefix, sizes = 0.0, []
-        for _ in range(world_size):
-            n = tokens_within(prefix, level)
-            sizes.append(n)
-            prefix += n
-        return sizes
-
-    lo, hi = 0.0, model.rank_layer_s(attention, context_len, 0)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(covered(mid)) < context_len:
-            lo = mid
-        else:
-            hi = mid
-    sizes = covered(hi)
-    scale = context_len / sum(sizes)
+    sizes = equal_work_sizes(lambda prefix, n: model.rank_layer_s(attention, n, prefix), context_len, world_size)
     bounds = [0]
     for s in sizes[:-1]:
-        bounds.append(min(max(round(bounds[-1] + s * scale), bounds[-1] + 1), context_len - (world_size - len(bounds))))
+        # At least one token per part, and room left for the parts after it.
+        bounds.append(min(max(round(bounds[-1] + s), bounds[-1] + 1), context_len - (world_size - len(bounds))))
     return (*bounds, context_len)
 
 
@@ -79,7 +55,7 @@ def search_partition(model: CostModel, context_len: int, world_size: int, attent
             memo[b] = simulate(model, "kvr", context_len, p, b, attention, noise).ttft_s
         return memo[b]
 
-    even = tuple(round(i * context_len / p) for i in range(p + 1))
+    even = even_boundaries(context_len, p)
     if p == 1:
         t = ttft(even)
         return ModelSearch(even, t, t, even, count["n"], time.perf_counter() - t0)
@@ -117,7 +93,8 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
     from kvrunahead.sim.shape import shape_from_config
 
     profile, which = resolve_profile(None, threads)
-    cost = CostModel(shape_from_config(config, dtype), profile, link if link in profile.links else None)
+    used = link if link in profile.links else profile.default_link
+    cost = CostModel(shape_from_config(config, dtype), profile, used)
     stride = max(1, min(64, context_len // (8 * world_size)))
     r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
-    return Partition(r.boundaries), f"cost model on {which}: predicted TTFT {r.ttft_s:.2f} s"
+    return Partition(r.boundaries), f"cost model on {which}, link {used}: predicted TTFT {r.ttft_s:.2f} s"

@@ -41,8 +41,8 @@ def plan(model: CostModel, context_len: int, max_ranks: int, modes: tuple[str, .
          attention: str = "split", noise: NoiseModel | None = None, ranks: list[int] | None = None,
          record: bool = False) -> list[Option]:
     """Every option, fastest first."""
-    options = [Option(1, "single", (0, context_len), 0.0,
-                      simulate(model, "single", context_len, 1, record=record))]
+    one = simulate(model, "single", context_len, 1, record=record)
+    options = [Option(1, "single", (0, context_len), one.ttft_s, one)]
     stride = max(16, context_len // 1024)
     for p in ranks or rank_counts(max_ranks):
         if p < 2 or context_len < 2 * p:
@@ -53,7 +53,5 @@ def plan(model: CostModel, context_len: int, max_ranks: int, modes: tuple[str, .
                 boundaries = search_partition(model, context_len, p, attention, noise,
                                               min_stride=min(stride, context_len // (2 * p))).boundaries
             r = simulate(model, mode, context_len, p, boundaries, attention, noise, record=record)
-            options.append(Option(p, mode, r.boundaries, 0.0, r))
-    for o in options:
-        o.ttft_s = o.result.ttft_s
+            options.append(Option(p, mode, r.boundaries, r.ttft_s, r))
     return sorted(options, key=lambda o: o.ttft_s)

@@ -46,9 +46,6 @@ class LinkProfile:
     allgather: str = "ring"
     allgather_efficiency: float = 1.0
 
-    def transfer_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps if nbytes > 0 else 0.0
-
 
 @dataclass
 class HardwareProfile:
@@ -100,9 +97,14 @@ class HardwareProfile:
             data = dict(data)
             data["attention"] = {k: AttentionCost(**v) for k, v in data["attention"].items()}
             data["links"] = {k: LinkProfile(**v) for k, v in data["links"].items()}
-            return cls(**data)
-        except (KeyError, TypeError) as e:
+            profile = cls(**data)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ProfileError(f"malformed profile: {e}") from None
+        rates = [profile.matmul_flops_per_s, profile.memory_Bps, *(k.flops_per_s for k in profile.attention.values()),
+                 *(link.bandwidth_Bps for link in profile.links.values())]
+        if not all(isinstance(r, (int, float)) and r > 0 for r in rates):
+            raise ProfileError(f"profile {profile.name!r} has a rate that is not positive")
+        return profile
 
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:
@@ -128,15 +130,15 @@ LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth on NVLink: ~80% of the link's rate 
 LINK_LATENCY_S = 10e-6  # one NCCL point-to-point message on a node (nccl-tests small-message times)
 # The paper ran Hugging Face Llama/Falcon with PyTorch 2.0 eager attention: every score of the q x k matrix is
 # written, masked, soft-maxed in float32 and read back. It is bound by HBM traffic, about 30 bytes per score
-# (fp16 QK^T write 2, mask add 2+2, fp32 upcast 4+4, softmax 4+4, fp16 cast 4+2, AV read 2); fitted: 33.4.
-EAGER_BYTES_PER_SCORE = 33.4
+# (fp16 QK^T write 2, mask add 2+2, fp32 upcast 4+4, softmax 4+4, fp16 cast 4+2, AV read 2); fitted: 29.4.
+EAGER_BYTES_PER_SCORE = 29.4
 # Per-layer fixed cost (launches, Python) in eager mode; fitted: the single-GPU column shows none.
 EAGER_LAYER_S = 0.0
 
 
 def _gpu(name: str, fig: dict, link_name: str, link_Bps: float, attention: str, layer_s: float,
-         sources: dict[str, str]) -> HardwareProfile:
-    matmul = fig["peak_flops"] * MATMUL_EFFICIENCY
+         sources: dict[str, str], matmul_efficiency: float, eager_bytes: float) -> HardwareProfile:
+    matmul = fig["peak_flops"] * matmul_efficiency
     memory = fig["hbm_Bps"] * MEMORY_EFFICIENCY
     if attention == "flash":
         kernel = AttentionCost(flops_per_s=fig["peak_flops"] * FLASH_EFFICIENCY, call_s=20e-6)
@@ -145,7 +147,7 @@ def _gpu(name: str, fig: dict, link_name: str, link_Bps: float, attention: str, 
                    "masked": AttentionCost(flops_per_s=fig["peak_flops"] * FLASH_EFFICIENCY / 2, call_s=20e-6,
                                            skips_masked=False)}
     else:  # eager: two GEMMs plus HBM traffic for every score
-        kernels = {k: AttentionCost(flops_per_s=matmul, score_bytes=EAGER_BYTES_PER_SCORE, call_s=20e-6,
+        kernels = {k: AttentionCost(flops_per_s=matmul, score_bytes=eager_bytes, call_s=20e-6,
                                     skips_masked=False) for k in KERNELS}
     links = {link_name: LinkProfile(link_Bps * LINK_EFFICIENCY, LINK_LATENCY_S, "native", 1.0)}
     return HardwareProfile(name=name, device=name.split("-")[0].upper(), matmul_flops_per_s=matmul,
@@ -156,7 +158,8 @@ def _gpu(name: str, fig: dict, link_name: str, link_Bps: float, attention: str, 
 
 _SOURCES = {
     "peak": "NVIDIA A100/H100 data sheets: dense fp16/bf16 tensor peak, HBM bandwidth, NVLink total / 2",
-    "matmul_efficiency": f"{MATMUL_EFFICIENCY}: large cuBLAS GEMMs, NVIDIA Matrix Multiplication Background guide",
+    "matmul_efficiency": "fitted to the paper's single-GPU column; large cuBLAS GEMMs reach 60-80% of peak "
+                         "(NVIDIA Matrix Multiplication Background guide)",
     "matmul_half_tokens": "256: GEMMs with fewer rows than this are bound by reading the weights",
     "memory_efficiency": f"{MEMORY_EFFICIENCY}: STREAM-like copy on HBM",
     "link_efficiency": f"{LINK_EFFICIENCY}: nccl-tests bus bandwidth over NVLink on DGX systems",
@@ -164,18 +167,22 @@ _SOURCES = {
 }
 
 
-def builtin_profiles() -> dict[str, HardwareProfile]:
-    eager = {**_SOURCES, "attention": f"eager (PyTorch 2.0 Hugging Face, as the paper): {EAGER_BYTES_PER_SCORE} "
+def builtin_profiles(matmul_efficiency: float = MATMUL_EFFICIENCY, eager_bytes: float = EAGER_BYTES_PER_SCORE,
+                     eager_layer_s: float = EAGER_LAYER_S) -> dict[str, HardwareProfile]:
+    """The built-in GPU profiles; the three fitted globals can be given (experiments/sim_validation/paper.py
+    fits them)."""
+    eager = {**_SOURCES, "attention": f"eager (PyTorch 2.0 Hugging Face, as the paper): {eager_bytes} "
              "HBM bytes per score, matmul efficiency and layer_s fitted once to the paper's single-GPU column "
              "(experiments/sim_validation/paper.py)"}
+    fitted = (matmul_efficiency, eager_bytes)
     flash = {**_SOURCES, "attention": f"FlashAttention-2 class kernels at {FLASH_EFFICIENCY} of peak (Dao 2023); "
              "masked calls at half that and computing every pair", "layer_s": "CUDA-graph-free eager launch cost"}
     return {
         # The paper's testbed (section 5): 8 x A100 with NVLink (300 GB/s) or without it (10 GB/s).
-        "a100-nvlink": _gpu("a100-nvlink", _A100, "nvlink", 300e9, "eager", EAGER_LAYER_S, eager),
-        "a100-pcie": _gpu("a100-pcie", _A100, "pcie", 10e9, "eager", EAGER_LAYER_S, eager),
-        "a100-nvlink-flash": _gpu("a100-nvlink-flash", _A100, "nvlink", 300e9, "flash", 0.3e-3, flash),
-        "h100-nvlink": _gpu("h100-nvlink", _H100, "nvlink", 450e9, "flash", 0.3e-3, flash),
+        "a100-nvlink": _gpu("a100-nvlink", _A100, "nvlink", 300e9, "eager", eager_layer_s, eager, *fitted),
+        "a100-pcie": _gpu("a100-pcie", _A100, "pcie", 10e9, "eager", eager_layer_s, eager, *fitted),
+        "a100-nvlink-flash": _gpu("a100-nvlink-flash", _A100, "nvlink", 300e9, "flash", 0.3e-3, flash, *fitted),
+        "h100-nvlink": _gpu("h100-nvlink", _H100, "nvlink", 450e9, "flash", 0.3e-3, flash, *fitted),
     }
 
 

@@ -46,17 +46,8 @@ class ModelShape:
     def lm_head_bytes(self) -> int:
         return self.hidden * self.vocab * self.dtype_bytes
 
-    def prefill_flops(self, tokens: int) -> float:
-        """One process, causal attention (visible pairs only), LM head on the last token."""
-        linear = (self.qkv_flops_per_token + self.other_flops_per_token) * tokens
-        return self.layers * (linear + self.flops_per_pair * tokens * (tokens + 1) / 2) + 2.0 * self.hidden * self.vocab
-
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ModelShape:
-        return cls(**data)
 
 
 def shape_from_config(config, dtype: str, name: str = "") -> ModelShape:

@@ -1,8 +1,10 @@
 """Replay the per-layer schedule of every prefill mode on p ranks (paper fig. 3-5) with a ``CostModel``.
 
-- kvr: rank i computes its Q,K,V, waits for the prefix K,V of the layer from rank i-1 (posted before the
-  projection, so the wait overlaps it), concatenates, sends [0, b_{i+1}) on to rank i+1 (in order on its
-  link, overlapped with its attention and MLP), then attends and runs the MLP.
+- kvr: rank i computes its Q,K,V, waits for the prefix K,V of the layer from rank i-1 (its receive is posted
+  when the previous layer's prefix arrived, before this layer's projection, so the wait overlaps it),
+  concatenates, sends [0, b_{i+1}) on to rank i+1 (in order on its link, overlapped with its attention and
+  MLP), then attends and runs the MLP. A message moves once the receiver has posted its receive (gloo and
+  MPI's rendezvous for large messages): a sender far ahead of its successor waits for it.
 - kvr-nocomm: the same with the prefix already local (the practical bound of section 5).
 - tsp: even parts; every layer all-gathers K,V (all ranks meet), then full masked score rows.
 - cp-allgather: zigzag chunks (rank i holds chunks i and 2p-1-i), all-gather, each chunk against the keys it sees.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrunahead.partition import zigzag_ranges
+from kvrunahead.search import even_boundaries
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 
@@ -31,7 +35,7 @@ class RankTimes:
     tokens: int
     compute_s: float = 0.0
     wait_s: float = 0.0
-    send_s: float = 0.0  # time this rank's outgoing links were busy
+    link_busy_s: float = 0.0  # time this rank's outgoing links were busy
     bytes_sent: float = 0.0
     end_s: float = 0.0
 
@@ -56,11 +60,6 @@ class SimResult:
     link_bytes: dict[str, float]
     spans: list[Span] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return {"mode": self.mode, "context_len": self.context_len, "world_size": self.world_size,
-                "boundaries": list(self.boundaries), "ttft_s": self.ttft_s,
-                "ranks": [r.__dict__ for r in self.ranks], "link_bytes": self.link_bytes}
-
 
 class _Clock:
     """Per-rank time and accounting."""
@@ -84,21 +83,12 @@ class _Clock:
 
     def sent(self, rank: int, layer: int, start: float, end: float, nbytes: float) -> None:
         self._span(rank, layer, "send", start, end)
-        self.ranks[rank].send_s += end - start
+        self.ranks[rank].link_busy_s += end - start
         self.ranks[rank].bytes_sent += nbytes
 
     def _span(self, rank, layer, kind, start, end) -> None:
         if self.record and end > start:
             self.spans.append(Span(rank, layer, kind, start, end))
-
-
-def even(context_len: int, parts: int) -> tuple[int, ...]:
-    return tuple(round(i * context_len / parts) for i in range(parts + 1))
-
-
-def zigzag(context_len: int, p: int) -> list[list[tuple[int, int]]]:
-    b = even(context_len, 2 * p)
-    return [[(b[i], b[i + 1]), (b[2 * p - 1 - i], b[2 * p - i])] for i in range(p)]
 
 
 def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
@@ -107,17 +97,20 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
     """TTFT and per-rank breakdown of one prefill. ``boundaries``: the kvr partition (even if None)."""
     if mode not in MODES:
         raise SimError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+    if world_size < 1:
+        raise SimError(f"world size must be at least 1, got {world_size}")
     p = 1 if mode == "single" else world_size
     if context_len < p or context_len < 1:
         raise SimError(f"context of {context_len} tokens cannot be split over {p} ranks")
     if mode in ("cp-allgather", "ring") and context_len < 2 * p:
         raise SimError(f"{mode} needs at least {2 * p} tokens for its 2p chunks")
-    b = tuple(boundaries) if boundaries is not None and mode in ("kvr", "kvr-nocomm") else even(context_len, p)
+    kvr = mode in ("kvr", "kvr-nocomm")
+    b = tuple(boundaries) if boundaries is not None and kvr else even_boundaries(context_len, p)
     if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
         raise SimError(f"boundaries {b} are not a partition of {context_len} tokens over {p} ranks")
     links = Links(model.link, p, noise)
     if mode in ("cp-allgather", "ring"):
-        ranges = zigzag(context_len, p)
+        ranges = zigzag_ranges(context_len, p)
     else:
         ranges = [[(b[r], b[r + 1])] for r in range(p)]
     clock = _Clock(p, [sum(e - a for a, e in r) for r in ranges], record)
@@ -133,6 +126,8 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
     else:
         _ring(model, clock, links, ranges)
         emitter = 0
+    if mode == "ring":
+        clock.wait_until(emitter, model.layers, links.free_at.get((emitter, (emitter + 1) % p), 0.0))  # the drain
     clock.compute(emitter, model.layers, model.lm_head_s())
     for r in clock.ranks:
         r.end_s = clock.t[r.rank]
@@ -142,6 +137,7 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
 
 def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], attention: str, comm: bool) -> None:
     p = len(b) - 1
+    posted = [0.0] * p  # when each rank's receive for the current layer was posted
     for layer in range(model.layers):
         arrival = 0.0
         for i in range(p):
@@ -149,12 +145,13 @@ def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], atte
             clock.compute(i, layer, model.qkv_s(n))
             if i > 0 and comm:
                 clock.wait_until(i, layer, arrival)
+                posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in
             if prefix:
                 clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n)))
             if i < p - 1 and comm:
                 nbytes = model.kv_bytes(b[i + 1])
-                start = max(clock.t[i], links.free_at.get((i, i + 1), 0.0))
-                arrival = links.send(i, i + 1, clock.t[i], nbytes)
+                start = max(clock.t[i], posted[i + 1], links.free_at.get((i, i + 1), 0.0))
+                arrival = links.send(i, i + 1, start, nbytes)
                 clock.sent(i, layer, start, arrival, nbytes)
             clock.compute(i, layer, model.kvr_attention_s(attention, n, prefix) + model.other_s(n))
 
@@ -197,11 +194,12 @@ def _ring(model: CostModel, clock: _Clock, links: Links, ranges) -> None:
             arrivals = [0.0] * p
             if step < p - 1:
                 for r in range(p):
-                    held = (r - step) % p
+                    # Both ends post at the start of their step: the block moves once both have.
+                    held, nxt = (r - step) % p, (r + 1) % p
                     nbytes = model.kv_bytes(tokens[held])
-                    start = max(clock.t[r], links.free_at.get((r, (r + 1) % p), 0.0))
-                    arrivals[(r + 1) % p] = links.send(r, (r + 1) % p, clock.t[r], nbytes)
-                    clock.sent(r, layer, start, arrivals[(r + 1) % p], nbytes)
+                    start = max(clock.t[r], clock.t[nxt], links.free_at.get((r, nxt), 0.0))
+                    arrivals[nxt] = links.send(r, nxt, start, nbytes)
+                    clock.sent(r, layer, start, arrivals[nxt], nbytes)
             for r in range(p):
                 held = (r - step) % p
                 clock.compute(r, layer, sum(_block_s(model, q, k) for q in ranges[r] for k in ranges[held]))
