@@ -13,11 +13,11 @@ class PromptError(ValueError):
 
 
 def parse_tokens(text: str) -> int:
-    """``4096``, ``4k`` or ``16K`` -> tokens (k = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
+    """``4096``, ``4k``, ``16K`` or ``1M`` -> tokens (k = 1024, M = 1024 k)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
     if not m:
-        raise PromptError(f"cannot parse token count {text!r}: use a number like 2048 or 2k")
-    return int(m.group(1)) * (1024 if m.group(2) else 1)
+        raise PromptError(f"cannot parse token count {text!r}: use a number like 2048, 2k or 1M")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
 
 
 def shipped_text() -> str:

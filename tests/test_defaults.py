@@ -1,4 +1,5 @@
-"""What a user gets without flags: the attention, the partition (table or cost estimate) and the RoPE extension."""
+"""What a user gets without flags: the attention, the partition (table, cost model or FLOP estimate) and the RoPE
+extension."""
 
 import math
 
@@ -49,10 +50,20 @@ def test_split_attention_is_refused_with_one_line_for_a_model_that_computes_atte
         prepare(RunConfig(model="tiny-falcon", context_len=256, kvr_attention="split"), 2)
 
 
-def test_without_a_table_the_default_partition_is_the_cost_estimate_and_never_even():
+def test_without_a_table_the_default_partition_is_the_cost_models_and_never_even():
     prepared = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
-    assert prepared.partition_source.startswith("cost estimate") and "no partition table" in prepared.partition_source
+    assert prepared.partition_source.startswith("cost model on") and "no partition table" in prepared.partition_source
     assert prepared.partition != Partition.even(2048, 2)
+    assert prepared.partition.sizes[0] > prepared.partition.sizes[1]
+
+
+def test_without_a_table_or_a_profile_the_default_partition_is_the_flop_estimate(tmp_path, monkeypatch):
+    from kvrunahead.sim import profile
+
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile, "SHIPPED_DIR", tmp_path)
+    prepared = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
+    assert prepared.partition_source.startswith("cost estimate") and "kvr-calibrate" in prepared.partition_source
     assert prepared.partition.sizes[0] > prepared.partition.sizes[1]
 
 
@@ -66,20 +77,20 @@ def test_a_matching_table_is_interpolated_by_default(no_shipped_tables):
 def test_a_table_of_the_other_attention_is_not_picked_by_default(no_shipped_tables):
     _write_table(no_shipped_tables, attention="masked")
     prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)  # split by default
-    assert prepared.partition_source.startswith("cost estimate")
+    assert prepared.partition_source.startswith("cost model")
     masked = prepare(RunConfig(model="tiny-llama", context_len=1536, kvr_attention="masked"), 2)
     assert "interpolated" in masked.partition_source
 
 
 def test_a_table_of_another_network_is_not_picked_by_default(no_shipped_tables):
     _write_table(no_shipped_tables, bandwidth="cap-13MBps")
-    assert prepare(RunConfig(model="tiny-llama", context_len=1536), 2).partition_source.startswith("cost estimate")
+    assert prepare(RunConfig(model="tiny-llama", context_len=1536), 2).partition_source.startswith("cost model")
 
 
-def test_a_context_outside_the_table_falls_back_to_the_cost_estimate_and_says_so(no_shipped_tables):
+def test_a_context_outside_the_table_falls_back_to_the_cost_model_and_says_so(no_shipped_tables):
     _write_table(no_shipped_tables)
     prepared = prepare(RunConfig(model="tiny-llama", context_len=4096), 2)
-    assert prepared.partition_source.startswith("cost estimate") and "outside" in prepared.partition_source
+    assert prepared.partition_source.startswith("cost model") and "outside" in prepared.partition_source
 
 
 def test_a_table_of_the_other_attention_is_refused_unless_forced(no_shipped_tables):

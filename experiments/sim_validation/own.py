@@ -69,9 +69,11 @@ def noise_model(spec) -> NoiseModel | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default=str(SHIPPED_DIR / "cpu-t1.json"))
+    ap.add_argument("--profile", default=str((SHIPPED_DIR / "cpu-t1.json").relative_to(ROOT)))
     args = ap.parse_args()
-    profile, which = resolve_profile(args.profile)
+    path = args.profile if Path(args.profile).exists() else str(ROOT / args.profile)
+    profile, _ = resolve_profile(path)
+    which = f"{args.profile} ({profile.device}, calibrated {profile.date[:10]})"
     shape = shape_from_config(resolve_config("smollm2-135m"), "float32", "smollm2-135m")
     rows = []
     for (source, ctx, mode, bounds, att, network), runs in sorted(measured_groups().items()):

@@ -7,8 +7,9 @@
   causal mask (KVR masked, TSP, cp-allgather), the causal diagonal block and the full prefix block with their
   log-sum-exp merge (KVR split, ring); each fitted to ``call + per query + per key + pairs x FLOPs / rate``.
 - Copies: the cache concatenation; links: ``kvrunahead.sim.linkbench`` on two ranks (in namespaces with a cap).
-- Whole prefills of the model against the sum of their simulated steps: ``compute_factor``, what the steps leave
-  out (the model's glue between kernels, the cache's bookkeeping).
+- Whole prefills of the model against the sum of their simulated steps, as a check (``fit["whole_prefill_N"]``).
+- The link's compute cost: what a rank's matrix products lose while a block crosses the link (on one host the
+  copies run on the same cores), per byte (``LinkProfile.compute_s_per_byte``).
 With ``concurrent`` ranks the steps are timed while the others compute the same steps (shared memory bandwidth
 and caches, as in a run). Every fit keeps its worst relative residual in ``profile.fit``.
 """
@@ -203,7 +204,8 @@ def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkP
     # At p = 2 an all-gather is one exchange each way: its efficiency is one transfer's time over its own.
     efficiency = statistics.median(r["send_s"] / r["allgather_s"] for r in big)
     kind = "ring" if data["allgather"] == "p2p" else "native"
-    return LinkProfile(bandwidth, latency, kind, round(min(1.0, efficiency), 3)), worst, rows
+    penalty = statistics.mean(data["compute_s_per_byte"])
+    return LinkProfile(bandwidth, latency, kind, round(min(1.0, efficiency), 3), penalty), worst, rows
 
 
 def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: bool) -> None:
@@ -299,10 +301,10 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
                  "shape": json.dumps(shape.to_dict())},
         fit={"linear": round(linear_worst, 4), **{f"attention_{k}": round(v, 4) for k, v in attention_worst.items()},
              **{f"link_{k}": round(v, 4) for k, v in link_worst.items()}})
+    # A check, not a correction: a whole prefill against the sum of its steps as the simulator adds them.
     cost = CostModel(shape, profile)
-    ratios = [t / simulate(cost, "single", n, 1).ttft_s for n, t in whole]
-    profile.compute_factor = round(statistics.median(ratios), 4)
-    profile.fit["whole_prefill_spread"] = round(max(ratios) / min(ratios) - 1, 4)
+    for n, t in whole:
+        profile.fit[f"whole_prefill_{n}"] = round(simulate(cost, "single", n, 1).ttft_s / t - 1, 4)
     return profile
 
 

@@ -32,12 +32,11 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         p = self.profile
-        return p.compute_factor * flops_per_token * (tokens + p.matmul_half_tokens) / p.matmul_flops_per_s
+        return flops_per_token * (tokens + p.matmul_half_tokens) / p.matmul_flops_per_s
 
     def qkv_s(self, tokens: float) -> float:
         """Layer overhead plus the Q,K,V projections: what a rank does before it needs the prefix K,V."""
-        return self.profile.compute_factor * self.profile.layer_s + self._matmul_s(self.shape.qkv_flops_per_token,
-                                                                                    tokens)
+        return self.profile.layer_s + self._matmul_s(self.shape.qkv_flops_per_token, tokens)
 
     def other_s(self, tokens: float) -> float:
         """Output projection and MLP."""
@@ -46,8 +45,7 @@ class CostModel:
     def _kernel_s(self, kernel: AttentionCost, queries: float, keys: float, pairs: float) -> float:
         s = self.shape
         per_pair = s.flops_per_pair / kernel.flops_per_s + s.heads * kernel.score_bytes / self.profile.memory_Bps
-        return self.profile.compute_factor * (kernel.call_s + kernel.query_s * queries + kernel.key_s * keys
-                                              + per_pair * pairs)
+        return kernel.call_s + kernel.query_s * queries + kernel.key_s * keys + per_pair * pairs
 
     def causal_s(self, tokens: float) -> float:
         """A diagonal block: ``tokens`` queries against themselves under the causal mask."""
@@ -72,14 +70,18 @@ class CostModel:
         return self.masked_s(tokens, prefix + tokens)
 
     def copy_s(self, nbytes: float) -> float:
-        return self.profile.compute_factor * nbytes / self.profile.memory_Bps
+        return nbytes / self.profile.memory_Bps
+
+    def transfer_cpu_s(self, nbytes: float) -> float:
+        """Compute a rank loses to a transfer it sends or receives (the copies run on its cores)."""
+        return nbytes * self.link.compute_s_per_byte
 
     def kv_bytes(self, tokens: float) -> float:
         return tokens * self.shape.kv_bytes_per_token
 
     def lm_head_s(self) -> float:
         s, p = self.shape, self.profile
-        return p.compute_factor * max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
+        return max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
 
     def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""

@@ -43,11 +43,49 @@ def main(out: str, repeats: int, sizes: list[int]) -> None:
                 send.append(elapsed)
                 gather.append(gathered)
         rows.append({"bytes": size, "send_s": statistics.median(send), "allgather_s": statistics.median(gather)})
+    penalty = _compute_penalty(t, world.rank, sizes[-1], repeats)
+    penalties = [None] * world.world_size
+    dist.all_gather_object(penalties, penalty)
     if world.rank == 0:
         with open(out, "w") as f:
-            json.dump({"rows": rows, "allgather": t.allgather}, f)
+            json.dump({"rows": rows, "allgather": t.allgather, "compute_s_per_byte": penalties}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _compute_penalty(t, rank: int, size: int, repeats: int) -> float:
+    """Seconds a rank's compute loses per byte it sends or receives meanwhile: the same matrix products timed
+    alone and while a block crosses the link (the copies run on the same cores, and share their caches)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(384, 384)
+    block = torch.zeros(size // 4, dtype=torch.float32)
+
+    def work() -> float:
+        start = time.perf_counter()
+        for _ in range(400):
+            a @ a
+        return time.perf_counter() - start
+
+    alone, busy = [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        quiet = work()
+        dist.barrier()
+        if rank == 0:
+            t.isend(block, 1, tag=10_000 + i)
+        else:
+            req = t.irecv(torch.empty_like(block), 0, tag=10_000 + i)
+        loaded = work()
+        if rank == 0:
+            t.drain()
+        else:
+            t.wait(req, "the link benchmark's block")
+        if i:
+            alone.append(quiet)
+            busy.append(loaded)
+    return max(0.0, statistics.median(busy) - statistics.median(alone)) / size
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from kvrunahead.sim.flops import equal_work_sizes
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.simulate import simulate
 
-MAX_SIMULATIONS = 600  # hill-climbing budget: a 64-rank, million-token search stays within seconds
+MAX_SIMULATIONS = 300  # hill-climbing budget: a 64-rank, million-token search stays within seconds
 
 
 @dataclass

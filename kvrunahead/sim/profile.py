@@ -39,12 +39,14 @@ class AttentionCost:
 class LinkProfile:
     """One direction of one link between adjacent ranks: ``latency_s + bytes / bandwidth_Bps`` per message.
     ``allgather``: 'ring' (p-1 steps of point-to-point transfers, what the runtime uses on gloo and MPI) or
-    'native' (a collective whose bytes move at ``allgather_efficiency`` times the link's rate)."""
+    'native' (a collective whose bytes move at ``allgather_efficiency`` times the link's rate).
+    ``compute_s_per_byte``: on one host the transfers' copies run on the cores that compute (0 on a GPU node)."""
 
     bandwidth_Bps: float
     latency_s: float = 0.0
     allgather: str = "ring"
     allgather_efficiency: float = 1.0
+    compute_s_per_byte: float = 0.0  # compute a rank loses per byte it sends or receives (copies on its cores)
 
 
 @dataclass
@@ -61,9 +63,6 @@ class HardwareProfile:
     threads: int = 1
     dtype: str = "float32"
     device_kind: str = "cpu"  # "cpu" or "cuda": which partition tables a model-backed search writes
-    # Whole forwards against the sum of their steps (kvr-calibrate times both): what the per-step
-    # microbenchmarks leave out (the model's glue between kernels, the cache's bookkeeping), as one factor.
-    compute_factor: float = 1.0
     date: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     versions: dict[str, str] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # where each figure comes from

@@ -146,6 +146,7 @@ def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], atte
             if i > 0 and comm:
                 clock.wait_until(i, layer, arrival)
                 posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in
+                clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(prefix)))
             if prefix:
                 clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n)))
             if i < p - 1 and comm:
@@ -153,6 +154,7 @@ def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], atte
                 start = max(clock.t[i], posted[i + 1], links.free_at.get((i, i + 1), 0.0))
                 arrival = links.send(i, i + 1, start, nbytes)
                 clock.sent(i, layer, start, arrival, nbytes)
+                clock.compute(i, layer, model.transfer_cpu_s(nbytes))
             clock.compute(i, layer, model.kvr_attention_s(attention, n, prefix) + model.other_s(n))
 
 
@@ -165,9 +167,11 @@ def _gather(model: CostModel, clock: _Clock, links: Links, ranges, context_len: 
             clock.compute(r, layer, model.qkv_s(tokens[r]))
         start = max(clock.t)
         end = links.all_gather(start, model.kv_bytes(width))
+        moved = (p - 1) * model.kv_bytes(width) if p > 1 else 0.0
         for r in range(p):
-            clock.sent(r, layer, start, end, (p - 1) * model.kv_bytes(width) if p > 1 else 0.0)
+            clock.sent(r, layer, start, end, moved)
             clock.wait_until(r, layer, end)
+            clock.compute(r, layer, model.transfer_cpu_s(2 * moved))  # sent and received
             if zig:
                 attn = sum(model.masked_s(e - a, e) for a, e in ranges[r])
             else:
@@ -192,6 +196,7 @@ def _ring(model: CostModel, clock: _Clock, links: Links, ranges) -> None:
             clock.compute(r, layer, model.qkv_s(tokens[r]))
         for step in range(p):
             arrivals = [0.0] * p
+            cpu = [0.0] * p  # this step's transfers' copies, on the ranks that send and receive them
             if step < p - 1:
                 for r in range(p):
                     # Both ends post at the start of their step: the block moves once both have.
@@ -200,10 +205,13 @@ def _ring(model: CostModel, clock: _Clock, links: Links, ranges) -> None:
                     start = max(clock.t[r], clock.t[nxt], links.free_at.get((r, nxt), 0.0))
                     arrivals[nxt] = links.send(r, nxt, start, nbytes)
                     clock.sent(r, layer, start, arrivals[nxt], nbytes)
+                    cpu[r] += model.transfer_cpu_s(nbytes)
+                    cpu[nxt] += model.transfer_cpu_s(nbytes)
             for r in range(p):
                 held = (r - step) % p
                 clock.compute(r, layer, sum(_block_s(model, q, k) for q in ranges[r] for k in ranges[held]))
                 if step < p - 1:
                     clock.wait_until(r, layer, arrivals[r])
+                    clock.compute(r, layer, cpu[r])
         for r in range(p):
             clock.compute(r, layer, model.other_s(tokens[r]))
