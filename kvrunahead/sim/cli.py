@@ -116,7 +116,8 @@ def describe(profile) -> str:
                      f"{k.call_s * 1e3:.2f} ms per call")
     for name, link in profile.links.items():
         lines.append(f"  link {name}: {link.bandwidth_Bps / 1e6:.0f} MB/s, {link.latency_s * 1e6:.0f} us, "
-                     f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}")
+                     f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}, "
+                     f"{link.compute_s_per_byte * 1e9:.2f} ns of compute per byte moved")
     if profile.fit:
         lines.append("  worst fit residual: " + ", ".join(f"{k} {v:.1%}" for k, v in profile.fit.items()))
     return "\n".join(lines)
