@@ -62,7 +62,7 @@ class CostModel:
         return self._kernel_s(self.profile.attention["masked"], queries, keys, queries * keys)
 
     def kvr_attention_s(self, attention: str, tokens: float, prefix: float) -> float:
-        """KV-Runahead's attention for a part of ``tokens`` after ``prefix`` (cost.py's pair counts)."""
+        """KV-Runahead's attention for a part of ``tokens`` after ``prefix`` (flops.py's pair counts)."""
         if prefix == 0:
             return self.causal_s(tokens)  # rank 0's mask is the plain causal one, in both formulations
         if attention == "split":
