@@ -43,7 +43,7 @@ def main() -> None:
         ratio = "same partition" if same else f"{tr / ts - 1:+.1%}" if ts and tr else "not measured"
         lines.append(f"| {ctx} | {s['boundaries'][1]}, {s['evaluations']}, {s['search_s']:.0f} | "
                      f"{m['boundaries'][1]}, {m['search_s']:.2f} | {r['boundaries'][1]}, {r['evaluations']}, "
-                     f"{r['search_s']:.0f} | {ts or float('nan'):.3f} | {tr or float('nan'):.3f} | {ratio} |")
+                     f"{r['search_s']:.0f} | {f'{ts:.3f}' if ts else '-'} | {f'{tr:.3f}' if tr else '-'} | {ratio} |")
     lines += ["", f"Candidates measured on the ranks: {total_r} (refined) against {total_s} (measured search), "
               f"{total_r / total_s:.0%}."]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")

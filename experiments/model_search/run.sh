@@ -3,7 +3,7 @@
 # gloo, loopback, split attention): the cost model's answer on the shipped CPU profile, refined on the ranks
 # (the answer and its neighbours one stride away), beside partition_tables/smollm2-135m_p2_float32_cpu_split.json
 # (the measured search: golden section over [1/2, 7/8] plus polish). Resumable (--resume).
-#   bash experiments/model_search/run.sh          # refine 1k-8k (about 12 min), then compare.py
+#   bash experiments/model_search/run.sh          # refine 1k-8k (about 9 min), compare (about 9 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=experiments/model_search

@@ -166,6 +166,9 @@ def write_md(rows, parts, which, worst, within, worst_part) -> None:
             lines.append(f"| {ctx} | {mode} | {','.join(map(str, bounds))} | "
                          + ", ".join(f"{g['source']} ({g['network']})" for g in group) + " | "
                          + ", ".join(f"{t:.2f}" for t in times) + f" | {max(times) / min(times) - 1:.0%} |")
+    if parts:
+        close = sum(abs(p["difference_of_context"]) <= 0.03 for p in parts)
+        lines += ["", f"Within 3% of the context: {close} of {len(parts)} entries."]
     if worst_part:
         lines += ["", f"Worst partition difference: {worst_part['difference_of_context']:+.1%} of the context "
                   f"({worst_part['table']}, {worst_part['context']})."]
