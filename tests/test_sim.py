@@ -333,3 +333,13 @@ def test_kvr_calibrate_refuses_bad_input():
 
     res = CliRunner().invoke(calibrate_main, ["--threads", "0"])
     assert res.exit_code == 2 and "at least 1" in res.output
+
+
+def test_a_search_under_noise_is_repeatable_and_prices_the_noise():
+    m = CostModel(PAPER_SHAPES["llama-7b"], builtin_profiles()["a100-pcie"])
+    noise = NoiseModel(5e9, 0.05, 0.5)
+    a = search_partition(m, 8192, 4, "masked", noise, min_stride=64)
+    b = search_partition(m, 8192, 4, "masked", noise, min_stride=64)
+    quiet = search_partition(m, 8192, 4, "masked", None, min_stride=64)
+    assert a.boundaries == b.boundaries and a.ttft_s == b.ttft_s
+    assert a.ttft_s > quiet.ttft_s  # half the link's rate gone half the time costs something at 10 GB/s

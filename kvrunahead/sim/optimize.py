@@ -8,6 +8,7 @@ what the balance leaves out: the pipeline's fill, the transfers and the LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -49,10 +50,13 @@ def search_partition(model: CostModel, context_len: int, world_size: int, attent
     count = {"n": 0}
     memo: dict[tuple[int, ...], float] = {}
 
+    # Under noise, the mean over a few draws of the loaded pairs, so that no one pattern is tuned to.
+    noises = [noise] if noise is None else [dataclasses.replace(noise, seed=noise.seed + k) for k in range(3)]
+
     def ttft(b: tuple[int, ...]) -> float:
         if b not in memo:
             count["n"] += 1
-            memo[b] = simulate(model, "kvr", context_len, p, b, attention, noise).ttft_s
+            memo[b] = sum(simulate(model, "kvr", context_len, p, b, attention, n).ttft_s for n in noises) / len(noises)
         return memo[b]
 
     even = even_boundaries(context_len, p)
