@@ -81,11 +81,13 @@ def zigzag_emitter(world_size: int) -> int:
     return 0  # rank 0 holds chunk 2p-1, the end of the prompt
 
 
-def causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, device) -> torch.Tensor:
-    """Boolean ``[q_len, k_len]``: key position j is visible to query position i when j <= i."""
+def causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, device, window: int | None = None) -> torch.Tensor:
+    """Boolean ``[q_len, k_len]``: key position j is visible to query position i when j <= i (and, in a sliding
+    window of ``window``, i - j < window, transformers' convention)."""
     q = torch.arange(q_start, q_start + q_len, device=device)[:, None]
     k = torch.arange(k_start, k_start + k_len, device=device)[None, :]
-    return k <= q
+    visible = k <= q
+    return visible & (k > q - window) if window else visible
 
 
 def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:

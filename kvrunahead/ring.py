@@ -23,7 +23,7 @@ from kvrunahead.attention import (
     register,
     zigzag_emitter,
 )
-from kvrunahead.runahead import forward_part
+from kvrunahead.runahead import forward_part, refuse_softcap
 from kvrunahead.transport import Transport
 from kvrunahead.tsp import positions
 
@@ -51,6 +51,7 @@ def _chunk_attention(q, q_range, k, v, k_ranges, scale, out, lse):
 
 def ring_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered attention function: ``key``/``value`` are this rank's own chunks only."""
+    refuse_softcap(kwargs, "ring")
     state: _State = current_state()
     t, ranges = state.transport, state.ranges
     p, rank, heads = t.world_size, t.rank, query.shape[1]

@@ -13,11 +13,13 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from kvrunahead.attention import (
+    attend,
     attend_with_lse,
     attention_mode,
+    causal_mask,
     expand_kv,
     merge_lse,
     register,
@@ -54,12 +56,42 @@ class RunaheadLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class RunaheadSlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window cache layer whose first update is the KV-Runahead exchange of the window only.
+
+    Before it, the layer stands where the single-process cache stands after ``prefix_len`` tokens: that many seen,
+    the last ``window - 1`` of them kept, so the unmodified model builds its sliding mask at the right offset.
+    The exchange receives those kept positions, appends the rank's own and hands on the last ``window - 1``.
+    """
+
+    def __init__(self, layer_idx: int, link: ChainLink, window: int, fault: Fault | None = None) -> None:
+        super().__init__(sliding_window=window)
+        self.layer_idx = layer_idx
+        self.link = link
+        self.fault = fault
+        self.cumulative_length = link.prefix_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        maybe_inject(self.fault, self.link.rank, self.layer_idx)
+        self.lazy_initialization(key_states, value_states)
+        kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
+        self.cumulative_length += key_states.shape[-2]
+        kept = self.link.layout.kept(self.layer_idx, self.cumulative_length)
+        self.keys, self.values = kv[0, ..., kv.shape[-2] - kept:, :], kv[1, ..., kv.shape[-2] - kept:, :]
+        return kv[0], kv[1]
+
+
 class RunaheadCache(DynamicCache):
-    """A ``DynamicCache`` whose layers take part in the KV chain during the prefill."""
+    """A ``DynamicCache`` whose layers take part in the KV chain during the prefill: full-attention layers hand on
+    the whole prefix, sliding-window layers their window."""
 
     def __init__(self, link: ChainLink) -> None:
         fault = fault_from_env()
-        layers = [RunaheadLayer(i, link, fault) for i in range(link.layout.num_layers)]
+        layout = link.layout
+        layers = [RunaheadLayer(i, link, fault) if layout.window(i) is None
+                  else RunaheadSlidingLayer(i, link, layout.window(i), fault) for i in range(layout.num_layers)]
         super(DynamicCache, self).__init__(layers=layers)
 
 
@@ -77,29 +109,52 @@ class LocalPrefixLink(ChainLink):
         pass
 
     def prefix(self, layer: int) -> torch.Tensor:
-        return self.prefixes[layer]
+        kv = self.prefixes[layer]
+        return kv[..., kv.shape[-2] - self.layout.kept(layer, self.prefix_len):, :]
+
+
+# The cache layer types the chain can hand on: transformers' types whose cache is a K,V prefix (all of it, or a
+# sliding window's last positions). Chunked attention (Llama 4) keeps a window too, but masks by chunk: refused
+# until tested; linear attention and state-space layers keep a state that is no K,V prefix at all.
+CHAINABLE = {"full_attention": None, "sliding_attention": "sliding_window"}
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Per decoder layer, its sliding window (None: full attention), read from the model's config the way
+    transformers' own ``DynamicCache(config=...)`` reads it; raises NotImplementedError for other layer types."""
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    odd = sorted({t for t in types if t not in CHAINABLE})
+    if odd:
+        raise NotImplementedError(
+            f"{config.model_type} has {', '.join(odd)} layers, whose cache is not a K,V prefix of the prompt; "
+            "KV-Runahead hands on full-attention and sliding-window layers only")
+    return tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
 
 
 @torch.no_grad()
 def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
-    """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike)."""
-    plain = DynamicCache(config=model.config)
-    odd = {type(layer).__name__ for layer in plain.layers if type(layer) is not DynamicLayer}
+    """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike) and its
+    sliding window from the config."""
+    windows = layer_windows(model.config)
+    chainable = (DynamicLayer, DynamicSlidingWindowLayer)
+    odd = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers if type(layer) not in chainable}
     if odd:
-        # Sliding-window and linear-attention layers keep state that is not the plain [0, end) K,V
-        # prefix, so the chain would hand the next rank the wrong thing.
         raise NotImplementedError(
-            f"{type(model).__name__} uses cache layers {sorted(odd)}; KV-Runahead supports full-attention layers only"
-        )
+            f"{type(model).__name__} uses cache layers {sorted(odd)}; KV-Runahead hands on full-attention and "
+            "sliding-window layers only")
     device = next(model.parameters()).device
     cache = DynamicCache()
     one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
     model.base_model(input_ids=one_token, past_key_values=cache, use_cache=True)
+    if len(cache.layers) != len(windows):
+        raise NotImplementedError(f"{type(model).__name__} caches {len(cache.layers)} layers but its config lists "
+                                  f"{len(windows)}; layers that share or skip a cache are not supported")
     heads = tuple(layer.keys.shape[1] for layer in cache.layers)
     head_dim = tuple(layer.keys.shape[-1] for layer in cache.layers)
     if any(layer.keys.shape != layer.values.shape for layer in cache.layers):
         raise NotImplementedError("models whose K and V differ in shape are not supported")
-    return KVLayout(heads=heads, head_dim=head_dim, dtype=cache.layers[0].keys.dtype)
+    return KVLayout(heads=heads, head_dim=head_dim, dtype=cache.layers[0].keys.dtype,
+                    windows=windows if any(w is not None for w in windows) else None)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -131,15 +186,39 @@ ATTENTION = ("masked", "split")
 
 def split_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """KV-Runahead attention without the masked waste of fig. 5 (the custom kernel of section 4.1): the
-    prefix block is attended in full, the rank's own diagonal block causally, merged by log-sum-exp."""
+    prefix block is attended in full, the rank's own diagonal block causally, merged by log-sum-exp. A
+    sliding-window layer attends band by band, each block of queries to the keys its window reaches."""
+    refuse_softcap(kwargs, "kvr --kvr-attention split")
     n, heads = query.shape[2], query.shape[1]
     start = key.shape[2] - n
     k, v = expand_kv(key, heads), expand_kv(value, heads)
+    if kwargs.get("sliding_window"):
+        return window_attention(query, k, v, start, kwargs["sliding_window"], scaling), None
     out, lse = attend_with_lse(query, k[:, :, start:], v[:, :, start:], causal=True, scale=scaling)
     if start > 0:
         prefix_out, prefix_lse = attend_with_lse(query, k[:, :, :start], v[:, :, :start], causal=False, scale=scaling)
         out, lse = merge_lse(out, lse, prefix_out, prefix_lse)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def window_attention(query, key, value, start: int, window: int, scale) -> torch.Tensor:
+    """Sliding-window attention of ``query`` (key index ``start + i`` is query i's own position) in blocks of
+    ``window`` queries, each against the ``2 * window - 1`` keys its window reaches: work linear in the queries
+    instead of the masked square. Returns ``[batch, n, heads, head_dim]``."""
+    n = query.shape[2]
+    outs = []
+    for a in range(0, n, window):
+        e = min(a + window, n)
+        lo = max(0, start + a - window + 1)
+        mask = causal_mask(start + a, e - a, lo, start + e - lo, query.device, window)
+        outs.append(attend(query[:, :, a:e], key[:, :, lo:start + e], value[:, :, lo:start + e], mask, scale))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def refuse_softcap(kwargs: dict, mode: str) -> None:
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"this model soft-caps its attention logits, which {mode} does not do; use "
+                                  "--kvr-attention masked (kvr) or another mode")
 
 
 register(SPLIT, split_attention)
@@ -175,7 +254,7 @@ def local_prefixes(model: torch.nn.Module, prefix_ids: torch.Tensor) -> list[tor
     """K,V of a prefix computed in this process (set-up of the no-communication bound; not timed)."""
     if prefix_ids.shape[1] == 0:
         return []
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)
     model.base_model(input_ids=prefix_ids, past_key_values=cache, use_cache=True)
     return [torch.stack((layer.keys, layer.values)).contiguous() for layer in cache.layers]
 

@@ -22,16 +22,16 @@ from kvrunahead.models import (
     resolve_config,
     uses_attention_interface,
 )
-from kvrunahead.modes import MODES, Step
+from kvrunahead.modes import MODES, Step, check_model
 from kvrunahead.net import liveness
 from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.rope import ContextError, RopeExtension, plan_extension
-from kvrunahead.runahead import greedy_decode, last_token_logits, probe_kv_layout
+from kvrunahead.runahead import greedy_decode, last_token_logits, layer_windows, probe_kv_layout
 from kvrunahead.sim.flops import estimated_partition
 from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
-from kvrunahead.transport import ALLGATHERS, TRANSPORTS, Transport, make_transport
+from kvrunahead.transport import ALLGATHERS, TRANSPORTS, KVLayout, Transport, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class RankStats:
     bytes_sent: int
     bytes_received: int
     peak_mem_bytes: int
+    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # kvr: K,V handed on, per layer kind
 
 
 @dataclass
@@ -113,6 +114,8 @@ class RunResult:
     context_len: int
     rope_extension: str | None  # "RoPE extended by YaRN x2 beyond the 8192 trained positions"
     kvr_attention: str | None  # kvr modes: the attention that ran, and why
+    sliding_layers: int  # layers with a sliding window (their chain hands on the window only)
+    full_chain_bytes: int | None  # kvr with sliding layers: what the chain would send if every layer were full
     boundaries: list[int]
     partition_source: str
     partition_warning: str | None
@@ -196,7 +199,10 @@ def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
     """The kvr attention to run and why: split (the faster, exact) where the model's attention goes through
     transformers' attention interface, else masked."""
     fits = uses_attention_interface(config)
+    softcap = getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None
     if cfg.kvr_attention in (None, "auto"):
+        if fits and softcap:
+            return "masked", "default: the model soft-caps its attention logits, which split does not do"
         if fits:
             return "split", "default: the model uses transformers' attention interface"
         return "masked", "default: the model computes attention itself, so split cannot be inserted"
@@ -239,7 +245,9 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
             return lookup.partition, lookup.source
         why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
                else f"{path.name} has no entries")
-    if key.device_kind == "cpu":
+    if key.device_kind == "cpu" and any(w is not None for w in layer_windows(config)):
+        why = f"{why}; the cost model prices full-attention layers only"
+    elif key.device_kind == "cpu":
         from kvrunahead.sim.optimize import predicted_partition
         from kvrunahead.sim.profile import ProfileError
 
@@ -277,6 +285,7 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
         rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
         attention, why = resolve_attention(cfg, config) if cfg.mode.startswith("kvr") else ("masked", "")
+        check_model(cfg.mode, config, attention)
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
@@ -293,7 +302,17 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         partition = parse_partition(cfg.partition, len(ids), world_size)
     except (ModelError, PromptError, PartitionError, TableError, ContextError) as e:
         raise InputError(str(e)) from None
+    except NotImplementedError as e:
+        raise InputError(f"mode {cfg.mode!r} cannot run {cfg.model}: {e}") from None
     return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit", **done)
+
+
+def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:
+    """What the KV chain would send on ``partition`` if every layer kept the whole prefix: rank i hands on
+    [0, b_{i+1}) of every layer."""
+    itemsize = torch.empty((), dtype=layout.dtype).element_size()
+    per_token = sum(2 * layout.heads[i] * layout.head_dim[i] for i in range(layout.num_layers)) * itemsize
+    return per_token * sum(partition.boundaries[1:-1])
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -371,6 +390,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         bytes_sent=st.bytes_sent,
         bytes_received=st.bytes_received,
         peak_mem_bytes=peak_memory_bytes(device),
+        bytes_sent_by_kind=dict(getattr(state, "bytes_sent_by_kind", {})),
     )
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
     if rank != emitter:
@@ -393,6 +413,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         context_len=len(ids),
         rope_extension=prepared.rope.describe() if prepared.rope else None,
         kvr_attention=f"{prepared.kvr_attention} ({prepared.attention_source})" if cfg.mode.startswith("kvr") else None,
+        sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
+        full_chain_bytes=full_chain_bytes(layout, partition) if cfg.mode == "kvr" and layout.windows else None,
         boundaries=list(partition.boundaries),
         partition_source=prepared.partition_source,
         partition_warning=prepared.warning,
@@ -457,7 +479,7 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
     would get)."""
     device = next(lm.model.parameters()).device
     full = torch.tensor([ids], device=device)
-    cache = DynamicCache()
+    cache = DynamicCache(config=lm.model.config)
     t0 = time.perf_counter()
     ref_logits = last_token_logits(lm.model, full, past_key_values=cache)
     ref_first = int(ref_logits.argmax())
@@ -469,7 +491,7 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
         torch.set_num_threads(all_threads)
         try:
             t0 = time.perf_counter()
-            last_token_logits(lm.model, full, past_key_values=DynamicCache())
+            last_token_logits(lm.model, full, past_key_values=DynamicCache(config=lm.model.config))
             all_threads_s = time.perf_counter() - t0
         finally:
             torch.set_num_threads(threads)

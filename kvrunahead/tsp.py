@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.partition import Partition
-from kvrunahead.runahead import forward_part
+from kvrunahead.runahead import forward_part, layer_windows
 from kvrunahead.transport import Transport
 
 
@@ -53,6 +53,25 @@ class GatherCache(DynamicCache):
         super(DynamicCache, self).__init__(layers=[GatherLayer(transport, ranges) for _ in range(num_layers)])
 
 
+def full_row_masks(config, pos: torch.Tensor, context_len: int):
+    """Rows of the full C x C causal score matrix: every key is computed, future ones masked (fig. 4); sliding
+    layers also mask the keys beyond their window. One 4D mask where all layers are alike, else one per layer
+    type, as transformers' hybrid models take it."""
+    windows = layer_windows(config)
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise NotImplementedError(f"tsp builds one sliding mask, but this model's windows differ: {sorted(sliding)}")
+    keys = torch.arange(context_len, device=pos.device)[None, :]
+    full = (keys <= pos[:, None])[None, None]
+    if not sliding:
+        return full
+    window = sliding.pop()
+    windowed = full & (keys > pos[:, None] - window)[None, None]
+    if all(w is not None for w in windows):
+        return windowed
+    return {"full_attention": full, "sliding_attention": windowed}
+
+
 def positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     return torch.cat([torch.arange(a, e, device=device) for a, e in ranges]).unsqueeze(0)
 
@@ -71,8 +90,7 @@ def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, con
     mine = ranges[transport.rank]
     pos = positions(mine, input_ids.device)
     cache = GatherCache(num_layers, transport, ranges)
-    # Rows of the full C x C causal score matrix: every key is computed, future ones masked (fig. 4).
-    mask = (torch.arange(context_len, device=input_ids.device)[None, :] <= pos[0][:, None])[None, None]
+    mask = full_row_masks(model.config, pos[0], context_len)
     logits = forward_part(
         model, input_ids, transport.rank == emitter(transport.world_size),
         position_ids=pos, past_key_values=cache, attention_mask=mask,

@@ -8,6 +8,10 @@ query-key pairs it scores (four FLOPs per pair per query head and head dimension
 - masked attention: n_i * (b_i + n_i) pairs, since the offset causal mask is applied to a full score matrix;
   except on rank 0, whose mask is the plain causal one that SDPA's causal kernels skip in half, as in split.
 
+Sliding-window layers (window w) score only the keys their window reaches: split attention works band by
+band, w queries against at most 2w - 1 keys, so about n_i * min(b_i + n_i, 2w - 1) pairs; masked attention
+applies the model's window mask to n_i * (min(b_i, w - 1) + n_i) pairs.
+
 The chain hands K,V down layer by layer, so after the first layers every layer waits on the slowest rank
 (the paper's section 3, eq. 4-6): the estimate gives every rank the same work. It counts FLOPs only, at
 equal efficiency for matrix products and attention; a measured table, or the cost model on a measured
@@ -27,10 +31,18 @@ class LayerCost:
 
     flops_per_token: float
     flops_per_pair: float
+    sliding_share: float = 0.0  # the share of layers with a sliding window
+    window: int | None = None
 
     def rank_flops(self, prefix: float, tokens: float, attention: str) -> float:
         own = tokens * (tokens + 1) / 2 if attention == "split" or prefix == 0 else tokens * tokens
-        return self.flops_per_token * tokens + self.flops_per_pair * (tokens * prefix + own)
+        pairs = tokens * prefix + own
+        if self.window:
+            w = self.window
+            band = (tokens * min(prefix + min(tokens, w), 2 * w - 1) if attention == "split"
+                    else tokens * (min(prefix, w - 1) + tokens))
+            pairs = (1 - self.sliding_share) * pairs + self.sliding_share * band
+        return self.flops_per_token * tokens + self.flops_per_pair * pairs
 
 
 _COSTS: dict[str, LayerCost] = {}
@@ -48,11 +60,14 @@ def layer_cost(config) -> LayerCost:
 
 
 def _count_layer_cost(config) -> LayerCost:
+    from kvrunahead.runahead import layer_windows
     from kvrunahead.sim.shape import shape_from_config
 
     shape = shape_from_config(config, "float32")
+    windows = [w for w in layer_windows(config) if w is not None]
     return LayerCost(flops_per_token=shape.qkv_flops_per_token + shape.other_flops_per_token,
-                     flops_per_pair=shape.flops_per_pair)
+                     flops_per_pair=shape.flops_per_pair, sliding_share=len(windows) / shape.layers,
+                     window=max(windows) if windows else None)
 
 
 def equal_work_sizes(work, context_len: int, world_size: int) -> list[float]:

@@ -1,0 +1,184 @@
+"""Models with sliding-window layers (Gemma 3, Mistral, Gemma 2 style) through every mode, against one process.
+
+The chain hands on only a sliding layer's window: parts shorter and longer than the window, one-token parts and
+windows that reach back over several ranks' parts must all give the single process's logits, greedy continuation
+and, on the last rank, its cache layer by layer.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvrunahead.models import load_model, resolve_config
+from kvrunahead.modes import check_model
+from kvrunahead.partition import Partition, parse_partition
+from kvrunahead.runahead import kvr_prefill, layer_windows, probe_kv_layout
+from kvrunahead.runner import InputError, RunConfig, prepare
+from kvrunahead.transport import ChainLink, Transport
+from tests.helpers import run_cases
+
+CONTEXT = 200
+WINDOW = 64  # the tiny presets' window
+MODELS = ["tiny-gemma3", "tiny-mistral", "tiny-gemma2"]
+BASELINES = ["tsp", "cp-allgather", "kvr-nocomm"]
+NEW_TOKENS = 8  # the continuation crosses the window's edge on the last rank's cache
+
+
+def partitions(p: int) -> dict[str, str]:
+    """Boundaries as text; every kind the chain must get right for a window of 64 in 200 tokens."""
+    if p == 1:
+        return {"one": "even"}
+    head = list(range(p)) + [CONTEXT]  # the first p-1 ranks hold one token each
+    tail = [0] + [CONTEXT - p + 1 + i for i in range(p - 1)] + [CONTEXT]
+    short = [30 * i for i in range(p)] + [CONTEXT]  # parts of 30 < 64: the window spans several ranks' parts
+    long_first = [0] + [CONTEXT - 10 * (p - i) for i in range(1, p)] + [CONTEXT]  # rank 0 far beyond the window
+    return {
+        "even": "even",
+        "one-token-head": ",".join(map(str, head)),
+        "one-token-tail": ",".join(map(str, tail)),
+        "short-parts": ",".join(map(str, short)),
+        "long-first": ",".join(map(str, long_first)),
+    }
+
+
+def _config(model: str, **kw) -> dict:
+    return dict(model=model, context_len=CONTEXT, dtype="float32", device="cpu", max_new_tokens=NEW_TOKENS,
+                verify=True, threads=1, atol=1e-4, chat=False, **kw)
+
+
+def _cases(p: int) -> list[dict]:
+    cases = []
+    for model in MODELS:
+        for attention in ("masked", "split"):
+            for pname, spec in partitions(p).items():
+                cfg = _config(model, partition=spec, kvr_attention=attention)
+                cases.append({"name": f"{model}/{attention}/{pname}", "config": cfg})
+        for mode in BASELINES:
+            cases.append({"name": f"{mode}/{model}", "config": _config(model, mode=mode)})
+    return cases
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def world(request, tmp_path_factory):
+    p = request.param
+    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"hybrid-p{p}"))
+
+
+def _exact(r: dict) -> None:
+    v = r["verification"]
+    assert v["max_abs_logit_diff"] <= 1e-4, v
+    assert v["first_token_match"], v
+    assert v["generated_match"], (r["generated_tokens"], v["reference_tokens"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("attention", ["masked", "split"])
+def test_kvr_on_sliding_window_models_matches_single_process(world, model, attention):
+    p, results = world
+    for pname in partitions(p):
+        r = results[f"{model}/{attention}/{pname}"]
+        assert len(r["boundaries"]) == p + 1
+        _exact(r)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", BASELINES)
+def test_other_modes_run_sliding_window_models_exactly(world, model, mode):
+    _exact(world[1][f"{mode}/{model}"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_chain_sends_a_sliding_layer_only_its_window(world, model):
+    """Rank i sends, per layer, K,V of [0, b_{i+1}) for a full layer and of its last window-1 positions for a
+    sliding one: exactly, byte for byte."""
+    p, results = world
+    config = resolve_config(model)
+    windows = layer_windows(config)
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * kv_heads * head_dim * 4
+    for pname in partitions(p):
+        r = results[f"{model}/split/{pname}"]
+        b = r["boundaries"]
+        expected = [sum(min(b[i + 1], w - 1) if w else b[i + 1] for w in windows) * per_token
+                    for i in range(p - 1)] + [0]
+        assert r["bytes_sent"] == expected, pname
+
+
+def test_ring_and_unsupported_layers_are_refused_with_one_line():
+    with pytest.raises(InputError, match="ring attends every K,V block .* no sliding-window masking"):
+        prepare(RunConfig(model="tiny-mistral", mode="ring", context_len=100, device="cpu"), 2)
+    config = resolve_config("tiny-gemma3")
+    config.layer_types = ["linear_attention"] + config.layer_types[1:]
+    with pytest.raises(NotImplementedError, match="linear_attention layers, whose cache is not a K,V prefix"):
+        check_model("kvr", config)
+
+
+def test_soft_capped_attention_runs_masked_by_default_and_refuses_split():
+    config = resolve_config("tiny-gemma2")
+    config.attn_logit_softcapping = 50.0
+    with pytest.raises(NotImplementedError, match="soft-caps its attention logits"):
+        check_model("kvr", config, "split")
+    with pytest.raises(NotImplementedError, match="soft-caps"):
+        check_model("cp-allgather", config)
+    check_model("kvr", config, "masked")
+    check_model("tsp", config)
+
+
+class _Mailbox(Transport):
+    """Ranks run one after another in this process: a send is a copy into a shared mailbox, a receive reads it
+    (rank i - 1 has finished before rank i starts, so every message it waits for is there)."""
+
+    name = "mailbox"
+
+    def __init__(self, rank: int, world_size: int, box: dict) -> None:
+        super().__init__(rank, world_size)
+        self.box = box
+
+    def _isend(self, t, dst, tag):
+        self.box[(self.rank, dst, tag)] = t.clone()
+        return _Done()
+
+    def _irecv(self, t, src, tag):
+        box, key = self.box, (src, self.rank, tag)
+
+        class _Read:
+            def wait(self, timeout=None):
+                t.copy_(box.pop(key))
+                return True
+
+        return _Read()
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("attention", ["masked", "split"])
+@pytest.mark.parametrize("spec", ["0,1,2,200", "0,30,60,90,200", "0,150,190,200", "0,70,140,200"])
+def test_the_last_ranks_cache_equals_the_single_process_cache_layer_by_layer(model, attention, spec):
+    torch.set_num_threads(1)
+    lm = load_model(model, torch.float32, torch.device("cpu"))
+    layout = probe_kv_layout(lm.model)
+    ids = torch.randint(0, 256, (1, CONTEXT), generator=torch.Generator().manual_seed(1))
+    reference = DynamicCache(config=lm.model.config)
+    lm.model.base_model(input_ids=ids, past_key_values=reference, use_cache=True)
+    partition: Partition = parse_partition(spec, CONTEXT, spec.count(","))
+    box: dict = {}
+    p = partition.world_size
+    for rank in range(p):
+        start, end = partition.part(rank)
+        link = ChainLink(_Mailbox(rank, p, box), start, layout, torch.device("cpu"))
+        _, cache = kvr_prefill(lm.model, ids[:, start:end], link, attention)
+        if rank < p - 1:
+            sliding = sum(min(end, w - 1) for w in layout.windows if w) * 2 * layout.heads[0] * layout.head_dim[0] * 4
+            assert link.bytes_sent_by_kind.get("sliding", 0) == sliding
+    assert not box  # every message was received
+    assert [type(x).__mro__[1] for x in cache.layers] == [type(x) for x in reference.layers]
+    for mine, ref in zip(cache.layers, reference.layers):
+        assert mine.get_seq_length() == ref.get_seq_length() == CONTEXT
+        assert mine.keys.shape == ref.keys.shape
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
