@@ -301,6 +301,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             # the slowest rank needs even when nobody waits for anybody.
             "slowest_rank_s": statistics.median(max(r["compute_s"] for r in x["ranks"]) for x in rs),
             "bytes_sent_total": sum(r["bytes_sent"] for r in ranks),
+            # kvr on a model with sliding-window layers: what the chain would send if every layer were full
+            "full_chain_bytes": rs[0].get("full_chain_bytes"),
         })
     return out
 

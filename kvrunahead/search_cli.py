@@ -195,7 +195,7 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
 def _cost_model(opts: dict, world_size: int):
     """The table's key and its cost model: the model's shape on the chosen profile, over the table's link.
     With --device auto the table is for the profile's device kind (a GPU profile writes a cuda table)."""
-    from kvrunahead.models import resolve_config
+    from kvrunahead.models import ModelError, resolve_config
     from kvrunahead.sim.costmodel import CostModel
     from kvrunahead.sim.profile import resolve_profile
     from kvrunahead.sim.shape import shape_from_config
@@ -205,7 +205,12 @@ def _cost_model(opts: dict, world_size: int):
         opts = {**opts, "device": profile.device_kind}
     key = table_key(opts, world_size)
     link = key.bandwidth if key.bandwidth in profile.links else None
-    shape = shape_from_config(resolve_config(opts["model"]), key.dtype, opts["model"])
+    try:
+        shape = shape_from_config(resolve_config(opts["model"]), key.dtype, opts["model"])
+    except ModelError as e:
+        from kvrunahead.runner import InputError
+
+        raise InputError(f"--backend model: {e}") from None
     return key, CostModel(shape, profile, link), which
 
 

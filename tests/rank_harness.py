@@ -24,6 +24,8 @@ def main() -> None:
                 "generated_tokens": d["generated_tokens"],
                 "boundaries": d["boundaries"],
                 "bytes_sent": [r["bytes_sent"] for r in d["ranks"]],
+                "bytes_sent_by_kind": [r["bytes_sent_by_kind"] for r in d["ranks"]],
+                "full_chain_bytes": d["full_chain_bytes"],
                 "tokens": [r["tokens"] for r in d["ranks"]],
                 "verification": d["verification"],
                 "rope_extension": d["rope_extension"],

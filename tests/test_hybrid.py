@@ -103,6 +103,9 @@ def test_the_chain_sends_a_sliding_layer_only_its_window(world, model):
         expected = [sum(min(b[i + 1], w - 1) if w else b[i + 1] for w in windows) * per_token
                     for i in range(p - 1)] + [0]
         assert r["bytes_sent"] == expected, pname
+        sliding = [sum(min(b[i + 1], w - 1) for w in windows if w) * per_token for i in range(p - 1)]
+        assert [k.get("sliding", 0) for k in r["bytes_sent_by_kind"][:-1]] == sliding, pname
+        assert r["full_chain_bytes"] == len(windows) * per_token * sum(b[1:-1]), pname
 
 
 def test_ring_and_unsupported_layers_are_refused_with_one_line():
@@ -182,3 +185,23 @@ def test_the_last_ranks_cache_equals_the_single_process_cache_layer_by_layer(mod
         assert mine.keys.shape == ref.keys.shape
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cost_model_refuses_sliding_models_and_the_flop_estimate_counts_the_band():
+    from kvrunahead.models import ModelError
+    from kvrunahead.sim.flops import layer_cost
+    from kvrunahead.sim.shape import shape_from_config
+
+    config = resolve_config("tiny-gemma3")
+    with pytest.raises(ModelError, match="sliding-window layers, which the cost model does not price"):
+        shape_from_config(config, "float32")
+    cost = layer_cost(config)
+    assert cost.window == WINDOW and cost.sliding_share == 5 / 6
+    # A rank far into the context: its sliding layers score a band of at most 2w - 1 keys per query.
+    full = type(cost)(cost.flops_per_token, cost.flops_per_pair)
+    n, prefix = 1000, 5000
+    band = n * (2 * WINDOW - 1)
+    expected = cost.flops_per_token * n + cost.flops_per_pair * (
+        (1 / 6) * (n * prefix + n * (n + 1) / 2) + (5 / 6) * band)
+    assert cost.rank_flops(prefix, n, "split") == pytest.approx(expected)
+    assert cost.rank_flops(prefix, n, "split") < full.rank_flops(prefix, n, "split") / 4

@@ -63,7 +63,7 @@ def _count_layer_cost(config) -> LayerCost:
     from kvrunahead.runahead import layer_windows
     from kvrunahead.sim.shape import shape_from_config
 
-    shape = shape_from_config(config, "float32")
+    shape = shape_from_config(config, "float32", windows_ok=True)
     windows = [w for w in layer_windows(config) if w is not None]
     return LayerCost(flops_per_token=shape.qkv_flops_per_token + shape.other_flops_per_token,
                      flops_per_pair=shape.flops_per_pair, sliding_share=len(windows) / shape.layers,

@@ -50,9 +50,18 @@ class ModelShape:
         return asdict(self)
 
 
-def shape_from_config(config, dtype: str, name: str = "") -> ModelShape:
+def shape_from_config(config, dtype: str, name: str = "", windows_ok: bool = False) -> ModelShape:
+    """The shape of a transformers model; the cost model prices full-attention layers only, so a model with
+    sliding-window layers raises ModelError unless ``windows_ok`` (the FLOP estimate counts the windows itself)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from kvrunahead.models import ModelError
+    from kvrunahead.runahead import layer_windows
+
+    if not windows_ok and any(w is not None for w in layer_windows(config)):
+        raise ModelError(f"{name or config.model_type} has sliding-window layers, which the cost model does not price "
+                         "(it prices full-attention layers only): measure on the ranks instead")
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
