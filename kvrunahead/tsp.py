@@ -72,6 +72,10 @@ def full_row_masks(config, pos: torch.Tensor, context_len: int):
     return {"full_attention": full, "sliding_attention": windowed}
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 def positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     return torch.cat([torch.arange(a, e, device=device) for a, e in ranges]).unsqueeze(0)
 
@@ -91,6 +95,10 @@ def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, con
     pos = positions(mine, input_ids.device)
     cache = GatherCache(num_layers, transport, ranges)
     mask = full_row_masks(model.config, pos[0], context_len)
+    if model.config._attn_implementation == "eager":  # eager attention adds its mask: 0 visible, min hidden
+        dtype = next(model.parameters()).dtype
+        mask = ({k: _additive(m, dtype) for k, m in mask.items()} if isinstance(mask, dict)
+                else _additive(mask, dtype))
     logits = forward_part(
         model, input_ids, transport.rank == emitter(transport.world_size),
         position_ids=pos, past_key_values=cache, attention_mask=mask,
