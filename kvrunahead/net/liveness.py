@@ -46,8 +46,8 @@ def start_heartbeat(timeout_s: float) -> None:
         while not stop.is_set():
             try:
                 store.add(f"kvr/hb/{rank}", 1)
-            except Exception:  # noqa: BLE001 - the store's host is gone; the waits report it
-                pass
+            except Exception:  # noqa: BLE001 - the store's host is gone (rank 0 done, the last rank verifying, or
+                return  # a fault); the waits report it, and beating on would only repeat torch's warning each second
             stop.wait(HEARTBEAT_S)
 
     thread = threading.Thread(target=beat, name="kvr-heartbeat", daemon=True)
