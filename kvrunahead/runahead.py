@@ -116,7 +116,7 @@ class LocalPrefixLink(ChainLink):
 # The cache layer types the chain can hand on: transformers' types whose cache is a K,V prefix (all of it, or a
 # sliding window's last positions). Chunked attention (Llama 4) keeps a window too, but masks by chunk: refused
 # until tested; linear attention and state-space layers keep a state that is no K,V prefix at all.
-CHAINABLE = {"full_attention": None, "sliding_attention": "sliding_window"}
+CHAINABLE = ("full_attention", "sliding_attention")
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -135,13 +135,7 @@ def layer_windows(config) -> tuple[int | None, ...]:
 def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike) and its
     sliding window from the config."""
-    windows = layer_windows(model.config)
-    chainable = (DynamicLayer, DynamicSlidingWindowLayer)
-    odd = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers if type(layer) not in chainable}
-    if odd:
-        raise NotImplementedError(
-            f"{type(model).__name__} uses cache layers {sorted(odd)}; KV-Runahead hands on full-attention and "
-            "sliding-window layers only")
+    windows = layer_windows(model.config)  # refuses the layer types whose cache is no K,V prefix
     device = next(model.parameters()).device
     cache = DynamicCache()
     one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -213,6 +207,11 @@ def window_attention(query, key, value, start: int, window: int, scale) -> torch
         mask = causal_mask(start + a, e - a, lo, start + e - lo, query.device, window)
         outs.append(attend(query[:, :, a:e], key[:, :, lo:start + e], value[:, :, lo:start + e], mask, scale))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def soft_caps(config) -> bool:
+    """Whether the model soft-caps its attention logits (Gemma 2), which the inserted attentions do not do."""
+    return getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None
 
 
 def refuse_softcap(kwargs: dict, mode: str) -> None:

@@ -28,7 +28,7 @@ from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.rope import ContextError, RopeExtension, plan_extension
-from kvrunahead.runahead import greedy_decode, last_token_logits, layer_windows, probe_kv_layout
+from kvrunahead.runahead import greedy_decode, last_token_logits, layer_windows, probe_kv_layout, soft_caps
 from kvrunahead.sim.flops import estimated_partition
 from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
 from kvrunahead.transport import ALLGATHERS, TRANSPORTS, KVLayout, Transport, make_transport
@@ -199,7 +199,7 @@ def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
     """The kvr attention to run and why: split (the faster, exact) where the model's attention goes through
     transformers' attention interface, else masked."""
     fits = uses_attention_interface(config)
-    softcap = getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None
+    softcap = soft_caps(config)
     if cfg.kvr_attention in (None, "auto"):
         if fits and softcap:
             return "masked", "default: the model soft-caps its attention logits, which split does not do"
