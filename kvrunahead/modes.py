@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from kvrunahead import cp_allgather, ring, tsp
 from kvrunahead.attention import require_attention_interface, zigzag_emitter, zigzag_token_ranges
-from kvrunahead.partition import Partition
+from kvrunahead.partition import Partition, last_rank
 from kvrunahead.runahead import (
     LocalPrefixLink,
     kvr_prefill,
@@ -54,27 +54,21 @@ class Mode:
 
 def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     """Raise NotImplementedError with one line when ``mode`` cannot run the model of ``config`` exactly: layers
-    whose cache is no K,V prefix (every mode but single), sliding-window layers in ring, attention-logit
-    soft-capping in the modes that insert their own attention."""
+    whose cache is no K,V prefix (every mode but single), sliding-window layers in ring, windows of more than one
+    size in tsp, attention-logit soft-capping in the modes that insert their own attention."""
     if mode == "single":
         return
     windows = layer_windows(config)
     if mode == "ring" and any(w is not None for w in windows):
         raise NotImplementedError("ring attends every K,V block that passes it in full; it has no sliding-window "
                                   "masking, so models with sliding-window layers run with kvr, tsp or cp-allgather")
+    if mode == "tsp":
+        tsp.sliding_window(windows)
     if soft_caps(config):
         if mode in ("ring", "cp-allgather") or (mode.startswith("kvr") and kvr_attention == "split"):
             what = f"kvr --kvr-attention {kvr_attention}" if mode.startswith("kvr") else mode
             raise NotImplementedError(f"this model soft-caps its attention logits, which {what} does not do; use "
                                       "kvr --kvr-attention masked or tsp")
-
-
-def _contiguous(partition: Partition) -> list[list[tuple[int, int]]]:
-    return [[partition.part(r)] for r in range(partition.world_size)]
-
-
-def _last(p: int) -> int:
-    return p - 1
 
 
 def _chain(step: Step, nocomm: bool = False) -> ChainLink:
@@ -106,16 +100,16 @@ def _gathering(module):
 MODES: dict[str, Mode] = {
     m.name: m
     for m in [
-        Mode("single", "one process, the reference", True, True, _contiguous, _last,
+        Mode("single", "one process, the reference", True, True, Partition.ranges, last_rank,
              lambda step: None, _single),
         Mode("kvr", "KV-Runahead: KV cache handed down a chain of ranks, any partition", False, True,
-             _contiguous, _last, _chain, lambda step, link: _kvr(step, link)),
+             Partition.ranges, last_rank, _chain, lambda step, link: _kvr(step, link)),
         Mode("kvr-nocomm", "KV-Runahead with its communication removed (prefix K,V given locally): "
-             "the practical bound", False, True, _contiguous, _last,
+             "the practical bound", False, True, Partition.ranges, last_rank,
              lambda step: _chain(step, nocomm=True),
              lambda step, link: _kvr(step, link)),
         Mode("tsp", "tensor/sequence parallel: even parts, K,V all-gather, full masked score rows", True, True,
-             tsp.token_ranges, tsp.emitter, lambda step: None, _gathering(tsp)),
+             Partition.ranges, last_rank, lambda step: None, _gathering(tsp)),
         Mode("cp-allgather", "context parallel, zigzag chunks, K,V all-gather, visible keys only", True, True,
              zigzag_token_ranges, zigzag_emitter,
              lambda step: require_attention_interface(step.model, "cp-allgather"), _gathering(cp_allgather)),

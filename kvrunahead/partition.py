@@ -46,6 +46,10 @@ class Partition:
         """Token range [start, end) of ``rank``."""
         return self.boundaries[rank], self.boundaries[rank + 1]
 
+    def ranges(self) -> list[list[tuple[int, int]]]:
+        """Every rank's token ranges: one contiguous range each (single, kvr and tsp lay the prompt out so)."""
+        return [[self.part(r)] for r in range(self.world_size)]
+
     def __str__(self) -> str:
         return ",".join(str(b) for b in self.boundaries)
 
@@ -86,6 +90,11 @@ def zigzag_ranges(context_len: int, world_size: int) -> list[list[tuple[int, int
     """Rank i holds chunks i and 2p-1-i of 2p (load-balanced under the causal mask)."""
     chunks = Partition.even(context_len, 2 * world_size)
     return [[chunks.part(i), chunks.part(2 * world_size - 1 - i)] for i in range(world_size)]
+
+
+def last_rank(world_size: int) -> int:
+    """The rank that emits the first token where the parts are contiguous: the one holding the prompt's end."""
+    return world_size - 1
 
 
 def check_fits(context_len: int, world_size: int) -> None:

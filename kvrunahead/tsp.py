@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvrunahead.partition import Partition
+from kvrunahead.partition import last_rank
 from kvrunahead.runahead import forward_part, layer_windows
 from kvrunahead.transport import Transport
 
@@ -53,19 +53,25 @@ class GatherCache(DynamicCache):
         super(DynamicCache, self).__init__(layers=[GatherLayer(transport, ranges) for _ in range(num_layers)])
 
 
+def sliding_window(windows: list[int | None]) -> int | None:
+    """The one window of the model's sliding layers (None without any); tsp builds one sliding mask, so a model
+    whose windows differ is refused with one line."""
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise NotImplementedError(f"tsp builds one sliding mask, but this model's windows differ: {sorted(sliding)}")
+    return sliding.pop() if sliding else None
+
+
 def full_row_masks(config, pos: torch.Tensor, context_len: int):
     """Rows of the full C x C causal score matrix: every key is computed, future ones masked (fig. 4); sliding
     layers also mask the keys beyond their window. One 4D mask where all layers are alike, else one per layer
     type, as transformers' hybrid models take it."""
     windows = layer_windows(config)
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise NotImplementedError(f"tsp builds one sliding mask, but this model's windows differ: {sorted(sliding)}")
+    window = sliding_window(windows)
     keys = torch.arange(context_len, device=pos.device)[None, :]
     full = (keys <= pos[:, None])[None, None]
-    if not sliding:
+    if window is None:
         return full
-    window = sliding.pop()
     windowed = full & (keys > pos[:, None] - window)[None, None]
     if all(w is not None for w in windows):
         return windowed
@@ -80,12 +86,6 @@ def positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     return torch.cat([torch.arange(a, e, device=device) for a, e in ranges]).unsqueeze(0)
 
 
-def token_ranges(partition: Partition) -> list[list[tuple[int, int]]]:
-    return [[partition.part(r)] for r in range(partition.world_size)]
-
-
-def emitter(world_size: int) -> int:
-    return world_size - 1
 
 
 @torch.no_grad()
@@ -100,7 +100,7 @@ def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, con
         mask = ({k: _additive(m, dtype) for k, m in mask.items()} if isinstance(mask, dict)
                 else _additive(mask, dtype))
     logits = forward_part(
-        model, input_ids, transport.rank == emitter(transport.world_size),
+        model, input_ids, transport.rank == last_rank(transport.world_size),
         position_ids=pos, past_key_values=cache, attention_mask=mask,
     )
     return logits, cache

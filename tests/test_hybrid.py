@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvrunahead import modes, tsp
 from kvrunahead.models import load_model, resolve_config
 from kvrunahead.modes import check_model
 from kvrunahead.partition import Partition, parse_partition
@@ -116,6 +117,17 @@ def test_ring_and_unsupported_layers_are_refused_with_one_line():
     config.layer_types = ["linear_attention"] + config.layer_types[1:]
     with pytest.raises(NotImplementedError, match="linear_attention layers, whose cache is not a K,V prefix"):
         check_model("kvr", config)
+
+
+def test_tsp_refuses_windows_of_two_sizes_before_the_ranks_start(monkeypatch):
+    assert tsp.sliding_window([None, 64, None, 64]) == 64
+    assert tsp.sliding_window([None, None]) is None
+    monkeypatch.setattr(modes, "layer_windows", lambda config: (None, 64, 128))
+    config = resolve_config("tiny-gemma3")
+    with pytest.raises(NotImplementedError, match=r"windows differ: \[64, 128\]"):
+        check_model("tsp", config)
+    check_model("kvr", config)  # the chain keeps each layer's own window
+    check_model("cp-allgather", config)
 
 
 def test_soft_capped_attention_runs_masked_by_default_and_refuses_split():
