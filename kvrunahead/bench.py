@@ -224,6 +224,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     sidecar, switched on and off run by run as the jobs' settings say). A failed rank ends the world within the
     timeout; the rows recorded before stay in ``workdir`` for --resume."""
     from kvrunahead.launcher import free_port, rank_env, supervise
+    from kvrunahead.net.noise import NoiseReport
     from kvrunahead.net.session import network
     from kvrunahead.net.spec import parse_net
 
@@ -232,8 +233,14 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
                                                  "_" + spec.table_label.replace("=", "").replace("/", ""))
     plan_file, out_prefix = workdir / f"plan_{tag}.json", workdir / f"rows_{tag}"
     recorded = recorded_rows(out_prefix, nproc) if resume else {}
+    if recorded and len(recorded) >= _runs_in(jobs):
+        log.info("world %s: all %d runs already recorded, nothing to run", tag, len(recorded))
+        return _world_rows(out_prefix, nproc)
+    noise_file = workdir / f"noise_{tag}.json"
     if recorded:
         log.info("resuming world %s: %d of %d runs already recorded", tag, len(recorded), _runs_in(jobs))
+    else:
+        noise_file.unlink(missing_ok=True)  # a fresh world: a report left by an earlier sweep is not this one's
     plan = {"config": {**config, "threads": threads, "transport": transport}, "jobs": [asdict(j) for j in jobs],
             "env": {**env, "threads_per_rank": threads, "transport": transport, "interleaved": interleave},
             "timeout_s": timeout_s,
@@ -257,18 +264,24 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
         code = supervise(procs, grace_s=10.0)
         report = hosts.noise.stop() if hosts.noise else None
     if report is not None:
+        if recorded and noise_file.exists():  # the part before the interruption ran a sidecar of its own
+            report = NoiseReport.from_json(noise_file.read_text()) + report
         log.info("%s", report.describe())
-        (workdir / f"noise_{tag}.json").write_text(json.dumps({**asdict(report), "cpu_share": report.cpu_share,
-                                                                "achieved_rate": report.achieved_rate()}))
+        noise_file.write_text(json.dumps({**asdict(report), "cpu_share": report.cpu_share,
+                                          "achieved_rate": report.achieved_rate()}))
     if code:
         raise RuntimeError(f"benchmark world {tag} failed (exit code {code}); the runs measured before are kept in "
                            f"{out_prefix}.*.jsonl: rerun with --resume to measure only the missing ones")
+    plan_file.unlink()
+    return _world_rows(out_prefix, nproc)
+
+
+def _world_rows(out_prefix: Path, nproc: int) -> list[dict]:
     rows = []
     for r in range(nproc):
         path = Path(f"{out_prefix}.{r}.jsonl")
         if path.exists():
             rows += [json.loads(line) for line in path.read_text().splitlines()]
-    plan_file.unlink()
     return rows
 
 

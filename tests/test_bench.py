@@ -176,3 +176,23 @@ def test_interleave_alternates_the_timed_runs_of_one_context(tmp_path):
         (128, "kvr-even", "timed", 1),
     ]
     assert all(r["interleaved"] for r in rows)
+
+
+def test_a_world_whose_runs_are_all_recorded_is_not_started_again(tmp_path, monkeypatch):
+    """A sweep over several networks stopped in a later world: on --resume the finished world starts no ranks, no
+    emulation and no sidecar, returns its rows, and keeps the noise report it wrote."""
+    import kvrunahead.net.session as session
+    from kvrunahead.bench import Job, run_world
+
+    monkeypatch.setattr(session, "network", lambda *a, **k: pytest.fail("the finished world was started again"))
+    net = "cap=50MB/s,noise"
+    jobs = [Job("kvr-even", "kvr", 128, "even", repeats=2, warmup=0, net=net)]
+    rows = [{"context_len": 128, "label": "kvr-even", "kind": "timed", "index": i, "network": net, "ttft_s": 1.0 + i}
+            for i in range(2)]
+    for rank in range(2):
+        (tmp_path / f"rows_p2_t1_torch_cap50MBs.{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = tmp_path / "noise_p2_t1_torch_cap50MBs.json"
+    report.write_text('{"bytes_sent": 123}')
+    out = run_world(2, 1, "torch", jobs, {}, {}, tmp_path, 60.0, resume=True, net="cap=50MB/s")
+    assert sorted(r["ttft_s"] for r in out) == [1.0, 1.0, 2.0, 2.0]
+    assert report.read_text() == '{"bytes_sent": 123}'

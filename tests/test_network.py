@@ -263,9 +263,9 @@ def test_a_link_down_or_starved_mid_prefill_ends_every_rank_within_the_timeout(f
 
 def test_a_fault_in_a_benchmark_keeps_the_runs_measured_before_and_resume_completes(tmp_path):
     """Rank 0 freezes in the 3rd prefill of the world: the bench ends in bounded time, the two runs before are kept,
-    and --resume measures only the rest."""
+    and --resume measures only the rest; the noise sidecar's report covers both parts."""
     args = ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--nproc", "2", "--modes", "kvr", "--repeats", "3",
-            "--warmup", "0", "--timeout", str(TIMEOUT), "--out", str(tmp_path)]
+            "--warmup", "0", "--timeout", str(TIMEOUT), "--net", "loopback,noise=20MB/s", "--out", str(tmp_path)]
     env = dict(os.environ, KVRUNAHEAD_INJECT_FAULT="0:1:stop:3")
     t = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
@@ -273,10 +273,38 @@ def test_a_fault_in_a_benchmark_keeps_the_runs_measured_before_and_resume_comple
     assert time.monotonic() - t < TIMEOUT + BOUND + 10
     kept = [json.loads(x) for f in tmp_path.glob("rows_*.jsonl") for x in f.read_text().splitlines()]
     assert len(kept) == 2
+    (report_file,) = tmp_path.glob("noise_*.json")
+    first = json.loads(report_file.read_text())
+    assert first["parts"] == 1 and first["bytes_sent"] > 0
     proc = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and [r["ttft_s"] for r in rows][:2] == [r["ttft_s"] for r in kept]
+    both = json.loads(report_file.read_text())
+    assert both["parts"] == 2
+    assert both["bytes_sent"] > first["bytes_sent"] and both["wall_s"] > first["wall_s"]
+
+
+def test_noise_reports_of_a_resumed_world_add_up():
+    from dataclasses import asdict
+
+    from kvrunahead.net.noise import NoiseReport
+
+    before = NoiseReport(11e6, 1.0, 0.5, wall_s=100.0, active_s=50.0, bytes_sent=1100, bytes_received=1100,
+                         bytes_per_direction={"0>1": 600, "1>0": 500}, active_s_per_direction={"0>1": 50.0,
+                                                                                              "1>0": 50.0},
+                         cpu_s=2.0, pairs_drawn=100)
+    after = NoiseReport(11e6, 1.0, 0.5, wall_s=10.0, active_s=5.0, bytes_sent=120, bytes_received=120,
+                        bytes_per_direction={"0>1": 120}, active_s_per_direction={"0>1": 10.0}, cpu_s=0.5,
+                        pairs_drawn=10)
+    written = json.dumps({**asdict(before), "cpu_share": before.cpu_share, "achieved_rate": before.achieved_rate()})
+    total = NoiseReport.from_json(written) + after
+    assert (total.wall_s, total.active_s, total.bytes_sent, total.pairs_drawn, total.parts) == (110.0, 55.0, 1220,
+                                                                                               110, 2)
+    assert total.bytes_per_direction == {"0>1": 720, "1>0": 500}
+    assert total.active_s_per_direction == {"0>1": 60.0, "1>0": 50.0}
+    assert total.cpu_share == pytest.approx(2.5 / 110)
+    assert total.achieved_rate() == pytest.approx(12.0)  # the median of 720/60 and 500/50, upper of two
 
 
 def test_a_fault_in_a_search_keeps_the_candidates_measured_before(tmp_path):

@@ -57,6 +57,25 @@ class NoiseReport:
     active_s_per_direction: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0
     pairs_drawn: int = 0
+    parts: int = 1  # sidecar runs added up (a resumed benchmark world runs it once per part)
+
+    @classmethod
+    def from_json(cls, text: str) -> NoiseReport:
+        """A report as written next to the benchmark rows (derived figures such as cpu_share are dropped)."""
+        data = json.loads(text)
+        return cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data})
+
+    def __add__(self, other: NoiseReport) -> NoiseReport:
+        """The sidecar of one world run in two parts: its bytes, times and CPU summed."""
+        def add(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(a.keys() | b.keys())}
+
+        return NoiseReport(self.rate_bytes_per_s, self.interval_s, self.duty, self.wall_s + other.wall_s,
+                           self.active_s + other.active_s, self.bytes_sent + other.bytes_sent,
+                           self.bytes_received + other.bytes_received,
+                           add(self.bytes_per_direction, other.bytes_per_direction),
+                           add(self.active_s_per_direction, other.active_s_per_direction),
+                           self.cpu_s + other.cpu_s, self.pairs_drawn + other.pairs_drawn, self.parts + other.parts)
 
     @property
     def cpu_share(self) -> float:
