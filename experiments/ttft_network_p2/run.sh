@@ -8,6 +8,8 @@
 #   bash experiments/ttft_network_p2/run.sh 8k          # the same at 8k
 #   bash experiments/ttft_network_p2/run.sh 16k-noise   # 16k at both caps, quiet and noisy
 #   bash experiments/ttft_network_p2/run.sh short       # 1k and 2k at the low cap: does parallel prefill pay there?
+#   bash experiments/ttft_network_p2/run.sh 16k-rest    # 16k at both caps: single, KVR even, KVR best (+ its bound)
+#   bash experiments/ttft_network_p2/run.sh 16k-loopback  # 16k on loopback, every mode, quiet and noisy
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HIGH=cap=650MB/s
@@ -18,7 +20,7 @@ TABLE=partition_tables/smollm2-135m_p2_float32_cpu_split.json
 common=(--nproc 2 --threads 1 --interleave --resume --table "loopback=$TABLE" --force-table --timeout 1800)
 all_nets=(--net loopback --net loopback,noise --net "$HIGH" --net "$HIGH,noise" --net "$LOW" --net "$LOW,noise")
 out=experiments/ttft_network_p2
-case "${1:?which part: 16k-high, 4k, 8k, 16k-noise or short}" in
+case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest or 16k-loopback}" in
   16k-high)
     kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default,kvr-nocomm --net "$HIGH" --repeats 3 --warmup 0 \
       --out "$out/16k_high" "${common[@]}" ;;
@@ -28,6 +30,13 @@ case "${1:?which part: 16k-high, 4k, 8k, 16k-noise or short}" in
   16k-noise)
     kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-nocomm --net "$HIGH" --net "$HIGH,noise" --net "$LOW" \
       --net "$LOW,noise" --repeats 3 --warmup 0 --out "$out/16k_noise" "${common[@]}" ;;
+  16k-rest)
+    kvr-bench --ctx 16k --modes single,kvr,kvr-best,kvr-nocomm --net "$HIGH" --net "$HIGH,noise" --net "$LOW" \
+      --net "$LOW,noise" --shares 0.55,0.60,0.65,0.70 --repeats 3 --warmup 0 --out "$out/16k_rest" "${common[@]}" ;;
+  16k-loopback)
+    kvr-bench --ctx 16k --modes single,tsp,cp-allgather,ring,kvr,kvr-best,kvr-nocomm --net loopback \
+      --net loopback,noise --shares 0.55,0.60,0.65,0.70 --repeats 3 --warmup 0 --out "$out/16k_loopback" \
+      "${common[@]}" ;;
   short)
     kvr-bench --ctx 1k,2k --modes single,tsp,cp-allgather,ring,kvr,kvr-best,kvr-nocomm --net "$LOW" \
       --shares 0.50,0.55,0.60,0.65,0.70,0.75 --repeats 3 --warmup 1 --out "$out/short_low" "${common[@]}" ;;
