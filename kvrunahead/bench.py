@@ -267,8 +267,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
         if recorded and noise_file.exists():  # the part before the interruption ran a sidecar of its own
             report = NoiseReport.from_json(noise_file.read_text()) + report
         log.info("%s", report.describe())
-        noise_file.write_text(json.dumps({**asdict(report), "cpu_share": report.cpu_share,
-                                          "achieved_rate": report.achieved_rate()}))
+        noise_file.write_text(report.to_json())
     if code:
         raise RuntimeError(f"benchmark world {tag} failed (exit code {code}); the runs measured before are kept in "
                            f"{out_prefix}.*.jsonl: rerun with --resume to measure only the missing ones")

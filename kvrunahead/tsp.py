@@ -86,8 +86,6 @@ def positions(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     return torch.cat([torch.arange(a, e, device=device) for a, e in ranges]).unsqueeze(0)
 
 
-
-
 @torch.no_grad()
 def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, context_len: int):
     """This rank's TSP prefill; ``input_ids`` are its tokens. Returns (logits on the emitter, cache)."""

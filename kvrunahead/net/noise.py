@@ -59,9 +59,13 @@ class NoiseReport:
     pairs_drawn: int = 0
     parts: int = 1  # sidecar runs added up (a resumed benchmark world runs it once per part)
 
+    def to_json(self) -> str:
+        """The report with its derived figures (cpu_share, achieved_rate), as written next to benchmark rows."""
+        return json.dumps({**asdict(self), "cpu_share": self.cpu_share, "achieved_rate": self.achieved_rate()})
+
     @classmethod
     def from_json(cls, text: str) -> NoiseReport:
-        """A report as written next to the benchmark rows (derived figures such as cpu_share are dropped)."""
+        """A report as ``to_json`` wrote it (the derived figures are dropped: they follow from the rest)."""
         data = json.loads(text)
         return cls(**{f: data[f] for f in cls.__dataclass_fields__ if f in data})
 
@@ -282,7 +286,7 @@ def run_sidecar(endpoints: list[Endpoint], spec: NoiseSpec, report_path: str, co
     while not done.is_set() and not car.stop.is_set():
         done.wait(0.2)
     report = car.finish()
-    Path(report_path).write_text(json.dumps(asdict(report)))
+    Path(report_path).write_text(report.to_json())
 
 
 def _serve_control(car: Sidecar, path: str) -> None:
@@ -355,9 +359,9 @@ class SidecarHandle:
         with contextlib.suppress(OSError):
             proc.stdin.close()
         with contextlib.suppress(FileNotFoundError):
-            data = json.loads(Path(self.report_path).read_text())
+            text = Path(self.report_path).read_text()
             os.unlink(self.report_path)
-            self.report = NoiseReport(**data)
+            self.report = NoiseReport.from_json(text)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.control_path)
         return self.report
