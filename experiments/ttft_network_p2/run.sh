@@ -9,6 +9,7 @@
 #   bash experiments/ttft_network_p2/run.sh 16k-noise   # 16k at both caps, quiet and noisy
 #   bash experiments/ttft_network_p2/run.sh short       # 1k and 2k at the low cap: does parallel prefill pay there?
 #   bash experiments/ttft_network_p2/run.sh 16k-rest    # 16k at both caps: single, KVR even, KVR on the cap's table
+#   bash experiments/ttft_network_p2/run.sh 16k-default # 16k at 650 MB/s, quiet: kvr-prefill's default against the peers
 #   bash experiments/ttft_network_p2/run.sh 16k-loopback  # 16k on loopback, every parallel mode, quiet and noisy
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +21,7 @@ TABLE=partition_tables/smollm2-135m_p2_float32_cpu_split.json
 common=(--nproc 2 --threads 1 --interleave --resume --table "loopback=$TABLE" --force-table --timeout 1800)
 all_nets=(--net loopback --net loopback,noise --net "$HIGH" --net "$HIGH,noise" --net "$LOW" --net "$LOW,noise")
 out=experiments/ttft_network_p2
-case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest or 16k-loopback}" in
+case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest, 16k-default or 16k-loopback}" in
   16k-high)
     kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default,kvr-nocomm --net "$HIGH" --repeats 3 --warmup 0 \
       --out "$out/16k_high" "${common[@]}" ;;
@@ -40,6 +41,11 @@ case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest or 16k-loopb
       --net "$HIGH,noise" --out "$out/16k_rest_high" "${solo[@]}"
     kvr-bench --ctx 16k --modes kvr --table "searched=${TABLE%.json}_cap-22mb-s.json" --net "$LOW" \
       --net "$LOW,noise" --out "$out/16k_rest_low" "${solo[@]}" ;;
+  16k-default)
+    # The headline again, now that the 650 MB/s table holds 16k: kvr-prefill --net cap=650MB/s takes that table's
+    # partition (kvr-default), against the peers in the same interleaved runs.
+    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default --net "$HIGH" --nproc 2 --threads 1 --interleave \
+      --resume --timeout 1800 --repeats 3 --warmup 0 --out "$out/16k_default" ;;
   16k-loopback)
     # KVR on the loopback table (searched on loopback) stands for kvr-best, as kvr-searched does at the caps;
     # kvr-nocomm is its bound; the single process is in 16k_rest_high.
