@@ -18,7 +18,8 @@ LOW=cap=22MB/s
 # "KVR with the table's partition": the shipped loopback table, on every network (as a user who ignores the network
 # gets it); kvr-best sweeps rank 0's share on each network's quiet links and runs that partition quiet and noisy.
 TABLE=partition_tables/smollm2-135m_p2_float32_cpu_split.json
-common=(--nproc 2 --threads 1 --interleave --resume --table "loopback=$TABLE" --force-table --timeout 1800)
+base=(--nproc 2 --threads 1 --interleave --resume --timeout 1800)
+common=("${base[@]}" --table "loopback=$TABLE" --force-table)
 all_nets=(--net loopback --net loopback,noise --net "$HIGH" --net "$HIGH,noise" --net "$LOW" --net "$LOW,noise")
 out=experiments/ttft_network_p2
 case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest, 16k-default or 16k-loopback}" in
@@ -36,16 +37,15 @@ case "${1:?which part: 16k-high, 4k, 8k, 16k-noise, short, 16k-rest, 16k-default
     # hierarchical search on the network stands for kvr-best's share sweep, which four 16k runs per share would
     # make a two-hour part); the single process (1 and 2 threads) in the 650 MB/s world only: it does not use
     # the network. The cap tables must hold 16k (experiments/partition_search_net/run.sh with NET_LONG=1).
-    solo=(--nproc 2 --threads 1 --interleave --resume --timeout 1800 --repeats 3 --warmup 0)
     kvr-bench --ctx 16k --modes single,kvr --table "searched=${TABLE%.json}_cap-650mb-s.json" --net "$HIGH" \
-      --net "$HIGH,noise" --out "$out/16k_rest_high" "${solo[@]}"
+      --net "$HIGH,noise" --repeats 3 --warmup 0 --out "$out/16k_rest_high" "${base[@]}"
     kvr-bench --ctx 16k --modes kvr --table "searched=${TABLE%.json}_cap-22mb-s.json" --net "$LOW" \
-      --net "$LOW,noise" --out "$out/16k_rest_low" "${solo[@]}" ;;
+      --net "$LOW,noise" --repeats 3 --warmup 0 --out "$out/16k_rest_low" "${base[@]}" ;;
   16k-default)
     # The headline again, now that the 650 MB/s table holds 16k: kvr-prefill --net cap=650MB/s takes that table's
     # partition (kvr-default), against the peers in the same interleaved runs.
-    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default --net "$HIGH" --nproc 2 --threads 1 --interleave \
-      --resume --timeout 1800 --repeats 3 --warmup 0 --out "$out/16k_default" ;;
+    kvr-bench --ctx 16k --modes tsp,cp-allgather,ring,kvr-default --net "$HIGH" --repeats 3 --warmup 0 \
+      --out "$out/16k_default" "${base[@]}" ;;
   16k-loopback)
     # KVR on the loopback table (searched on loopback) stands for kvr-best, as kvr-searched does at the caps;
     # kvr-nocomm is its bound; the single process is in 16k_rest_high.
