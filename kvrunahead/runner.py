@@ -227,10 +227,11 @@ def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
     return table.lookup(context_len, name=path.name)
 
 
-def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str) -> tuple[Partition, str]:
+def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str,
+                    threads: int) -> tuple[Partition, str]:
     """The table of this exact setting, interpolated, where it covers the context; else the cost model's
-    partition on this machine's profile (CPU), else the FLOP estimate (never silently the even partition: the
-    chain makes later ranks wait, so even is never the best)."""
+    partition on this machine's profile for the ranks' ``threads`` (CPU), else the FLOP estimate (never silently
+    the even partition: the chain makes later ranks wait, so even is never the best)."""
     if key.world_size == 1:
         return Partition.even(context_len, 1), "one rank"
     try:
@@ -252,7 +253,7 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
         from kvrunahead.sim.profile import ProfileError
 
         try:
-            partition, source = predicted_partition(config, key.dtype, cfg.threads or 1, context_len, key.world_size,
+            partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
                                                      attention, key.bandwidth)
             return partition, f"{source} ({why})"
         except ProfileError as e:
@@ -289,7 +290,8 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
-        key = table_key(cfg, config, world_size, attention, local_world_size or world_size)
+        local_world_size = local_world_size or world_size
+        key = table_key(cfg, config, world_size, attention, local_world_size)
         if cfg.partition == "table" or cfg.table:
             lookup = _table_partition(cfg, key, len(ids))
             if lookup.partition.world_size != world_size:
@@ -297,7 +299,8 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
             return Prepared(ids, lookup.partition, lookup.source, lookup.warning, **done)
         if cfg.partition.strip() == "auto":
             check_fits(len(ids), world_size)
-            partition, source = _auto_partition(cfg, config, key, len(ids), attention)
+            threads = cfg.threads or default_threads(local_world_size)  # what each rank will run with
+            partition, source = _auto_partition(cfg, config, key, len(ids), attention, threads)
             return Prepared(ids, partition, source, **done)
         partition = parse_partition(cfg.partition, len(ids), world_size)
     except (ModelError, PromptError, PartitionError, TableError, ContextError) as e:

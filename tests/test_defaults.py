@@ -67,6 +67,17 @@ def test_without_a_table_or_a_profile_the_default_partition_is_the_flop_estimate
     assert prepared.partition.sizes[0] > prepared.partition.sizes[1]
 
 
+def test_the_cost_model_prices_the_threads_the_ranks_will_run_with(tmp_path, monkeypatch):
+    """Without --threads a rank runs OMP_NUM_THREADS threads (else cores / local ranks): the cost model's
+    partition must come from that thread count's profile, not the 1-thread one."""
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # no local profile: only the shipped cpu-t1 exists
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    unset = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
+    assert unset.partition_source.startswith("cost estimate") and "kvr-calibrate --threads 3" in unset.partition_source
+    one = prepare(RunConfig(model="tiny-llama", context_len=2048, threads=1), 2)
+    assert one.partition_source.startswith("cost model on")
+
+
 def test_a_matching_table_is_interpolated_by_default(no_shipped_tables):
     _write_table(no_shipped_tables)
     prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)

@@ -178,6 +178,21 @@ def test_bad_partitions_and_modes_are_refused():
         simulate(unit_model(), "pipeline", 4, 2)
 
 
+def test_a_causal_prefills_flops_per_token_agree_with_the_partition_estimate():
+    """ModelShape's average per token (the network derivation's f(C)) and the FLOP estimate that prices a rank
+    (kvrunahead.sim.flops) count the same work: one rank holding all C tokens scores C (C + 1) / 2 pairs."""
+    from kvrunahead.models import resolve_config
+    from kvrunahead.sim.flops import layer_cost
+    from kvrunahead.sim.shape import shape_from_config
+
+    config = resolve_config("tiny-llama")
+    shape, cost = shape_from_config(config, "float32"), layer_cost(config)
+    for c in (1, 512, 16384):
+        assert c * shape.causal_flops_per_token(c) == pytest.approx(cost.rank_flops(0, c, "split"), rel=1e-12)
+    llama = PAPER_SHAPES["llama-7b"]  # 2 FLOPs per parameter, 4 per pair and head dimension (QK^T, AV)
+    assert llama.causal_flops_per_token(1) == 2 * llama.layer_params + 4 * 32 * 128
+
+
 def test_cost_model_units_and_monotonicity():
     a100 = builtin_profiles()["a100-nvlink-flash"]
     m = CostModel(PAPER_SHAPES["llama-7b"], a100)

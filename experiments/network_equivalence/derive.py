@@ -50,8 +50,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvrunahead.sim.shape import ModelShape
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "result.json"
@@ -81,61 +85,20 @@ PAPER_TABLE3_1GPU = {1 * K: 0.10, 2 * K: 0.24, 4 * K: 0.65, 8 * K: 1.95, 12 * K:
 README_SINGLE_1T = {2 * K: 8.05, 4 * K: 19.52, 8 * K: 55.40, 12 * K: 116.6, 16 * K: 207.2}
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What the derivation needs of a decoder-only transformer, read from its transformers config."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    bytes_per_elem: int
-
-    @classmethod
-    def from_config(cls, name: str, config, bytes_per_elem: int) -> Shape:
-        heads = config.num_attention_heads
-        return cls(name=name, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   intermediate=config.intermediate_size, bytes_per_elem=bytes_per_elem)
-
-    @property
-    def layer_params(self) -> int:
-        q = o = self.hidden * self.heads * self.head_dim
-        kv = 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate  # gate, up, down (Llama's SwiGLU MLP)
-        return q + kv + o + mlp + 2 * self.hidden  # + the two RMSNorm weights
-
-    @property
-    def kv_bytes(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.kv_heads * self.head_dim * self.bytes_per_elem
-
-    def flops_token_layer(self, context: int) -> float:
-        """Average FLOPs of one token in one layer of a causal prefill of ``context`` tokens."""
-        return 2.0 * self.layer_params + 4.0 * self.heads * self.head_dim * (context + 1) / 2
-
-    def prefill_flops(self, context: int) -> float:
-        return self.layers * context * self.flops_token_layer(context)
-
-
-def shapes() -> tuple[Shape, Shape]:
+def shapes() -> tuple[ModelShape, ModelShape]:
+    """The paper's Llama-7B in fp16 (its published config) and the default model in float32, with the decoder
+    layer's parameters counted on the meta device (the formula above plus the final norm spread over the layers:
+    a few hundred parameters)."""
     from kvrunahead.models import DEFAULT_MODEL, resolve_config
-    from kvrunahead.sim.flops import layer_cost
+    from kvrunahead.sim.shape import shape_from_config
 
-    paper_cfg, test_cfg = resolve_config("llama-7b"), resolve_config(DEFAULT_MODEL)
-    paper = Shape.from_config("Llama-7B fp16", paper_cfg, 2)
-    test = Shape.from_config("SmolLM2-135M-Instruct fp32", test_cfg, 4)
-    # Cross-check the explicit parameter count against the project's cost model (meta-device count, which
-    # spreads the final norm over the layers: a few hundred parameters).
-    for shape, cfg in ((paper, paper_cfg), (test, test_cfg)):
-        counted = layer_cost(cfg).flops_per_token / 2
-        if abs(counted - shape.layer_params) > shape.hidden:
-            raise RuntimeError(f"{shape.name}: {shape.layer_params} layer parameters by formula, {counted} counted")
-    return paper, test
+    return (shape_from_config(resolve_config("llama-7b"), "float16", "Llama-7B fp16"),
+            shape_from_config(resolve_config(DEFAULT_MODEL), "float32", "SmolLM2-135M-Instruct fp32"))
+
+
+def prefill_flops(shape: ModelShape, context: int) -> float:
+    """F(C): every token of every layer of a causal prefill (LM head and embeddings left out)."""
+    return shape.layers * context * shape.causal_flops_per_token(context)
 
 
 def machine() -> dict:
@@ -246,11 +209,11 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
            mach: dict) -> dict:
     paper, test = shapes()
 
-    def rate(shape: Shape, context: int, ttft: float, ranks: int) -> float:
-        return shape.prefill_flops(context) / (ranks * ttft)
+    def rate(shape: ModelShape, context: int, ttft: float, ranks: int) -> float:
+        return prefill_flops(shape, context) / (ranks * ttft)
 
-    def tau(shape: Shape, context: int, r: float) -> float:
-        return shape.flops_token_layer(context) / r
+    def tau(shape: ModelShape, context: int, r: float) -> float:
+        return shape.causal_flops_per_token(context) / r
 
     # Paper: per-GPU effective FLOP rate of each Table 1 run, and of the 1-GPU column of Table 3.
     paper_rates = {run: {c: rate(paper, c, row[i], p) for c, row in PAPER_TABLE1_LLAMA7B.items()}
@@ -268,7 +231,8 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
 
     def cap(b_paper: float, c: int, r_paper: float, r_test: float, c_test: int | None = None) -> float:
         c_test = c if c_test is None else c_test
-        return b_paper * (test.kv_bytes / paper.kv_bytes) * tau(paper, c, r_paper) / tau(test, c_test, r_test)
+        kv_ratio = test.kv_bytes_per_token / paper.kv_bytes_per_token
+        return b_paper * kv_ratio * tau(paper, c, r_paper) / tau(test, c_test, r_test)
 
     main_paper = paper_rates["KVR-S mean of 4 and 8"][MAIN_CONTEXT]
     main_test = test_rates["README single 1t"][MAIN_CONTEXT]
@@ -303,7 +267,7 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
     r_corr = 1e12 * statistics.mean(v["rate_TFLOPs"] for v in overhead.values())
     overhead["caps_MBps"] = {k: cap(b, MAIN_CONTEXT, r_corr, main_test) / 1e6 for k, b in PAPER_BANDWIDTHS.items()}
     # Sensitivity 4: the FLOP mix alone, f_paper(C) / f_test(C), the factor the formula applies at fixed rates.
-    flop_mix = {c: paper.flops_token_layer(c) / test.flops_token_layer(c) for c in CONTEXTS}
+    flop_mix = {c: paper.causal_flops_per_token(c) / test.causal_flops_per_token(c) for c in CONTEXTS}
 
     result = {
         "what": "network rate caps that give this CPU testbed the paper's K,V transfer / compute ratio",
@@ -313,12 +277,13 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
             "f": "f(C) = 2 * P_layer + 4 * H * d * (C + 1) / 2  [FLOPs per token per layer, causal]",
             "F": "F(C) = L * C * f(C)  [prefill FLOPs, LM head and embeddings left out]",
             "R": "R(C) = F(C) / (p * TTFT(C))  [per-rank effective FLOP rate]",
-            "P_layer": "H*d*h (q) + 2*Hkv*d*h (k, v) + H*d*h (o) + 3*h*I (gate, up, down) + 2*h (norms)",
+            "P_layer": "H*d*h (q) + 2*Hkv*d*h (k, v) + H*d*h (o) + 3*h*I (gate, up, down) + 2*h (norms), counted on "
+                       "the meta device (with the final norm spread over the layers)",
             "kv_bytes": "2 * Hkv * d * bytes_per_element",
         },
-        "shapes": {s.name: {**asdict(s), "layer_params": s.layer_params, "kv_bytes": s.kv_bytes,
-                            "flops_token_layer": {c: s.flops_token_layer(c) for c in CONTEXTS},
-                            "prefill_flops": {c: s.prefill_flops(c) for c in CONTEXTS}}
+        "shapes": {s.name: {**asdict(s), "layer_params": s.layer_params, "kv_bytes": s.kv_bytes_per_token,
+                            "flops_token_layer": {c: s.causal_flops_per_token(c) for c in CONTEXTS},
+                            "prefill_flops": {c: prefill_flops(s, c) for c in CONTEXTS}}
                    for s in (paper, test)},
         "paper": {
             "bandwidths_Bps": PAPER_BANDWIDTHS,
@@ -344,7 +309,7 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
             "testbed_rate_GFLOPs": main_test / 1e9,
             "tau_paper_us": 1e6 * tau(paper, MAIN_CONTEXT, main_paper),
             "tau_test_us": 1e6 * tau(test, MAIN_CONTEXT, main_test),
-            "transfer_over_compute_paper": {k: paper.kv_bytes / b / tau(paper, MAIN_CONTEXT, main_paper)
+            "transfer_over_compute_paper": {k: paper.kv_bytes_per_token / b / tau(paper, MAIN_CONTEXT, main_paper)
                                             for k, b in PAPER_BANDWIDTHS.items()},
             "caps_MBps": {k: v / 1e6 for k, v in main.items()},
             "caps_MBps_2sf": {k: sig2(v / 1e6) for k, v in main.items()},
@@ -357,7 +322,8 @@ def derive(measured: dict[int, list[float]], busy: dict[int, list[float]], p2p: 
         med = statistics.median(p2p)
         result["loopback_p2p"] = {
             "bytes": P2P_BYTES, "runs_s": p2p, "median_s": med, "rate_MBps": P2P_BYTES / med / 1e6,
-            "transfer_over_compute_testbed_16k": test.kv_bytes / (P2P_BYTES / med) / tau(test, MAIN_CONTEXT, main_test),
+            "transfer_over_compute_testbed_16k": (test.kv_bytes_per_token / (P2P_BYTES / med)
+                                                  / tau(test, MAIN_CONTEXT, main_test)),
             # The paper link rate that loopback at this rate corresponds to (the cap formula solved for B_paper).
             "paper_equivalent_GBps": P2P_BYTES / med / (main["high"] / PAPER_BANDWIDTHS["high"]) / 1e9,
         }
@@ -369,7 +335,7 @@ def report(res: dict) -> None:
     print("\ninputs")
     for name, s in ((paper_name, paper), (test_name, test)):
         print(f"  {name}: L={s['layers']} h={s['hidden']} H={s['heads']} Hkv={s['kv_heads']} d={s['head_dim']} "
-              f"I={s['intermediate']}  P_layer={s['layer_params']:,}  kv_bytes/token-layer={s['kv_bytes']}")
+              f"P_layer={s['layer_params']:,}  kv_bytes/token-layer={s['kv_bytes']}")
     print("\nper-rank effective FLOP rate   " + "  ".join(f"{c // K:>5}k" for c in (2 * K, *CONTEXTS)))
     for src, rates in res["paper"]["per_gpu_rate_TFLOPs"].items():
         print(f"  paper {src:<24} TFLOP/s " + "  ".join(

@@ -38,6 +38,15 @@ class ModelShape:
         return 4.0 * self.heads * self.head_dim
 
     @property
+    def layer_params(self) -> int:
+        return self.qkv_params + self.other_params
+
+    def causal_flops_per_token(self, context: int) -> float:
+        """Average FLOPs of one token in one layer of a causal prefill of ``context`` tokens: its linear work and
+        its share of the (context + 1) / 2 query-key pairs a token sees on average."""
+        return self.qkv_flops_per_token + self.other_flops_per_token + self.flops_per_pair * (context + 1) / 2
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer: what the chain and the all-gathers move."""
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
