@@ -204,20 +204,20 @@ def _cost_model(opts: dict, world_size: int):
     if opts["device"] == "auto":
         opts = {**opts, "device": profile.device_kind}
     key = table_key(opts, world_size)
-    link = key.bandwidth if key.bandwidth in profile.links else None
+    profile, link, link_note = profile.for_network(key.bandwidth)
     try:
         shape = shape_from_config(resolve_config(opts["model"]), key.dtype, opts["model"])
     except ModelError as e:
         from kvrunahead.runner import InputError
 
         raise InputError(f"--backend model: {e}") from None
-    return key, CostModel(shape, profile, link), which
+    return key, CostModel(shape, profile, link), which, link_note
 
 
 def _model_answer(opts: dict, ctx: int, world_size: int):
     from kvrunahead.sim.optimize import search_partition
 
-    key, cost, _ = _cost_model(opts, world_size)
+    key, cost, _, _ = _cost_model(opts, world_size)
     return search_partition(cost, ctx, world_size, key.kvr_attention, min_stride=opts["min_stride"])
 
 
@@ -228,13 +228,13 @@ def model_search(opts: dict, world_size: int) -> None:
     from kvrunahead.sim.optimize import search_partition
     from kvrunahead.tables import TABLES_DIR, Table, TableEntry, TableMeta, table_filename
 
-    key, cost, which = _cost_model(opts, world_size)
+    key, cost, which, link_note = _cost_model(opts, world_size)
     # Its own file: a prediction never lands in (or is read as) the measured table of the same setting.
     out = Path(opts["out"]) if opts["out"] else TABLES_DIR / table_filename(key).replace(".json", "_model.json")
-    link = cost.link_label or cost.profile.default_link
-    click.echo(f"model search for {key.describe()} on {which}, link {link} -> {out}", err=True)
-    if link != key.bandwidth:
-        click.echo(f"warning: the profile has no link {key.bandwidth!r}; its {link!r} link is used", err=True)
+    click.echo(f"model search for {key.describe()} on {which}, {link_note} -> {out}", err=True)
+    if cost.link_label != key.bandwidth:
+        click.echo(f"warning: the profile has no link {key.bandwidth!r}; its {cost.link_label!r} link is used",
+                   err=True)
     if out.exists():
         existing = Table.load(out)
         existing.check(key, name=str(out))

@@ -193,6 +193,35 @@ def test_a_causal_prefills_flops_per_token_agree_with_the_partition_estimate():
     assert llama.causal_flops_per_token(1) == 2 * llama.layer_params + 4 * 32 * 128
 
 
+def test_a_cap_the_profile_did_not_measure_is_priced_from_the_nearest_measured_cap():
+    from kvrunahead.sim.profile import SHIPPED_DIR
+
+    cpu = HardwareProfile.load(SHIPPED_DIR / "cpu-t1.json")
+    high, low = cpu.links["cap=650MB/s"], cpu.links["cap=22MB/s"]
+    assert cpu.for_network("cap=650MB/s") == (cpu, "cap=650MB/s", "link cap=650MB/s")
+    assert cpu.for_network(None)[1:] == ("loopback", "link loopback")
+    p400, label, note = cpu.for_network("cap=400MB/s")
+    assert label == "cap=400MB/s" and "cap=650MB/s rescaled" in note and "cap=400MB/s" not in cpu.links
+    assert p400.link(label) == LinkProfile(high.bandwidth_Bps * 400 / 650, high.latency_s, high.allgather,
+                                           high.allgather_efficiency, high.compute_s_per_byte)
+    p13, _, note = cpu.for_network("cap=13MB/s")
+    assert "cap=22MB/s rescaled" in note and p13.link("cap=13MB/s").bandwidth_Bps == pytest.approx(
+        low.bandwidth_Bps * 13 / 22)
+    gpu = builtin_profiles()["a100-nvlink"]  # no capped link measured: its default, and says so
+    used, note = gpu.for_network("cap=400MB/s")[1:]
+    assert used == gpu.default_link and note == f"link {used} (the profile measured none for cap=400MB/s)"
+
+
+def test_without_a_table_a_capped_run_is_partitioned_on_its_cap(tmp_path, monkeypatch):
+    from kvrunahead import tables
+    from kvrunahead.runner import RunConfig, prepare
+
+    monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)  # no table: the cost model decides
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # the shipped profile, not one calibrated here
+    source = prepare(RunConfig(model="tiny-llama", context_len=2048, net="cap=400MB/s", threads=1), 2).partition_source
+    assert "link cap=400MB/s (the measured cap=650MB/s rescaled)" in source
+
+
 def test_cost_model_units_and_monotonicity():
     a100 = builtin_profiles()["a100-nvlink-flash"]
     m = CostModel(PAPER_SHAPES["llama-7b"], a100)

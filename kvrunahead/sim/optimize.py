@@ -97,8 +97,8 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
     from kvrunahead.sim.shape import shape_from_config
 
     profile, which = resolve_profile(None, threads)
-    used = link if link in profile.links else profile.default_link
+    profile, used, link_note = profile.for_network(link)
     cost = CostModel(shape_from_config(config, dtype), profile, used)
     stride = max(1, min(64, context_len // (8 * world_size)))
     r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
-    return Partition(r.boundaries), f"cost model on {which}, link {used}: predicted TTFT {r.ttft_s:.2f} s"
+    return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"

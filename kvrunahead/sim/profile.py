@@ -7,8 +7,10 @@ figures times efficiency factors, every factor with where it comes from (``sourc
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,6 +84,33 @@ class HardwareProfile:
             raise ProfileError(f"profile {self.name!r} has no link {label!r}; it has {sorted(self.links)} "
                                f"(kvr-calibrate --net measures one)")
         return self.links[label]
+
+    def for_network(self, label: str | None) -> tuple[HardwareProfile, str, str]:
+        """This profile with a link for the network ``label`` (a partition table's network label: ``loopback``,
+        ``cap=400MB/s``), the link's label and a line saying where its figures come from: the link measured on
+        that network; for a cap not measured, the measured cap nearest in rate rescaled to it (its overshoot of
+        the nominal rate, all-gather efficiency and compute per byte kept: tbf caps scale); else the default."""
+        from kvrunahead.net.spec import NetError, parse_net
+
+        if label is None or label in self.links:
+            used = label or self.default_link
+            return self, used, f"link {used}"
+
+        def cap_of(text: str) -> float | None:
+            try:
+                return parse_net(text).cap_bytes_per_s
+            except NetError:
+                return None
+
+        cap = cap_of(label)
+        measured = {rate: name for name in self.links if (rate := cap_of(name)) is not None}
+        if cap is None or not measured:
+            return self, self.default_link, f"link {self.default_link} (the profile measured none for {label})"
+        nominal = min(measured, key=lambda rate: abs(math.log(rate / cap)))
+        near = self.links[measured[nominal]]
+        link = dataclasses.replace(near, bandwidth_Bps=near.bandwidth_Bps * cap / nominal)
+        return (dataclasses.replace(self, links={**self.links, label: link}), label,
+                f"link {label} (the measured {measured[nominal]} rescaled)")
 
     def to_dict(self) -> dict:
         return asdict(self)
