@@ -5,24 +5,21 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from kvrunahead.errors import LaunchError
+from kvrunahead.supervise import supervise
+
 log = logging.getLogger(__name__)
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 MPI_HINT = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py (or pip install 'kvrunahead[mpi]')"
-
-
-class LaunchError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ def rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1", **e
                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
 
 
-def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli", net=None) -> int:
+def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli.prefill", net=None) -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
     ``net`` (a ``NetSpec``) with a cap puts every rank on an emulated host of its own, and with noise runs the
@@ -142,40 +139,3 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
             if report is not None:
                 log.warning("%s", report.describe())
         return code
-
-
-def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
-    """Wait for the ranks; return the first non-zero exit code.
-
-    When one rank fails the others get ``grace_s`` to notice on their own, then are terminated (a stopped rank
-    is continued so that it can die), so a failure never leaves the launcher waiting.
-    """
-    failed_at = None
-    code = 0
-    try:
-        # Poll every rank each round (any() would stop at the first one still running and never see a later
-        # rank's failure).
-        while [p.poll() for p in procs].count(None):
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if bad and failed_at is None:
-                failed_at, code = time.monotonic(), bad[0]
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                        p.send_signal(signal.SIGCONT)
-                break
-            time.sleep(0.05)
-    except (KeyboardInterrupt, SystemExit) as e:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-                p.send_signal(signal.SIGCONT)
-        code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e.code, int) else 1)
-    for p in procs:
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return code or next((p.returncode for p in procs if p.returncode), 0)

@@ -50,6 +50,11 @@ class Partition:
         """Every rank's token ranges: one contiguous range each (single, kvr and tsp lay the prompt out so)."""
         return [[self.part(r)] for r in range(self.world_size)]
 
+    def zigzag(self) -> list[list[tuple[int, int]]]:
+        """Every rank's token ranges in the zigzag layout (ring attention, cp-allgather): the partition's context
+        cut evenly into 2p chunks, rank i holding chunks i and 2p-1-i."""
+        return zigzag_ranges(self.context_len, self.world_size)
+
     def __str__(self) -> str:
         return ",".join(str(b) for b in self.boundaries)
 
@@ -90,6 +95,11 @@ def zigzag_ranges(context_len: int, world_size: int) -> list[list[tuple[int, int
     """Rank i holds chunks i and 2p-1-i of 2p (load-balanced under the causal mask)."""
     chunks = Partition.even(context_len, 2 * world_size)
     return [[chunks.part(i), chunks.part(2 * world_size - 1 - i)] for i in range(world_size)]
+
+
+def zigzag_emitter(world_size: int) -> int:
+    """The rank that emits the first token in the zigzag layout: rank 0 holds chunk 2p-1, the end of the prompt."""
+    return 0
 
 
 def last_rank(world_size: int) -> int:

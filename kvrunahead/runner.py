@@ -7,64 +7,34 @@ import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.models import (
-    LoadedModel,
-    ModelError,
-    load_model,
-    load_tokenizer,
-    resolve_config,
-    uses_attention_interface,
-)
-from kvrunahead.modes import MODES, Step, check_model
+from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.layout import KVLayout, probe_kv_layout
+from kvrunahead.model.load import LoadedModel, load_model
+from kvrunahead.model.rope import RopeExtension
+from kvrunahead.modes import MODES, Step
 from kvrunahead.net import liveness
-from kvrunahead.net.spec import NetError, NetSpec, parse_net
-from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
-from kvrunahead.prompt import PromptError, build_prompt
-from kvrunahead.rope import ContextError, RopeExtension, plan_extension
-from kvrunahead.runahead import greedy_decode, last_token_logits, layer_windows, probe_kv_layout, soft_caps
-from kvrunahead.sim.flops import estimated_partition
-from kvrunahead.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
-from kvrunahead.transport import ALLGATHERS, TRANSPORTS, KVLayout, Transport, make_transport
+from kvrunahead.partition import Partition
+from kvrunahead.policy import (
+    Prepared,
+    RunConfig,
+    default_threads,
+    network_label,
+    prepare,
+    resolve_device,
+    resolve_dtype,
+)
+from kvrunahead.transport import Transport, make_transport
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class InputError(ValueError):
-    """Bad user input, reported as one line before any rank starts working."""
-
-
-@dataclass
-class RunConfig:
-    model: str = "smollm2-135m"
-    mode: str = "kvr"
-    transport: str = "torch"
-    context_len: int | None = 2048
-    prompt_text: str | None = None
-    chat: bool = True
-    partition: str = "auto"  # a matching table, else the cost model; or even, boundaries, ratios, table
-    kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
-    table: str | None = None
-    force_table: bool = False
-    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    device: str = "auto"
-    threads: int | None = None
-    max_new_tokens: int = 1
-    verify: bool = False
-    atol: float | None = None
-    timeout_s: float = 60.0
-    allow_long_context: bool = False  # beyond the trained positions without a RoPE extension
-    seed: int = 0
-    net: str | None = None  # --net: "loopback", "cap=400MB/s", "cap=13MB/s,noise"; None: loopback for one host
-    allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers
 
 
 @dataclass
@@ -135,179 +105,6 @@ class RunResult:
         if self.verification is not None:
             d["verification"]["ok"] = self.verification.ok
         return d
-
-
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError("--device cuda asked for but CUDA is not available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise InputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def default_threads(local_world_size: int) -> int:
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // local_world_size)
-
-
-@dataclass
-class Prepared:
-    ids: list[int]
-    partition: Partition
-    partition_source: str  # "even", "explicit", the table and entries, or the cost model (estimate) and why
-    warning: str | None = None
-    rope: RopeExtension | None = None
-    kvr_attention: str = "masked"
-    attention_source: str = ""
-
-
-def _dtype_name(cfg: RunConfig) -> str:
-    return cfg.dtype or ("bfloat16" if _device_kind(cfg) == "cuda" else "float32")
-
-
-def _device_kind(cfg: RunConfig) -> str:
-    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def network_spec(cfg: RunConfig) -> NetSpec:
-    try:
-        return parse_net(cfg.net)
-    except NetError as e:
-        raise InputError(str(e)) from None
-
-
-def network_label(cfg: RunConfig, world_size: int, local_world_size: int, tables: bool = True) -> str:
-    """The network a run's tables must have been searched on (``tables``: its cap, not its noise) or the run's whole
-    setting: as given, else loopback when all ranks share a host."""
-    if cfg.net:
-        spec = network_spec(cfg)
-        return spec.table_label if tables else spec.label
-    return "loopback" if local_world_size == world_size else "unlabelled"
-
-
-def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
-    """The kvr attention to run and why: split (the faster, exact) where the model's attention goes through
-    transformers' attention interface, else masked."""
-    fits = uses_attention_interface(config)
-    softcap = soft_caps(config)
-    if cfg.kvr_attention in (None, "auto"):
-        if fits and softcap:
-            return "masked", "default: the model soft-caps its attention logits, which split does not do"
-        if fits:
-            return "split", "default: the model uses transformers' attention interface"
-        return "masked", "default: the model computes attention itself, so split cannot be inserted"
-    if cfg.kvr_attention == "split" and not fits:
-        raise InputError(f"--kvr-attention split needs a model whose attention goes through transformers' "
-                         f"attention interface; {cfg.model} computes it itself: use masked")
-    if cfg.kvr_attention not in ("masked", "split"):
-        raise InputError(f"unknown --kvr-attention {cfg.kvr_attention!r}: use auto, masked or split")
-    return cfg.kvr_attention, "as asked"
-
-
-def table_key(cfg: RunConfig, config, world_size: int, attention: str, local_world_size: int) -> TableKey:
-    return TableKey(cfg.model, config_hash(config), world_size, _dtype_name(cfg), attention, _device_kind(cfg),
-                    network_label(cfg, world_size, local_world_size))
-
-
-def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
-    path = Path(cfg.table) if cfg.table else find_table(key)
-    table = Table.load(path)
-    if not cfg.force_table:
-        table.check(key, name=path.name)
-    return table.lookup(context_len, name=path.name)
-
-
-def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str,
-                    threads: int) -> tuple[Partition, str]:
-    """The table of this exact setting, interpolated, where it covers the context; else the cost model's
-    partition on this machine's profile for the ranks' ``threads`` (CPU), else the FLOP estimate (never silently
-    the even partition: the chain makes later ranks wait, so even is never the best)."""
-    if key.world_size == 1:
-        return Partition.even(context_len, 1), "one rank"
-    try:
-        path = find_table(key)
-    except TableError:
-        why = f"no partition table for {key.describe()}"
-    else:
-        table = Table.load(path)
-        lo, hi = (table.entries[0].context_len, table.entries[-1].context_len) if table.entries else (0, -1)
-        if lo <= context_len <= hi:
-            lookup = table.lookup(context_len, name=path.name)
-            return lookup.partition, lookup.source
-        why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
-               else f"{path.name} has no entries")
-    if key.device_kind == "cpu" and any(w is not None for w in layer_windows(config)):
-        why = f"{why}; the cost model prices full-attention layers only"
-    elif key.device_kind == "cpu":
-        from kvrunahead.sim.optimize import predicted_partition
-        from kvrunahead.sim.profile import ProfileError
-
-        try:
-            partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
-                                                     attention, key.bandwidth)
-            return partition, f"{source} ({why})"
-        except ProfileError as e:
-            why = f"{why}; {e}"
-    partition = estimated_partition(config, context_len, key.world_size, attention)
-    return partition, f"cost estimate of the ranks' work ({why})"
-
-
-def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> Prepared:
-    """Validate the input and build the prompt and partition; raises InputError with one line."""
-    if cfg.mode not in MODES:
-        raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
-    if cfg.mode == "single" and world_size != 1:
-        raise InputError(f"mode 'single' runs one process, but the world size is {world_size}")
-    mode = MODES[cfg.mode]
-    if mode.own_partition and (cfg.partition not in ("auto", "even") or cfg.table):
-        raise InputError(f"mode {cfg.mode!r} sets its own layout; --partition and --table apply to kvr and "
-                         "kvr-nocomm only")
-    if cfg.transport not in TRANSPORTS:
-        raise InputError(f"unknown transport {cfg.transport!r}: use one of {', '.join(TRANSPORTS)}")
-    if cfg.allgather not in ALLGATHERS:
-        raise InputError(f"unknown all-gather {cfg.allgather!r}: use one of {', '.join(ALLGATHERS)}")
-    network_spec(cfg)
-    if cfg.threads is not None and cfg.threads < 1:
-        raise InputError(f"--threads must be at least 1, got {cfg.threads}")
-    if cfg.prompt_text is not None and not cfg.prompt_text.strip():
-        raise InputError("the prompt file is empty (or only whitespace)")
-    try:
-        config = resolve_config(cfg.model)
-        ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
-        rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
-        attention, why = resolve_attention(cfg, config) if cfg.mode.startswith("kvr") else ("masked", "")
-        check_model(cfg.mode, config, attention)
-        done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
-        if mode.own_partition:
-            return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
-        local_world_size = local_world_size or world_size
-        key = table_key(cfg, config, world_size, attention, local_world_size)
-        if cfg.partition == "table" or cfg.table:
-            lookup = _table_partition(cfg, key, len(ids))
-            if lookup.partition.world_size != world_size:
-                raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
-            return Prepared(ids, lookup.partition, lookup.source, lookup.warning, **done)
-        if cfg.partition.strip() == "auto":
-            check_fits(len(ids), world_size)
-            threads = cfg.threads or default_threads(local_world_size)  # what each rank will run with
-            partition, source = _auto_partition(cfg, config, key, len(ids), attention, threads)
-            return Prepared(ids, partition, source, **done)
-        partition = parse_partition(cfg.partition, len(ids), world_size)
-    except (ModelError, PromptError, PartitionError, TableError, ContextError) as e:
-        raise InputError(str(e)) from None
-    except NotImplementedError as e:
-        raise InputError(f"mode {cfg.mode!r} cannot run {cfg.model}: {e}") from None
-    return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit", **done)
 
 
 def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:

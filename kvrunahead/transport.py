@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from kvrunahead.net.liveness import PeerTimeout
+from kvrunahead.choices import ALLGATHERS, TRANSPORTS
+from kvrunahead.errors import PeerTimeout
 
-TRANSPORTS = ("torch", "mpi")
-# How an all-gather mode gathers: the library's collective, or a ring of the same point-to-point transfers the
-# KV chain uses (p-1 steps, each rank passing one block to its successor). gloo's collective moves bytes several
-# times slower than its point-to-point over loopback, and MPI's is no faster (experiments/allgather_vs_p2p);
-# NCCL's all-gather is as fast as its point-to-point, so "auto" keeps it there.
-ALLGATHERS = ("auto", "native", "p2p")
 # torch >= 2.13 names the all-gather into one tensor all_gather_single (the old name warns); older releases
 # only have the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -274,102 +269,3 @@ def make_transport(name: str, rank: int, world_size: int, backend: str, timeout_
     if name == "mpi":
         return MpiTransport(rank, world_size, timeout_s, allgather)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one layer's cached K (and V) apart from the token axis: ``[batch, heads, *, head_dim]``, and how
-    much of a prefix the layer keeps: all of it (full attention) or its sliding window's last ``window - 1``."""
-
-    heads: tuple[int, ...]  # per layer: K/V heads (1 for MQA, fewer than query heads for GQA)
-    head_dim: tuple[int, ...]
-    dtype: torch.dtype
-    windows: tuple[int | None, ...] | None = None  # per layer: the sliding window, None for full attention
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.heads)
-
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer] if self.windows else None
-
-    def kind(self, layer: int) -> str:
-        return "full" if self.window(layer) is None else "sliding"
-
-    def kept(self, layer: int, tokens: int) -> int:
-        """How many of the positions [0, tokens) the layer's cache keeps, as transformers' cache does: all, or
-        the last ``window - 1`` (the keys the next query can still see)."""
-        window = self.window(layer)
-        return tokens if window is None else min(tokens, window - 1)
-
-    def kv_shape(self, layer: int, tokens: int) -> tuple[int, ...]:
-        """K and V of ``tokens`` positions stacked: ``[2, 1, heads, tokens, head_dim]``."""
-        return (2, 1, self.heads[layer], tokens, self.head_dim[layer])
-
-
-@dataclass
-class ChainLink:
-    """This rank's place in the KV chain: receives [0, prefix_len) from rank-1, sends [0, end) to rank+1.
-
-    A sliding-window layer hands on only what its cache keeps, the last ``window - 1`` positions of the prefix
-    ([max(0, b - window + 1), b)), so its traffic stops growing with the context. A layer's K and V travel as one
-    contiguous ``[2, 1, heads, tokens, head_dim]`` tensor: one message per layer and hop.
-    """
-
-    transport: Transport
-    prefix_len: int
-    layout: KVLayout
-    device: torch.device
-    lookahead: int = 1
-    _pending: dict = field(default_factory=dict)
-    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
-
-    @property
-    def rank(self) -> int:
-        return self.transport.rank
-
-    @property
-    def has_prev(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def has_next(self) -> bool:
-        return self.rank < self.transport.world_size - 1
-
-    def start(self) -> None:
-        """Post the first receives; called before the forward starts."""
-        for layer in range(min(self.lookahead, self.layout.num_layers)):
-            self._post_recv(layer)
-
-    def _post_recv(self, layer: int) -> None:
-        if not self.has_prev or layer >= self.layout.num_layers or layer in self._pending:
-            return
-        # The buffer shape follows from the partition and the window alone: no per-layer shape handshake.
-        tokens = self.layout.kept(layer, self.prefix_len)
-        buf = torch.empty(self.layout.kv_shape(layer, tokens), dtype=self.layout.dtype, device=self.device)
-        self._pending[layer] = (self.transport.irecv(buf, self.rank - 1, tag=layer), buf)
-
-    def prefix(self, layer: int) -> torch.Tensor:
-        """The predecessor's K,V of [0, prefix_len) for ``layer`` (its window's part for a sliding layer); posts
-        the next layer's receive."""
-        self._post_recv(layer)  # no-op when posted ahead, as it normally is
-        req, buf = self._pending.pop(layer)
-        self.transport.wait(req, f"the K,V of layer {layer} from rank {self.rank - 1}")
-        self._post_recv(layer + self.lookahead)
-        return buf
-
-    def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
-        """Prepend the predecessor's prefix to ``local_kv``, forward what the successor's cache keeps of the
-        result, return the result."""
-        kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
-        if self.has_next:
-            end = self.prefix_len + local_kv.shape[-2]
-            out = kv[..., kv.shape[-2] - self.layout.kept(layer, end):, :].contiguous()
-            self.transport.isend(out, self.rank + 1, tag=layer)
-            kind = self.layout.kind(layer)
-            self.bytes_sent_by_kind[kind] = self.bytes_sent_by_kind.get(kind, 0) + nbytes(out)
-        return kv
-
-    def finish(self) -> None:
-        """Wait for the sends still in flight (their buffers must outlive them)."""
-        self.transport.drain()

@@ -8,7 +8,8 @@ import os
 import sys
 
 from kvrunahead.launcher import init_world
-from kvrunahead.runner import RunConfig, run_on_world
+from kvrunahead.policy import RunConfig
+from kvrunahead.runner import run_on_world
 
 
 def main() -> None:

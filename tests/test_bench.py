@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from kvrunahead.bench import add_bounds, build_jobs, markdown_table, summarize
-from kvrunahead.tables import TABLES_DIR
+from kvrunahead.bench.cli import add_bounds, build_jobs, markdown_table, summarize
+from kvrunahead.search.tables import TABLES_DIR
 
 
 def _row(ctx, label, ttft, p=2, kind="timed", transport="torch", compute=(1.0, 1.0)):
@@ -182,7 +182,7 @@ def test_a_world_whose_runs_are_all_recorded_is_not_started_again(tmp_path, monk
     """A sweep over several networks stopped in a later world: on --resume the finished world starts no ranks, no
     emulation and no sidecar, returns its rows, and keeps the noise report it wrote."""
     import kvrunahead.net.session as session
-    from kvrunahead.bench import Job, run_world
+    from kvrunahead.bench.cli import Job, run_world
 
     monkeypatch.setattr(session, "network", lambda *a, **k: pytest.fail("the finished world was started again"))
     net = "cap=50MB/s,noise"

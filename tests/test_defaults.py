@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
-from kvrunahead import tables
-from kvrunahead.models import load_model, resolve_config
+from kvrunahead.errors import InputError
+from kvrunahead.model.load import load_model, resolve_config
+from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.partition import Partition
-from kvrunahead.rope import ContextError, RopeExtension, plan_extension
-from kvrunahead.runner import InputError, RunConfig, prepare
+from kvrunahead.policy import RunConfig, prepare
+from kvrunahead.search import tables
+from kvrunahead.search.tables import Table, TableEntry, TableError, TableMeta, config_hash
 from kvrunahead.sim.flops import balanced_partition, estimated_partition, layer_cost
-from kvrunahead.tables import Table, TableEntry, TableError, TableMeta, config_hash
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvrunahead.cli import main
+from kvrunahead.cli.prefill import main
 from tests.helpers import kvr_prefill
 
 TINY = ["--model", "tiny-llama", "--max-new-tokens", "1"]

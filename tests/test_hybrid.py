@@ -9,13 +9,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvrunahead import modes, tsp
-from kvrunahead.models import load_model, resolve_config
-from kvrunahead.modes import check_model
+from kvrunahead import modes
+from kvrunahead.errors import InputError
+from kvrunahead.model.layout import layer_windows, probe_kv_layout
+from kvrunahead.model.load import load_model, resolve_config
+from kvrunahead.modes import check_model, tsp
+from kvrunahead.modes.kvr import ChainLink, kvr_prefill
 from kvrunahead.partition import Partition, parse_partition
-from kvrunahead.runahead import kvr_prefill, layer_windows, probe_kv_layout
-from kvrunahead.runner import InputError, RunConfig, prepare
-from kvrunahead.transport import ChainLink, Transport
+from kvrunahead.policy import RunConfig, prepare
+from kvrunahead.transport import Transport
 from tests.helpers import run_cases, skewed_ratios
 
 CONTEXT = 200
@@ -201,7 +203,7 @@ def test_the_last_ranks_cache_equals_the_single_process_cache_layer_by_layer(mod
 
 
 def test_the_cost_model_refuses_sliding_models_and_the_flop_estimate_counts_the_band():
-    from kvrunahead.models import ModelError
+    from kvrunahead.model.load import ModelError
     from kvrunahead.sim.flops import layer_cost
     from kvrunahead.sim.shape import shape_from_config
 

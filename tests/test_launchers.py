@@ -56,7 +56,7 @@ def test_default_model_decodes_like_transformers_generate():
     """Greedy tokens after a 2-rank KV-Runahead prefill equal transformers' generate() on the full prompt."""
     from transformers import AutoModelForCausalLM
 
-    from kvrunahead.models import default_model_dir, load_tokenizer
+    from kvrunahead.model.load import default_model_dir, load_tokenizer
     from kvrunahead.prompt import build_prompt
 
     n_new = 12

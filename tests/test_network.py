@@ -93,7 +93,8 @@ def test_kvr_prefill_refuses_a_bad_net_before_any_rank_starts():
 
 def test_a_table_searched_on_another_network_is_refused(tmp_path):
     """A table keyed on one cap is refused on another (and on loopback), like one of another model."""
-    from kvrunahead.runner import InputError, RunConfig, prepare
+    from kvrunahead.errors import InputError
+    from kvrunahead.policy import RunConfig, prepare
     from tests.test_defaults import _write_table
 
     path = _write_table(tmp_path, bandwidth="cap=650MB/s")

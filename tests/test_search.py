@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvrunahead.search import Evaluator, search
+from kvrunahead.search.algorithm import Evaluator, search
 
 
 def pipeline_ttft(alpha: float = 1.0, beta: float = 4e-4, layers: int = 30):

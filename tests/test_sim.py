@@ -181,7 +181,7 @@ def test_bad_partitions_and_modes_are_refused():
 def test_a_causal_prefills_flops_per_token_agree_with_the_partition_estimate():
     """ModelShape's average per token (the network derivation's f(C)) and the FLOP estimate that prices a rank
     (kvrunahead.sim.flops) count the same work: one rank holding all C tokens scores C (C + 1) / 2 pairs."""
-    from kvrunahead.models import resolve_config
+    from kvrunahead.model.load import resolve_config
     from kvrunahead.sim.flops import layer_cost
     from kvrunahead.sim.shape import shape_from_config
 
@@ -213,8 +213,8 @@ def test_a_cap_the_profile_did_not_measure_is_priced_from_the_nearest_measured_c
 
 
 def test_without_a_table_a_capped_run_is_partitioned_on_its_cap(tmp_path, monkeypatch):
-    from kvrunahead import tables
-    from kvrunahead.runner import RunConfig, prepare
+    from kvrunahead.policy import RunConfig, prepare
+    from kvrunahead.search import tables
 
     monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)  # no table: the cost model decides
     monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # the shipped profile, not one calibrated here
@@ -299,7 +299,7 @@ def test_without_a_local_profile_the_shipped_cpu_profile_is_used(tmp_path, monke
 
 
 def test_refine_measures_the_seed_and_moves_to_a_better_neighbour():
-    from kvrunahead.search import refine
+    from kvrunahead.search.algorithm import refine
 
     calls = []
 
@@ -312,7 +312,7 @@ def test_refine_measures_the_seed_and_moves_to_a_better_neighbour():
 
 
 def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
-    from kvrunahead.search_cli import main
+    from kvrunahead.search.cli import main
 
     out = tmp_path / "t.json"
     res = CliRunner().invoke(main, ["--backend", "model", "--nproc", "8", "--ctx", "16k", "--out", str(out),
@@ -333,7 +333,7 @@ def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
 
 
 def test_refine_needs_the_model_backend():
-    from kvrunahead.search_cli import main
+    from kvrunahead.search.cli import main
 
     res = CliRunner().invoke(main, ["--refine", "--ctx", "1k"])
     assert res.exit_code == 2 and "--backend model" in res.output

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvrunahead.models import resolve_config
-from kvrunahead.tables import (
+from kvrunahead.model.load import resolve_config
+from kvrunahead.search.tables import (
     TABLES_DIR,
     Table,
     TableEntry,
@@ -90,7 +90,7 @@ def test_the_shipped_tables_name_their_setting():
 
 
 def test_a_forced_table_for_another_world_size_is_still_refused(tmp_path):
-    from kvrunahead.cli import main
+    from kvrunahead.cli.prefill import main
 
     _table().save(tmp_path / "t.json")
     result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "10240", "--table", str(tmp_path / "t.json"),
@@ -100,7 +100,7 @@ def test_a_forced_table_for_another_world_size_is_still_refused(tmp_path):
 
 
 def test_kvr_prefill_refuses_a_table_for_another_world_size(tmp_path):
-    from kvrunahead.cli import main
+    from kvrunahead.cli.prefill import main
 
     _table(world_size=2).save(tmp_path / "t.json")
     result = CliRunner().invoke(main, ["--model", "tiny-llama", "--ctx", "1k", "--table", str(tmp_path / "t.json")])

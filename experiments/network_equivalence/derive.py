@@ -89,7 +89,7 @@ def shapes() -> tuple[ModelShape, ModelShape]:
     """The paper's Llama-7B in fp16 (its published config) and the default model in float32, with the decoder
     layer's parameters counted on the meta device (the formula above plus the final norm spread over the layers:
     a few hundred parameters)."""
-    from kvrunahead.models import DEFAULT_MODEL, resolve_config
+    from kvrunahead.model.load import DEFAULT_MODEL, resolve_config
     from kvrunahead.sim.shape import shape_from_config
 
     return (shape_from_config(resolve_config("llama-7b"), "float16", "Llama-7B fp16"),
@@ -139,9 +139,9 @@ def measure_prefill() -> tuple[dict[int, list[float]], dict[int, list[float]]]:
     import torch
     from transformers import DynamicCache
 
-    from kvrunahead.models import DEFAULT_MODEL, load_model
+    from kvrunahead.model.forward import last_token_logits
+    from kvrunahead.model.load import DEFAULT_MODEL, load_model
     from kvrunahead.prompt import build_prompt
-    from kvrunahead.runahead import last_token_logits
 
     torch.set_num_threads(1)
     lm = load_model(DEFAULT_MODEL, torch.float32, torch.device("cpu"))

@@ -36,5 +36,5 @@ mkdir -p "$OUT/candidates"
 for pair in "${TABLE%.json}.search:table" "$OUT/direct.search:direct" "$OUT/seeded.search:seeded"; do
   rm -rf "$OUT/candidates/${pair##*:}"; mv "${pair%%:*}" "$OUT/candidates/${pair##*:}"
 done
-python -m kvrunahead.search_plot "$OUT/candidates/table" "$OUT/candidates/direct" "$OUT/candidates/seeded" \
+python -m kvrunahead.search.plot "$OUT/candidates/table" "$OUT/candidates/direct" "$OUT/candidates/seeded" \
   -o "$OUT/search_curves.png"

@@ -18,4 +18,4 @@ for ctx in ${CTX//,/ }; do
     "${SEARCH[@]}" --ctx "$ctx" --net "cap=$cap" --checkpoints "$OUT/candidates/$slug" 2>&1 | tee -a "$OUT/search.log"
   done
 done
-python -m kvrunahead.search_plot "$OUT"/candidates/* -o "$OUT/search_curves.png"
+python -m kvrunahead.search.plot "$OUT"/candidates/* -o "$OUT/search_curves.png"

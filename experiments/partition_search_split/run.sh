@@ -33,4 +33,4 @@ SEARCH=(kvr-search --nproc 2 --kvr-attention split --no-seeded --repeats 2 --war
 "${SEARCH[@]}" --ctx 6k --min-stride 64 --out "$OUT/heldout_6k.json" --checkpoints "$OUT/candidates/heldout" \
   2>&1 | tee -a "$OUT/search.log"
 
-python -m kvrunahead.search_plot "$OUT/candidates/table" "$OUT/candidates/heldout" -o "$OUT/search_curves.png"
+python -m kvrunahead.search.plot "$OUT/candidates/table" "$OUT/candidates/heldout" -o "$OUT/search_curves.png"

@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from kvrunahead.models import resolve_config
+from kvrunahead.model.load import resolve_config
 from kvrunahead.net.spec import parse_net
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel

@@ -18,11 +18,11 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from kvrunahead.bench import environment
-from kvrunahead.models import load_model, resolve_config
+from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.load import load_model, resolve_config
+from kvrunahead.model.rope import plan_extension
 from kvrunahead.prompt import build_prompt
-from kvrunahead.rope import plan_extension
-from kvrunahead.runahead import greedy_decode, last_token_logits
+from kvrunahead.provenance import environment
 
 MODEL, CONTEXT, WINDOW, SCORED, NEW_TOKENS = "smollm2-135m", 16384, 8192, 2048, 48
 OUT = Path(__file__).parent / "results.json"

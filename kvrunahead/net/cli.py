@@ -51,7 +51,7 @@ def run(hosts: int, net_text: str, grace: float, command: tuple[str, ...]) -> No
     """
     import os
 
-    from kvrunahead.launcher import supervise
+    from kvrunahead.supervise import supervise
 
     try:
         spec = parse_net(net_text)

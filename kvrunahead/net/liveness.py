@@ -20,14 +20,12 @@ import time
 
 import torch.distributed as dist
 
+from kvrunahead.errors import PeerTimeout
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 PATIENT_S = 24 * 3600.0  # the patient group's own timeout; the heartbeats end its waits long before
-
-
-class PeerTimeout(RuntimeError):
-    """A rank waited longer than allowed for another: one line, naming both and what was awaited."""
 
 
 _STATE: dict = {}

@@ -79,7 +79,7 @@ def measure_linear(model, shape: ModelShape, repeats: int, tokens=LINEAR_TOKENS)
     """(layer_s, matmul FLOP/s, worst residual) of the decoder layers without their attention kernel."""
     import torch
 
-    from kvrunahead.attention import attention_mode, register
+    from kvrunahead.model.attention import attention_mode, register
 
     register(NULL_ATTENTION, _null_attention)
     device = next(model.parameters()).device
@@ -106,7 +106,8 @@ def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_S
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvrunahead.attention import attend_with_lse, expand_kv, merge_lse
+    from kvrunahead.model.attention import expand_kv
+    from kvrunahead.modes.attention import attend_with_lse, merge_lse
 
     module = model.base_model.layers[0].self_attn
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -162,7 +163,7 @@ def measure_whole(model, repeats: int, tokens=WHOLE_TOKENS) -> list[tuple[int, f
     """Whole prefills of the model (its own SDPA, causal, LM head on the last token) at a few lengths."""
     import torch
 
-    from kvrunahead.runahead import last_token_logits
+    from kvrunahead.model.forward import last_token_logits
 
     device = next(model.parameters()).device
     out = []
@@ -213,7 +214,7 @@ def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: b
     step at the same time, as in a run), over and over until terminated. Starts on 'go' from stdin."""
     import torch
 
-    from kvrunahead.models import load_model, resolve_config
+    from kvrunahead.model.load import load_model, resolve_config
     from kvrunahead.sim.shape import shape_from_config
 
     torch.set_num_threads(threads)
@@ -262,8 +263,8 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
     import transformers
 
     from kvrunahead import __version__
-    from kvrunahead.bench import environment
-    from kvrunahead.models import load_model, resolve_config
+    from kvrunahead.model.load import load_model, resolve_config
+    from kvrunahead.provenance import environment
     from kvrunahead.sim.shape import shape_from_config
 
     step = on_step or (lambda s: None)

@@ -18,7 +18,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 def resolve_shape(name: str, dtype: str):
     """A paper model's shape by name, or any model kvr-prefill knows (preset, default, local directory)."""
-    from kvrunahead.models import ModelError, resolve_config
+    from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.sim.shape import DTYPE_BYTES, PAPER_SHAPES, ModelShape, shape_from_config
 
     if name in PAPER_SHAPES:

@@ -51,7 +51,7 @@ _COSTS: dict[str, LayerCost] = {}
 def layer_cost(config) -> LayerCost:
     """Per-layer FLOPs from a transformers config, counting the decoder layers' parameters on the meta
     device (no memory, any architecture); remembered per architecture."""
-    from kvrunahead.tables import config_hash
+    from kvrunahead.search.tables import config_hash
 
     key = config_hash(config)
     if key not in _COSTS:
@@ -60,7 +60,7 @@ def layer_cost(config) -> LayerCost:
 
 
 def _count_layer_cost(config) -> LayerCost:
-    from kvrunahead.runahead import layer_windows
+    from kvrunahead.model.layout import layer_windows
     from kvrunahead.sim.shape import shape_from_config
 
     shape = shape_from_config(config, "float32", windows_ok=True)

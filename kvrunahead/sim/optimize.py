@@ -12,7 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from kvrunahead.search import even_boundaries
+from kvrunahead.search.algorithm import even_boundaries
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import equal_work_sizes
 from kvrunahead.sim.links import NoiseModel

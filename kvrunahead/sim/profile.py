@@ -219,7 +219,7 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"  # calibrated profile
 
 def local_profile_path(threads: int = 1) -> Path:
     """Where ``kvr-calibrate`` writes this machine's profile by default."""
-    from kvrunahead.models import cache_dir
+    from kvrunahead.model.load import cache_dir
 
     return cache_dir() / "profiles" / f"cpu-t{threads}.json"
 

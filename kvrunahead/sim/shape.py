@@ -65,8 +65,8 @@ def shape_from_config(config, dtype: str, name: str = "", windows_ok: bool = Fal
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvrunahead.models import ModelError
-    from kvrunahead.runahead import layer_windows
+    from kvrunahead.model.layout import layer_windows
+    from kvrunahead.model.load import ModelError
 
     if not windows_ok and any(w is not None for w in layer_windows(config)):
         raise ModelError(f"{name or config.model_type} has sliding-window layers, which the cost model does not price "

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvrunahead.partition import zigzag_ranges
-from kvrunahead.search import even_boundaries
+from kvrunahead.search.algorithm import even_boundaries
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 

@@ -17,7 +17,7 @@ from kvrunahead.partition import Partition
 
 log = logging.getLogger(__name__)
 
-TABLES_DIR = Path(__file__).resolve().parent.parent / "partition_tables"
+TABLES_DIR = Path(__file__).resolve().parents[2] / "partition_tables"
 
 
 class TableError(ValueError):

@@ -30,7 +30,7 @@ def _share(value, world) -> object:
 
 
 def _base_config(opts: dict):
-    from kvrunahead.runner import RunConfig
+    from kvrunahead.policy import RunConfig
 
     return RunConfig(model=opts["model"], threads=opts["threads"], device=opts["device"], dtype=opts["dtype"],
                      max_new_tokens=1, allow_long_context=opts["allow_long_context"], timeout_s=opts["timeout_s"],
@@ -40,8 +40,8 @@ def _base_config(opts: dict):
 def table_key(opts: dict, world_size: int, local_world_size: int | None = None, config=None):
     """What the table being written is for (and what an existing --out must have been made for); ``config``:
     the model's config where the caller has resolved it already."""
-    from kvrunahead.models import resolve_config
-    from kvrunahead.runner import resolve_attention, table_key
+    from kvrunahead.model.load import resolve_config
+    from kvrunahead.policy import resolve_attention, table_key
 
     base = _base_config(opts)
     config = config if config is not None else resolve_config(opts["model"])
@@ -51,10 +51,10 @@ def table_key(opts: dict, world_size: int, local_world_size: int | None = None, 
 
 def check_inputs(opts: dict, world_size: int) -> Path:
     """One-line errors before any rank starts; returns the table path."""
-    from kvrunahead.models import ModelError, resolve_config
-    from kvrunahead.rope import ContextError, plan_extension
-    from kvrunahead.runner import InputError
-    from kvrunahead.tables import TABLES_DIR, Table, TableError, table_filename
+    from kvrunahead.errors import InputError
+    from kvrunahead.model.load import ModelError, resolve_config
+    from kvrunahead.model.rope import ContextError, plan_extension
+    from kvrunahead.search.tables import TABLES_DIR, Table, TableError, table_filename
 
     for name, least in (("threads", 1), ("repeats", 1), ("warmup", 0), ("min_stride", 1), ("window", 1)):
         if opts[name] < least:
@@ -91,11 +91,12 @@ def run_search(opts: dict) -> None:
     import torch.distributed as dist
 
     from kvrunahead import __version__
-    from kvrunahead.bench import environment
     from kvrunahead.launcher import detect_launcher, init_world, pick_backend, world_size_hint
     from kvrunahead.net.spec import parse_net
-    from kvrunahead.runner import leave_world, resolve_device
-    from kvrunahead.tables import Table, TableMeta
+    from kvrunahead.policy import resolve_device
+    from kvrunahead.provenance import environment
+    from kvrunahead.runner import leave_world
+    from kvrunahead.search.tables import Table, TableMeta
 
     launcher = detect_launcher()
     out = check_inputs(opts, world_size_hint(launcher, 1))
@@ -125,9 +126,10 @@ def run_search(opts: dict) -> None:
 
 
 def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> None:
-    from kvrunahead.runner import RunConfig, run_on_world
-    from kvrunahead.search import even_boundaries, refine, search
-    from kvrunahead.tables import Table, TableEntry
+    from kvrunahead.policy import RunConfig
+    from kvrunahead.runner import run_on_world
+    from kvrunahead.search.algorithm import even_boundaries, refine, search
+    from kvrunahead.search.tables import Table, TableEntry
 
     p = world.world_size
     ckpt_dir = Path(opts["checkpoints"]) if opts["checkpoints"] else out.with_suffix(".search")
@@ -195,7 +197,7 @@ def _search_lengths(opts: dict, world, base, table, out: Path, lead: bool) -> No
 def _cost_model(opts: dict, world_size: int):
     """The table's key and its cost model: the model's shape on the chosen profile, over the table's link.
     With --device auto the table is for the profile's device kind (a GPU profile writes a cuda table)."""
-    from kvrunahead.models import ModelError, resolve_config
+    from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.sim.costmodel import CostModel
     from kvrunahead.sim.profile import resolve_profile
     from kvrunahead.sim.shape import shape_from_config
@@ -208,7 +210,7 @@ def _cost_model(opts: dict, world_size: int):
     try:
         shape = shape_from_config(resolve_config(opts["model"]), key.dtype, opts["model"])
     except ModelError as e:
-        from kvrunahead.runner import InputError
+        from kvrunahead.errors import InputError
 
         raise InputError(f"--backend model: {e}") from None
     return key, CostModel(shape, profile, link), which, link_note
@@ -224,9 +226,9 @@ def _model_answer(opts: dict, ctx: int, world_size: int):
 def model_search(opts: dict, world_size: int) -> None:
     """``--backend model``: the table from the cost model, without starting a rank."""
     from kvrunahead import __version__
-    from kvrunahead.runner import InputError
+    from kvrunahead.errors import InputError
+    from kvrunahead.search.tables import TABLES_DIR, Table, TableEntry, TableMeta, table_filename
     from kvrunahead.sim.optimize import search_partition
-    from kvrunahead.tables import TABLES_DIR, Table, TableEntry, TableMeta, table_filename
 
     key, cost, which, link_note = _cost_model(opts, world_size)
     # Its own file: a prediction never lands in (or is read as) the measured table of the same setting.
@@ -329,11 +331,10 @@ def main(nproc: int, contexts: str, **opts) -> None:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
       kvr-search --backend model --nproc 8 --ctx 16k --out /tmp/t.json
     """
-    from kvrunahead.launcher import LaunchError, detect_launcher, spawn
-    from kvrunahead.net.liveness import PeerTimeout
+    from kvrunahead.errors import InputError, LaunchError, PeerTimeout
+    from kvrunahead.launcher import detect_launcher, spawn
     from kvrunahead.net.spec import NetError, parse_net
     from kvrunahead.prompt import PromptError, parse_tokens
-    from kvrunahead.runner import InputError
     from kvrunahead.sim.profile import ProfileError
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -354,7 +355,7 @@ def main(nproc: int, contexts: str, **opts) -> None:
     if launcher == "single" and nproc > 1:
         t = time.perf_counter()
         try:
-            code = spawn(nproc, sys.argv[1:], module="kvrunahead.search_cli", net=net)
+            code = spawn(nproc, sys.argv[1:], module="kvrunahead.search.cli", net=net)
         except NetError as e:
             click.echo(f"kvr-search: error: {e}", err=True)
             sys.exit(2)

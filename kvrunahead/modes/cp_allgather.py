@@ -11,18 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrunahead.attention import (
-    attend,
-    attention_mode,
-    causal_mask,
-    current_state,
-    expand_kv,
-    register,
-    zigzag_emitter,
-)
-from kvrunahead.runahead import forward_part, refuse_softcap
+from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register
+from kvrunahead.model.forward import forward_part
+from kvrunahead.modes.attention import attend, causal_mask, refuse_softcap
+from kvrunahead.modes.tsp import GatherCache, positions
+from kvrunahead.partition import zigzag_emitter
 from kvrunahead.transport import Transport
-from kvrunahead.tsp import GatherCache, positions
 
 IMPLEMENTATION = "kvrunahead_cp_allgather"
 

@@ -10,13 +10,15 @@ import warnings
 
 import click
 
-from kvrunahead.launcher import LaunchError, detect_launcher, spawn, world_size_hint
-from kvrunahead.models import MODEL_CHOICES
+from kvrunahead.choices import TRANSPORTS
+from kvrunahead.cli import common
+from kvrunahead.errors import InputError
+from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
+from kvrunahead.model.load import MODEL_CHOICES
 from kvrunahead.modes import MODES
-from kvrunahead.net.liveness import PeerTimeout
-from kvrunahead.net.spec import NetError
-from kvrunahead.runner import DTYPES, InputError, RunConfig, RunResult, network_spec, prepare, run
-from kvrunahead.transport import ALLGATHERS, TRANSPORTS
+from kvrunahead.policy import RunConfig, network_spec, prepare
+from kvrunahead.prompt import PromptError, parse_tokens
+from kvrunahead.runner import RunResult, run
 
 log = logging.getLogger("kvrunahead")
 
@@ -88,9 +90,8 @@ def read_prompt_file(path: str) -> str:
     return text
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help=f"A preset ({', '.join(MODEL_CHOICES)}) or a local transformers model directory.")
+@click.command(context_settings=common.SETTINGS)
+@common.model_option(help=f"A preset ({', '.join(MODEL_CHOICES)}) or a local transformers model directory.")
 @click.option("--mode", type=click.Choice(list(MODES)), default="kvr", show_default=True,
               help="; ".join(f"{m.name}: {m.summary}" for m in MODES.values()) + ".")
 @click.option("--transport", type=click.Choice(TRANSPORTS), default="torch", show_default=True,
@@ -106,32 +107,32 @@ def read_prompt_file(path: str) -> str:
                    "covers the context, the cost model's partition on this machine's profile (kvr-calibrate; else "
                    "the shipped CPU profile; on GPUs a FLOP estimate); 'table': a table or an "
                    "error; 'even'; boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
-@click.option("--kvr-attention", type=click.Choice(["auto", "masked", "split"]), default="auto", show_default=True,
-              help="kvr modes: split = prefix block in full + own block causally, merged by log-sum-exp, "
-                   "skipping the masked half of the diagonal block (needs a model using transformers' attention "
-                   "interface); masked = the model's SDPA over all prefix+own keys under the offset causal mask "
-                   "(the paper's); auto = split where the model allows it, else masked.")
+@common.kvr_attention_option(
+    help="kvr modes: split = prefix block in full + own block causally, merged by log-sum-exp, "
+         "skipping the masked half of the diagonal block (needs a model using transformers' attention "
+         "interface); masked = the model's SDPA over all prefix+own keys under the offset causal mask "
+         "(the paper's); auto = split where the model allows it, else masked.")
 @click.option("--table", type=click.Path(exists=True, dir_okay=False),
               help="Partition table to use (implies --partition table). Default: found in partition_tables/.")
 @click.option("--force-table", is_flag=True,
               help="Use a table made for another model, dtype, attention, device kind or network (its part count "
                    "must still match the world size).")
-@click.option("--net", default=None,
-              help="The network: 'loopback' (default on one host), 'cap=400MB/s' (with --nproc: every rank on an "
-                   "emulated host of its own, links capped at that rate each way; needs root), ',noise' added: "
-                   "the noise sidecar between random adjacent ranks (noise=RATE, interval=S, duty=F to set it). "
-                   "Recorded in the result; partition tables are matched on the cap. Under torchrun or mpirun "
-                   "the network is the launcher's (launch/torchrun_netns.sh emulates it) and --net labels it.")
-@click.option("--allgather", type=click.Choice(ALLGATHERS), default="auto", show_default=True,
-              help="tsp and cp-allgather: 'native' is the library's all-gather, 'p2p' a ring of the point-to-point "
-                   "transfers the KV chain uses; auto: p2p on gloo and MPI (their all-gather is slower per byte), "
-                   "native on NCCL.")
+@common.net_option(
+    help="The network: 'loopback' (default on one host), 'cap=400MB/s' (with --nproc: every rank on an "
+         "emulated host of its own, links capped at that rate each way; needs root), ',noise' added: "
+         "the noise sidecar between random adjacent ranks (noise=RATE, interval=S, duty=F to set it). "
+         "Recorded in the result; partition tables are matched on the cap. Under torchrun or mpirun "
+         "the network is the launcher's (launch/torchrun_netns.sh emulates it) and --net labels it.")
+@common.allgather_option(
+    help="tsp and cp-allgather: 'native' is the library's all-gather, 'p2p' a ring of the point-to-point "
+         "transfers the KV chain uses; auto: p2p on gloo and MPI (their all-gather is slower per byte), "
+         "native on NCCL.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Default: float32 on CPU, bfloat16 on GPU.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="auto: one GPU per rank (by LOCAL_RANK) with NCCL when CUDA is present, else CPU with gloo.")
+@common.dtype_option(
+    help="Default: float32 on CPU, bfloat16 on GPU.")
+@common.device_option(
+    help="auto: one GPU per rank (by LOCAL_RANK) with NCCL when CUDA is present, else CPU with gloo.")
 @click.option("--threads", type=int, default=None,
               help="Intra-op threads per rank. Default: OMP_NUM_THREADS, else cores / local ranks.")
 @click.option("--max-new-tokens", type=int, default=16, show_default=True,
@@ -140,13 +141,13 @@ def read_prompt_file(path: str) -> str:
               help="Also run the single-process prefill and compare logits and tokens; exit 1 on mismatch.")
 @click.option("--atol", type=float, default=None,
               help="Logit tolerance for --verify. Default: 1e-3 float32, 0.1 float16, 0.5 bfloat16.")
-@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
-              help="Seconds a rank waits on another's K,V or at start-up before failing. The start barrier and "
-                   "the end-of-run gather, where a rank waits for another's whole prefill, allow an hour.")
-@click.option("--allow-long-context", is_flag=True,
-              help="Run a context longer than the model's trained positions as it is. Without it such a context "
-                   "gets the rotary embedding extended by YaRN with the smallest whole factor that covers it "
-                   "(up to x4).")
+@common.timeout_option(60.0,
+    help="Seconds a rank waits on another's K,V or at start-up before failing. The start barrier and "
+         "the end-of-run gather, where a rank waits for another's whole prefill, allow an hour.")
+@common.allow_long_context_option(
+    help="Run a context longer than the model's trained positions as it is. Without it such a context "
+         "gets the rotary embedding extended by YaRN with the smallest whole factor that covers it "
+         "(up to x4).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
@@ -172,14 +173,12 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
         hf_logging.disable_progress_bar()
     launcher = detect_launcher()
     rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    try:
+    with common.failure_ending("kvr-prefill", rank=rank, reraise=verbose):
         if options["max_new_tokens"] < 1:
             raise InputError("--max-new-tokens must be at least 1")
         if nproc < 1:
             raise InputError("--nproc must be at least 1")
         text = read_prompt_file(prompt_file) if prompt_file else None
-        from kvrunahead.prompt import PromptError, parse_tokens
-
         try:
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
         except PromptError as e:
@@ -194,20 +193,6 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
         if launcher == "single" and network_spec(cfg).emulated:
             raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         result = run(cfg, launcher, world_size)
-    except (InputError, LaunchError, NetError) as e:
-        click.echo(f"kvr-prefill: error: {e}", err=True)
-        sys.exit(2)
-    except PeerTimeout as e:
-        click.echo(f"kvr-prefill: {e}", err=True)
-        sys.stderr.flush()
-        os._exit(1)
-    except Exception as e:  # noqa: BLE001 - one line per failed rank, then a bounded exit
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        click.echo(f"kvr-prefill: rank {rank} failed: {type(e).__name__}: {first}", err=True)
-        if verbose:
-            raise
-        sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown, which can block on a broken process group
     if result is None:
         return
     if result.partition_warning:

@@ -14,18 +14,12 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.attention import (
-    attend_with_lse,
-    attention_mode,
-    current_state,
-    expand_kv,
-    merge_lse,
-    register,
-    zigzag_emitter,
-)
-from kvrunahead.runahead import forward_part, refuse_softcap
+from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register
+from kvrunahead.model.forward import forward_part
+from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
+from kvrunahead.modes.tsp import positions
+from kvrunahead.partition import zigzag_emitter
 from kvrunahead.transport import Transport
-from kvrunahead.tsp import positions
 
 IMPLEMENTATION = "kvrunahead_ring"
 

@@ -1,6 +1,6 @@
 """Draw what a partition search measured, from its checkpoints (``<table>.search/<ctx>.json``).
 
-    python -m kvrunahead.search_plot partition_tables/smollm2-135m_p2_float32_cpu.search -o curves.png
+    python -m kvrunahead.search.plot partition_tables/smollm2-135m_p2_float32_cpu.search -o curves.png
 
 Left: TTFT of every candidate relative to the even partition, against rank 0's share of the context (p = 2;
 for more ranks, against the share of the first rank), the chosen candidate ringed. Right: the best TTFT found
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from kvrunahead.search import even_boundaries
+from kvrunahead.search.algorithm import even_boundaries
 
 
 def load_checkpoints(dirs: list[Path]) -> dict[str, list[tuple[list[int], float]]]:

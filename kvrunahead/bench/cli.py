@@ -11,12 +11,13 @@ import csv
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvrunahead.provenance import environment
 
 log = logging.getLogger(__name__)
 
@@ -41,33 +42,6 @@ class Job:
     net: str = "loopback"  # the network setting of the run; runs of one world differ at most in noise
 
 
-def environment(model: str, transport: str, threads: int, network: str) -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
-        commit = commit + ("-dirty" if dirty else "")
-    except OSError:
-        commit = "unknown"
-    return {
-        "model": model, "cpu": cpu, "cores": os.cpu_count(), "threads_per_rank": threads,
-        "torch": torch.__version__, "transformers": transformers.__version__, "transport": transport,
-        "network": network, "commit": commit or "unknown",
-    }
-
-
 # ---------------------------------------------------------------- worker (runs on every rank)
 
 def worker(plan_file: str, out_prefix: str) -> None:
@@ -77,7 +51,8 @@ def worker(plan_file: str, out_prefix: str) -> None:
     from kvrunahead.net import liveness
     from kvrunahead.net.noise import switch
     from kvrunahead.net.spec import parse_net
-    from kvrunahead.runner import RunConfig, leave_world, run_on_world
+    from kvrunahead.policy import RunConfig
+    from kvrunahead.runner import leave_world, run_on_world
 
     plan = json.loads(Path(plan_file).read_text())
     world = init_world(detect_launcher(), "gloo", timeout_s=plan["timeout_s"])
@@ -223,10 +198,11 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     """One world of ranks for ``jobs``, on the network ``net`` (a cap: one emulated host per rank; noise: the
     sidecar, switched on and off run by run as the jobs' settings say). A failed rank ends the world within the
     timeout; the rows recorded before stay in ``workdir`` for --resume."""
-    from kvrunahead.launcher import free_port, rank_env, supervise
+    from kvrunahead.launcher import free_port, rank_env
     from kvrunahead.net.noise import NoiseReport
     from kvrunahead.net.session import network
     from kvrunahead.net.spec import parse_net
+    from kvrunahead.supervise import supervise
 
     spec = parse_net(net)
     tag = f"p{nproc}_t{threads}_{transport}" + ("" if spec.table_label == "loopback" else
@@ -246,7 +222,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
             "timeout_s": timeout_s,
             "total_runs": _runs_in(jobs), "recorded": recorded}
     plan_file.write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "kvrunahead.bench", "--worker", str(plan_file), str(out_prefix)]
+    cmd = [sys.executable, "-m", "kvrunahead.bench.cli", "--worker", str(plan_file), str(out_prefix)]
     if transport == "mpi" and spec.emulated:
         raise ValueError("the MPI transport runs on loopback only (mpirun starts its ranks itself)")
     with network(spec, nproc, noise_on=False) as hosts:
@@ -493,7 +469,7 @@ def check_inputs(config: dict, contexts: list[int], world_sizes: list[int], tabl
                  kvr_attention: str, nets: list[str] = ("loopback",)) -> None:
     """What every rank would find wrong (the model, a context, a table made for another setting, a network
     setting), found here once before any world starts; raises InputError."""
-    from kvrunahead.runner import RunConfig, prepare
+    from kvrunahead.policy import RunConfig, prepare
 
     for ctx in contexts:
         for p in world_sizes:
@@ -575,8 +551,8 @@ def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attent
 def main() -> None:
     import click
 
+    from kvrunahead.errors import InputError
     from kvrunahead.prompt import PromptError, parse_tokens
-    from kvrunahead.runner import InputError
 
     @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
     @click.option("--model", default="smollm2-135m", show_default=True)
@@ -724,7 +700,7 @@ def main() -> None:
 def worker_main(plan_file: str, out_prefix: str) -> None:
     """A benchmark rank: a fault (a stopped peer, a link down) ends it with one line and a non-zero exit, the
     rows it wrote before kept; interpreter teardown is skipped, as it can block on a broken process group."""
-    from kvrunahead.net.liveness import PeerTimeout
+    from kvrunahead.errors import PeerTimeout
 
     try:
         worker(plan_file, out_prefix)

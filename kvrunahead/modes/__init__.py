@@ -12,18 +12,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvrunahead import cp_allgather, ring, tsp
-from kvrunahead.attention import require_attention_interface, zigzag_emitter, zigzag_token_ranges
-from kvrunahead.partition import Partition, last_rank
-from kvrunahead.runahead import (
-    LocalPrefixLink,
-    kvr_prefill,
-    last_token_logits,
-    layer_windows,
-    local_prefixes,
-    soft_caps,
-)
-from kvrunahead.transport import ChainLink, KVLayout, Transport
+from kvrunahead.model.attention import require_attention_interface
+from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.layout import KVLayout, layer_windows, soft_caps
+from kvrunahead.modes import cp_allgather, ring, tsp
+from kvrunahead.modes.kvr import ChainLink, LocalPrefixLink, kvr_prefill, local_prefixes
+from kvrunahead.partition import Partition, last_rank, zigzag_emitter
+from kvrunahead.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -97,24 +92,27 @@ def _gathering(module):
     return run
 
 
+_CONTIGUOUS = {"token_ranges": Partition.ranges, "emitter": last_rank}
+_ZIGZAG = {"token_ranges": Partition.zigzag, "emitter": zigzag_emitter}
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in [
-        Mode("single", "one process, the reference", True, True, Partition.ranges, last_rank,
-             lambda step: None, _single),
-        Mode("kvr", "KV-Runahead: KV cache handed down a chain of ranks, any partition", False, True,
-             Partition.ranges, last_rank, _chain, lambda step, link: _kvr(step, link)),
-        Mode("kvr-nocomm", "KV-Runahead with its communication removed (prefix K,V given locally): "
-             "the practical bound", False, True, Partition.ranges, last_rank,
-             lambda step: _chain(step, nocomm=True),
-             lambda step, link: _kvr(step, link)),
-        Mode("tsp", "tensor/sequence parallel: even parts, K,V all-gather, full masked score rows", True, True,
-             Partition.ranges, last_rank, lambda step: None, _gathering(tsp)),
-        Mode("cp-allgather", "context parallel, zigzag chunks, K,V all-gather, visible keys only", True, True,
-             zigzag_token_ranges, zigzag_emitter,
-             lambda step: require_attention_interface(step.model, "cp-allgather"), _gathering(cp_allgather)),
-        Mode("ring", "ring attention, zigzag chunks, K,V passed around the ring, log-sum-exp merge", True, False,
-             zigzag_token_ranges, zigzag_emitter,
-             lambda step: require_attention_interface(step.model, "ring"), _gathering(ring)),
+        Mode(name="single", summary="one process, the reference", own_partition=True, decodes=True,
+             setup=lambda step: None, prefill=_single, **_CONTIGUOUS),
+        Mode(name="kvr", summary="KV-Runahead: KV cache handed down a chain of ranks, any partition",
+             own_partition=False, decodes=True, setup=_chain, prefill=_kvr, **_CONTIGUOUS),
+        Mode(name="kvr-nocomm", summary="KV-Runahead with its communication removed (prefix K,V given locally): "
+             "the practical bound", own_partition=False, decodes=True,
+             setup=lambda step: _chain(step, nocomm=True), prefill=_kvr, **_CONTIGUOUS),
+        Mode(name="tsp", summary="tensor/sequence parallel: even parts, K,V all-gather, full masked score rows",
+             own_partition=True, decodes=True, setup=lambda step: None, prefill=_gathering(tsp), **_CONTIGUOUS),
+        Mode(name="cp-allgather", summary="context parallel, zigzag chunks, K,V all-gather, visible keys only",
+             own_partition=True, decodes=True,
+             setup=lambda step: require_attention_interface(step.model, "cp-allgather"),
+             prefill=_gathering(cp_allgather), **_ZIGZAG),
+        Mode(name="ring", summary="ring attention, zigzag chunks, K,V passed around the ring, log-sum-exp merge",
+             own_partition=True, decodes=False, setup=lambda step: require_attention_interface(step.model, "ring"),
+             prefill=_gathering(ring), **_ZIGZAG),
     ]
 }

@@ -9,24 +9,86 @@ returns it, so attention sees the whole [0, end) cache under a causal mask offse
 from __future__ import annotations
 
 import contextlib
-import inspect
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvrunahead.attention import (
-    attend,
-    attend_with_lse,
-    attention_mode,
-    causal_mask,
-    expand_kv,
-    merge_lse,
-    register,
-    require_attention_interface,
-)
+from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
+from kvrunahead.model.forward import forward_part
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
 from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
-from kvrunahead.transport import ChainLink, KVLayout
+from kvrunahead.transport import Transport, nbytes
+
+
+@dataclass
+class ChainLink:
+    """This rank's place in the KV chain: receives [0, prefix_len) from rank-1, sends [0, end) to rank+1.
+
+    A sliding-window layer hands on only what its cache keeps, the last ``window - 1`` positions of the prefix
+    ([max(0, b - window + 1), b)), so its traffic stops growing with the context. A layer's K and V travel as one
+    contiguous ``[2, 1, heads, tokens, head_dim]`` tensor: one message per layer and hop.
+    """
+
+    transport: Transport
+    prefix_len: int
+    layout: KVLayout
+    device: torch.device
+    lookahead: int = 1
+    _pending: dict = field(default_factory=dict)
+    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def has_prev(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def has_next(self) -> bool:
+        return self.rank < self.transport.world_size - 1
+
+    def start(self) -> None:
+        """Post the first receives; called before the forward starts."""
+        for layer in range(min(self.lookahead, self.layout.num_layers)):
+            self._post_recv(layer)
+
+    def _post_recv(self, layer: int) -> None:
+        if not self.has_prev or layer >= self.layout.num_layers or layer in self._pending:
+            return
+        # The buffer shape follows from the partition and the window alone: no per-layer shape handshake.
+        tokens = self.layout.kept(layer, self.prefix_len)
+        buf = torch.empty(self.layout.kv_shape(layer, tokens), dtype=self.layout.dtype, device=self.device)
+        self._pending[layer] = (self.transport.irecv(buf, self.rank - 1, tag=layer), buf)
+
+    def prefix(self, layer: int) -> torch.Tensor:
+        """The predecessor's K,V of [0, prefix_len) for ``layer`` (its window's part for a sliding layer); posts
+        the next layer's receive."""
+        self._post_recv(layer)  # no-op when posted ahead, as it normally is
+        req, buf = self._pending.pop(layer)
+        self.transport.wait(req, f"the K,V of layer {layer} from rank {self.rank - 1}")
+        self._post_recv(layer + self.lookahead)
+        return buf
+
+    def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
+        """Prepend the predecessor's prefix to ``local_kv``, forward what the successor's cache keeps of the
+        result, return the result."""
+        kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
+        if self.has_next:
+            end = self.prefix_len + local_kv.shape[-2]
+            out = kv[..., kv.shape[-2] - self.layout.kept(layer, end):, :].contiguous()
+            self.transport.isend(out, self.rank + 1, tag=layer)
+            kind = self.layout.kind(layer)
+            self.bytes_sent_by_kind[kind] = self.bytes_sent_by_kind.get(kind, 0) + nbytes(out)
+        return kv
+
+    def finish(self) -> None:
+        """Wait for the sends still in flight (their buffers must outlive them)."""
+        self.transport.drain()
 
 
 class RunaheadLayer(DynamicLayer):
@@ -113,69 +175,7 @@ class LocalPrefixLink(ChainLink):
         return kv[..., kv.shape[-2] - self.layout.kept(layer, self.prefix_len):, :]
 
 
-# The cache layer types the chain can hand on: transformers' types whose cache is a K,V prefix (all of it, or a
-# sliding window's last positions). Chunked attention (Llama 4) keeps a window too, but masks by chunk: refused
-# until tested; linear attention and state-space layers keep a state that is no K,V prefix at all.
-CHAINABLE = ("full_attention", "sliding_attention")
-
-
-def layer_windows(config) -> tuple[int | None, ...]:
-    """Per decoder layer, its sliding window (None: full attention), read from the model's config the way
-    transformers' own ``DynamicCache(config=...)`` reads it; raises NotImplementedError for other layer types."""
-    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    odd = sorted({t for t in types if t not in CHAINABLE})
-    if odd:
-        raise NotImplementedError(
-            f"{config.model_type} has {', '.join(odd)} layers, whose cache is not a K,V prefix of the prompt; "
-            "KV-Runahead hands on full-attention and sliding-window layers only")
-    return tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
-
-
-@torch.no_grad()
-def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
-    """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike) and its
-    sliding window from the config."""
-    windows = layer_windows(model.config)  # refuses the layer types whose cache is no K,V prefix
-    device = next(model.parameters()).device
-    cache = DynamicCache()
-    one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
-    model.base_model(input_ids=one_token, past_key_values=cache, use_cache=True)
-    if len(cache.layers) != len(windows):
-        raise NotImplementedError(f"{type(model).__name__} caches {len(cache.layers)} layers but its config lists "
-                                  f"{len(windows)}; layers that share or skip a cache are not supported")
-    heads = tuple(layer.keys.shape[1] for layer in cache.layers)
-    head_dim = tuple(layer.keys.shape[-1] for layer in cache.layers)
-    if any(layer.keys.shape != layer.values.shape for layer in cache.layers):
-        raise NotImplementedError("models whose K and V differ in shape are not supported")
-    return KVLayout(heads=heads, head_dim=head_dim, dtype=cache.layers[0].keys.dtype,
-                    windows=windows if any(w is not None for w in windows) else None)
-
-
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-@torch.no_grad()
-def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Run the causal-LM head on the last position only; returns ``[vocab]`` logits."""
-    if _accepts_logits_to_keep(model):
-        out = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **kwargs)
-    else:
-        out = model(input_ids=input_ids, use_cache=True, **kwargs)
-    return out.logits[0, -1]
-
-
-@torch.no_grad()
-def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, **kwargs) -> torch.Tensor | None:
-    """This rank's forward: the last token's logits when it emits the first token, else no LM head at all."""
-    if emit:
-        return last_token_logits(model, input_ids, **kwargs)
-    model.base_model(input_ids=input_ids, use_cache=True, **kwargs)
-    return None
-
-
 SPLIT = "kvrunahead_kvr_split"
-ATTENTION = ("masked", "split")
 
 
 def split_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -207,17 +207,6 @@ def window_attention(query, key, value, start: int, window: int, scale) -> torch
         mask = causal_mask(start + a, e - a, lo, start + e - lo, query.device, window)
         outs.append(attend(query[:, :, a:e], key[:, :, lo:start + e], value[:, :, lo:start + e], mask, scale))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
-
-
-def soft_caps(config) -> bool:
-    """Whether the model soft-caps its attention logits (Gemma 2), which the inserted attentions do not do."""
-    return getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None
-
-
-def refuse_softcap(kwargs: dict, mode: str) -> None:
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"this model soft-caps its attention logits, which {mode} does not do; use "
-                                  "--kvr-attention masked (kvr) or another mode")
 
 
 register(SPLIT, split_attention)
@@ -256,23 +245,3 @@ def local_prefixes(model: torch.nn.Module, prefix_ids: torch.Tensor) -> list[tor
     cache = DynamicCache(config=model.config)
     model.base_model(input_ids=prefix_ids, past_key_values=cache, use_cache=True)
     return [torch.stack((layer.keys, layer.values)).contiguous() for layer in cache.layers]
-
-
-@torch.no_grad()
-def greedy_decode(
-    model: torch.nn.Module,
-    first_token: int,
-    cache: DynamicCache,
-    position: int,
-    max_new_tokens: int,
-    eos_token_ids: set[int],
-) -> list[int]:
-    """Greedy extension phase from a filled cache; ``position`` is the first token's position."""
-    tokens = [first_token]
-    device = next(model.parameters()).device
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
-        ids = torch.tensor([[tokens[-1]]], device=device)
-        pos = torch.tensor([[position + len(tokens) - 1]], device=device)
-        logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
-        tokens.append(int(logits.argmax()))
-    return tokens

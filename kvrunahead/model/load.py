@@ -24,7 +24,7 @@ from transformers import (
     PretrainedConfig,
 )
 
-from kvrunahead.rope import RopeExtension, extended
+from kvrunahead.model.rope import RopeExtension, extended
 
 log = logging.getLogger(__name__)
 
@@ -253,10 +253,3 @@ def load_tokenizer(name: str):
     if name in PRESETS:
         return ByteTokenizer()
     return AutoTokenizer.from_pretrained(_model_path(name))
-
-
-def uses_attention_interface(config: PretrainedConfig) -> bool:
-    """Whether the model class routes attention through transformers' AttentionInterface (read from the
-    class, without building the model; the runtime probes the built model again before relying on it)."""
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return bool(getattr(cls, "_supports_attention_backend", False))

@@ -11,8 +11,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrunahead.model.forward import forward_part
+from kvrunahead.model.layout import layer_windows
 from kvrunahead.partition import last_rank
-from kvrunahead.runahead import forward_part, layer_windows
 from kvrunahead.transport import Transport
 
 

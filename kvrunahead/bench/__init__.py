@@ -1,0 +1,1 @@
+"""``kvr-bench``: TTFT of every prefill mode, measured on real ranks."""

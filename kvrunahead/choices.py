@@ -1,0 +1,14 @@
+"""The names a run chooses among, torch-free so that every CLI's ``--help`` starts fast."""
+
+DEFAULT_MODEL = "smollm2-135m"
+TRANSPORTS = ("torch", "mpi")
+# How an all-gather mode gathers: the library's collective, or a ring of the same point-to-point transfers the
+# KV chain uses (p-1 steps, each rank passing one block to its successor). gloo's collective moves bytes several
+# times slower than its point-to-point over loopback, and MPI's is no faster (experiments/allgather_vs_p2p);
+# NCCL's all-gather is as fast as its point-to-point, so "auto" keeps it there.
+ALLGATHERS = ("auto", "native", "p2p")
+# kvr's attention: split (prefix block in full, own block causally, merged by log-sum-exp) or masked (the
+# model's SDPA under the offset causal mask, the paper's); auto picks split where the model allows it.
+KVR_ATTENTIONS = ("auto", "masked", "split")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")

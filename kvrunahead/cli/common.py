@@ -1,0 +1,92 @@
+"""What every command line shares: its click settings, the options that mean the same everywhere, and the ending
+of a failed run (bad input: one line and exit 2; a peer that stopped answering: one line and exit 1).
+
+Torch-free, so that ``--help`` and the input checks answer before torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import click
+
+from kvrunahead.choices import ALLGATHERS, DEFAULT_MODEL, DEVICES, DTYPES, KVR_ATTENTIONS
+from kvrunahead.errors import InputError, LaunchError, PeerTimeout
+from kvrunahead.net.spec import NetError
+from kvrunahead.prompt import PromptError
+from kvrunahead.sim.profile import ProfileError
+
+SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+BAD_INPUT = (InputError, LaunchError, NetError, PromptError, ProfileError)
+
+
+def model_option(help: str | None = None):
+    return click.option("--model", default=DEFAULT_MODEL, show_default=True, help=help)
+
+
+def net_option(help: str):
+    return click.option("--net", default=None, help=help)
+
+
+def timeout_option(default: float, help: str | None = None):
+    return click.option("--timeout", "timeout_s", type=float, default=default, show_default=True, help=help)
+
+
+def kvr_attention_option(help: str):
+    return click.option("--kvr-attention", type=click.Choice(KVR_ATTENTIONS), default="auto", show_default=True,
+                        help=help)
+
+
+def allgather_option(help: str):
+    return click.option("--allgather", type=click.Choice(ALLGATHERS), default="auto", show_default=True, help=help)
+
+
+def dtype_option(help: str | None = None):
+    return click.option("--dtype", type=click.Choice(DTYPES), default=None, help=help)
+
+
+def device_option(help: str | None = None):
+    return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help=help)
+
+
+def allow_long_context_option(help: str | None = None):
+    return click.option("--allow-long-context", is_flag=True, help=help)
+
+
+def fail(prog: str, message: str) -> None:
+    """Bad input: one line, exit 2."""
+    click.echo(f"{prog}: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def hard_exit(prog: str, message: str) -> None:
+    """One line, then exit 1 without interpreter teardown, which can block on a broken process group."""
+    click.echo(f"{prog}: {message}", err=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def failure_ending(prog: str, *, rank: str | None = None, timeout_note: str = "",
+                   reraise: bool = False) -> Iterator[None]:
+    """End a failed run the way every CLI does: bad input exits 2 with one line; a peer timeout exits 1 with one
+    line (plus ``timeout_note``). Where ``rank`` is given (code that runs on a rank), any other failure also ends
+    in one line naming the rank and exit 1 (``reraise``: show the traceback instead, for --verbose)."""
+    try:
+        yield
+    except BAD_INPUT as e:
+        fail(prog, str(e))
+    except PeerTimeout as e:
+        hard_exit(prog, f"{e}{timeout_note}")
+    except Exception as e:
+        if rank is None or reraise:
+            raise
+        hard_exit(prog, f"rank {rank} failed: {type(e).__name__}: {_first_line(e) or type(e).__name__}")

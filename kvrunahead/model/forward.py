@@ -1,0 +1,52 @@
+"""One rank's forward on a transformers model: the last token's logits, a part without its LM head, greedy
+decode from a filled cache."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+@torch.no_grad()
+def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Run the causal-LM head on the last position only; returns ``[vocab]`` logits."""
+    if _accepts_logits_to_keep(model):
+        out = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **kwargs)
+    else:
+        out = model(input_ids=input_ids, use_cache=True, **kwargs)
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, **kwargs) -> torch.Tensor | None:
+    """This rank's forward: the last token's logits when it emits the first token, else no LM head at all."""
+    if emit:
+        return last_token_logits(model, input_ids, **kwargs)
+    model.base_model(input_ids=input_ids, use_cache=True, **kwargs)
+    return None
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: torch.nn.Module,
+    first_token: int,
+    cache: DynamicCache,
+    position: int,
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+) -> list[int]:
+    """Greedy extension phase from a filled cache; ``position`` is the first token's position."""
+    tokens = [first_token]
+    device = next(model.parameters()).device
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
+        ids = torch.tensor([[tokens[-1]]], device=device)
+        pos = torch.tensor([[position + len(tokens) - 1]], device=device)
+        logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+        tokens.append(int(logits.argmax()))
+    return tokens
