@@ -12,3 +12,7 @@ class LaunchError(RuntimeError):
 
 class PeerTimeout(RuntimeError):
     """A rank waited longer than allowed for another: one line, naming both and what was awaited."""
+
+
+class ProfileError(ValueError):
+    """A hardware profile that is missing, malformed or lacks what a run needs."""

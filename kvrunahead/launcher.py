@@ -13,13 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kvrunahead.errors import LaunchError
+from kvrunahead.net import liveness
+from kvrunahead.net.session import network
+from kvrunahead.net.spec import NetSpec
 from kvrunahead.supervise import supervise
+from kvrunahead.transport import import_mpi
 
 log = logging.getLogger(__name__)
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-MPI_HINT = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py (or pip install 'kvrunahead[mpi]')"
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def import_mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as e:
-        raise LaunchError(f"MPI launch needs mpi4py and an MPI library ({e}); install: {MPI_HINT}") from None
-    return MPI
-
-
 def init_world(launcher: str, backend: str, timeout_s: float) -> World:
     """Join the process group (no-op for a single process)."""
     if launcher == "single":
@@ -102,10 +96,16 @@ def init_world(launcher: str, backend: str, timeout_s: float) -> World:
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     # Every world beats: the waits for another rank's whole prefill are bounded by the heartbeats (net/liveness.py).
-    from kvrunahead.net import liveness
-
     liveness.start_heartbeat(timeout_s)
     return World(rank, size, local_rank, local_size, launcher)
+
+
+def leave_world() -> None:
+    """Stop the heartbeat and destroy every process group: a rank that exits with gloo's threads (or the heartbeat
+    on the store) still running can abort ("terminate called without an active exception")."""
+    liveness.forget()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pick_backend(device: torch.device) -> str:
@@ -124,9 +124,6 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
     ``net`` (a ``NetSpec``) with a cap puts every rank on an emulated host of its own, and with noise runs the
     sidecar beside them; both are removed when the ranks end, however they end.
     """
-    from kvrunahead.net.session import network
-    from kvrunahead.net.spec import NetSpec
-
     with network(net or NetSpec(), nproc) as hosts:
         port = free_port()
         procs = [subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvrunahead.choices import ALLGATHERS, KVR_ATTENTIONS, TRANSPORTS
-from kvrunahead.errors import InputError
+from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.layout import layer_windows, soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
@@ -25,6 +25,7 @@ from kvrunahead.partition import Partition, PartitionError, check_fits, parse_pa
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.search.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
 from kvrunahead.sim.flops import estimated_partition
+from kvrunahead.sim.optimize import predicted_partition
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -166,9 +167,6 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     if key.device_kind == "cpu" and any(w is not None for w in layer_windows(config)):
         why = f"{why}; the cost model prices full-attention layers only"
     elif key.device_kind == "cpu":
-        from kvrunahead.sim.optimize import predicted_partition
-        from kvrunahead.sim.profile import ProfileError
-
         try:
             partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
                                                      attention, key.bandwidth)

@@ -9,16 +9,16 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 from transformers import DynamicCache
 
+from kvrunahead import launcher
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model
 from kvrunahead.model.rope import RopeExtension
-from kvrunahead.modes import MODES, Step
+from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
 from kvrunahead.policy import (
@@ -135,12 +135,9 @@ def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
 
 
 def leave_world() -> None:
-    """Drop the cached transports and destroy every process group: a rank that exits with gloo's threads
-    still running can abort ("terminate called without an active exception")."""
+    """Drop the cached transports (their pair groups die with the world), then leave the world."""
     _TRANSPORTS.clear()
-    liveness.forget()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    launcher.leave_world()
 
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
@@ -151,49 +148,25 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = resolve_dtype(cfg, device)
-    backend = pick_backend(device)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
     lm = _loaded(cfg.model, dtype, device, cfg.seed, prepared.rope)
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
-    transport = _transport(cfg.transport, rank, p, backend, cfg.timeout_s, cfg.allgather)
+    transport = _transport(cfg.transport, rank, p, pick_backend(device), cfg.timeout_s, cfg.allgather)
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
     ranges = mode.token_ranges(partition)
-    mine = ranges[rank]
-    my_ids = torch.tensor([[t for a, e in mine for t in ids[a:e]]], device=device)
+    my_ids = torch.tensor([[t for a, e in ranges[rank] for t in ids[a:e]]], device=device)
     step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
     state = mode.setup(step)
-    emitter = mode.emitter(p)
-    if p > 1:  # a single process inside a world of ranks (kvr-bench's interleaved singles) meets nobody
-        liveness.patient_barrier("the other ranks to start the prefill")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    logits, cache = mode.prefill(step, state)
-    first_token = int(logits.argmax()) if rank == emitter else -1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    total_s = time.perf_counter() - t0
-    st = transport.stats
-    stats = RankStats(
-        rank=rank,
-        tokens=sum(e - a for a, e in mine),
-        total_s=total_s,
-        compute_s=total_s - st.wait_s - st.send_s,
-        wait_s=st.wait_s,
-        send_s=st.send_s,
-        bytes_sent=st.bytes_sent,
-        bytes_received=st.bytes_received,
-        peak_mem_bytes=peak_memory_bytes(device),
-        bytes_sent_by_kind=dict(getattr(state, "bytes_sent_by_kind", {})),
-    )
+    emits = rank == mode.emitter(p)
+    logits, cache, first_token, total_s = _timed_prefill(mode, step, state, device, emits)
+    stats = _rank_stats(rank, ranges[rank], total_s, transport, state, device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
-    if rank != emitter:
+    if not emits:
         return None
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
     tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
@@ -202,7 +175,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         mode=cfg.mode,
         world_size=p,
         launcher=world.launcher,
-        backend=backend if p > 1 else "none",
+        backend=pick_backend(device) if p > 1 else "none",
         transport=transport.name,
         network=network_label(cfg, p, world.local_world_size, tables=False),
         allgather=transport.allgather if cfg.mode in ("tsp", "cp-allgather") and p > 1 else None,
@@ -233,8 +206,43 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     return result
 
 
+def _timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, emits: bool):
+    """The timed region: from the start barrier to this rank's last K,V sent (and, on the emitting rank, the first
+    token chosen). Returns the logits, the cache, the first token (-1 off the emitting rank) and the seconds."""
+    if step.transport.world_size > 1:  # a single process inside a world of ranks (kvr-bench's singles) meets nobody
+        liveness.patient_barrier("the other ranks to start the prefill")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    logits, cache = mode.prefill(step, state)
+    first_token = int(logits.argmax()) if emits else -1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return logits, cache, first_token, time.perf_counter() - t0
+
+
+def _rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport: Transport, state: object,
+                device: torch.device) -> RankStats:
+    st = transport.stats
+    return RankStats(
+        rank=rank,
+        tokens=sum(e - a for a, e in mine),
+        total_s=total_s,
+        compute_s=total_s - st.wait_s - st.send_s,
+        wait_s=st.wait_s,
+        send_s=st.send_s,
+        bytes_sent=st.bytes_sent,
+        bytes_received=st.bytes_received,
+        peak_mem_bytes=peak_memory_bytes(device),
+        bytes_sent_by_kind=dict(getattr(state, "bytes_sent_by_kind", {})),
+    )
+
+
 _MODELS: dict = {}
 _TRANSPORTS: dict = {}
+
+
 def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     """Every rank derives the partition, attention and RoPE itself (from its own partition_tables/ and
     device): ranks on hosts that differ there would size their buffers differently and hang, so compare."""

@@ -15,11 +15,20 @@ import torch
 import torch.distributed as dist
 
 from kvrunahead.choices import ALLGATHERS, TRANSPORTS
-from kvrunahead.errors import PeerTimeout
+from kvrunahead.errors import LaunchError, PeerTimeout
 
+MPI_HINT = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py (or pip install 'kvrunahead[mpi]')"
 # torch >= 2.13 names the all-gather into one tensor all_gather_single (the old name warns); older releases
 # only have the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise LaunchError(f"MPI launch needs mpi4py and an MPI library ({e}); install: {MPI_HINT}") from None
+    return MPI
 
 
 @dataclass
@@ -205,8 +214,6 @@ class MpiTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
         super().__init__(rank, world_size, timeout_s, allgather)
-        from kvrunahead.launcher import import_mpi
-
         self.MPI = import_mpi()
         self.comm = self.MPI.COMM_WORLD
         if self.comm.Get_size() != world_size:

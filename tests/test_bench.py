@@ -4,11 +4,16 @@ import csv
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from kvrunahead.bench.cli import add_bounds, build_jobs, markdown_table, summarize
+import kvrunahead
+from kvrunahead.bench.plan import build_jobs
+from kvrunahead.bench.report import add_bounds, markdown_table, summarize
 from kvrunahead.search.tables import TABLES_DIR
+
+PACKAGE = Path(kvrunahead.__file__).parent  # the checkout kvr-bench runs from, as provenance.environment asks git
 
 
 def _row(ctx, label, ttft, p=2, kind="timed", transport="torch", compute=(1.0, 1.0)):
@@ -21,7 +26,7 @@ def _row(ctx, label, ttft, p=2, kind="timed", transport="torch", compute=(1.0, 1
 def test_summary_takes_median_min_max_of_timed_runs_only():
     rows = [_row(1024, "tsp", t) for t in (3.0, 1.0, 2.0)] + [_row(1024, "tsp", 9.0, kind="warmup")]
     (s,) = summarize(rows)
-    assert (s["runs"], s["ttft_median_s"], s["ttft_min_s"], s["ttft_max_s"]) == (3, 2.0, 1.0, 3.0)
+    assert (s.runs, s.ttft_median_s, s.ttft_min_s, s.ttft_max_s) == (3, 2.0, 1.0, 3.0)
 
 
 def test_bounds_follow_eq_3_and_the_no_communication_run():
@@ -29,11 +34,11 @@ def test_bounds_follow_eq_3_and_the_no_communication_run():
             _row(1024, "kvr-best", 4.0), _row(1024, "kvr-nocomm", 3.2, compute=(3.6, 3.2))]
     summary = summarize(rows)
     add_bounds(summary)
-    best = next(s for s in summary if s["label"] == "kvr-best")
-    assert best["ttft_star_s"] == pytest.approx(8.0 / 2 * (1 / 2 + 1 / 4))  # TTFT(1)/2 (1/p + 1/p^2)
-    assert best["speedup_over_tsp"] == pytest.approx(1.5)
-    assert best["over_nocomm_bound"] == pytest.approx(0.25)
-    assert best["over_nocomm_slowest"] == pytest.approx(4.0 / 3.6 - 1)  # rank 0 is the slowest without comm
+    best = next(s for s in summary if s.label == "kvr-best")
+    assert best.ttft_star_s == pytest.approx(8.0 / 2 * (1 / 2 + 1 / 4))  # TTFT(1)/2 (1/p + 1/p^2)
+    assert best.speedup_over_tsp == pytest.approx(1.5)
+    assert best.over_nocomm_bound == pytest.approx(0.25)
+    assert best.over_nocomm_slowest == pytest.approx(4.0 / 3.6 - 1)  # rank 0 is the slowest without comm
     assert "| 1024 | 2 | kvr-best | torch | 4.000 |" in markdown_table(summary)
 
 
@@ -42,9 +47,9 @@ def test_the_no_communication_bound_is_compared_on_its_own_partition_only():
             dict(_row(1024, "kvr-even", 5.0), boundaries=[0, 600, 1024])]
     summary = summarize(rows)
     add_bounds(summary)
-    by = {s["label"]: s for s in summary}
-    assert by["kvr-best"]["over_nocomm_bound"] == pytest.approx(0.25)
-    assert by["kvr-even"]["over_nocomm_bound"] is None
+    by = {s.label: s for s in summary}
+    assert by["kvr-best"].over_nocomm_bound == pytest.approx(0.25)
+    assert by["kvr-even"].over_nocomm_bound is None
 
 
 def test_markdown_leaves_the_speedup_empty_without_tsp():
@@ -60,7 +65,18 @@ def test_jobs_sweep_only_kvr_best_and_bound_it_on_its_partition():
     assert jobs[2].sweep == [0.5, 0.6] and jobs[3].partition == "@best"
 
 
+def _checkout_commit() -> str:
+    """What a row should record as its commit: the short HEAD of the checkout kvrunahead runs from, with "-dirty"
+    where tracked files differ from it (untracked ones do not count)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=PACKAGE, check=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+
+
 def test_tiny_sweep_writes_rows_summary_and_plot(tmp_path):
+    before = _checkout_commit()
     proc = subprocess.run(
         ["kvr-bench", "--model", "tiny-llama", "--ctx", "128", "--repeats", "2", "--warmup", "1",
          "--modes", "single,tsp,ring,kvr,kvr-best,kvr-nocomm", "--shares", "0.5,0.6", "--out", str(tmp_path)],
@@ -70,7 +86,11 @@ def test_tiny_sweep_writes_rows_summary_and_plot(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     # p=2: 5 modes x (1 warm-up + 2 timed) + 2 sweep runs; single at 1 and 2 threads: 2 x 3
     assert len(rows) == 5 * 3 + 2 + 2 * 3
-    assert {r["commit"] for r in rows} and all(r["torch"] and r["cpu"] for r in rows)
+    # Every row names the commit it was measured at. Should the checkout change during the sweep (other work in
+    # it), the state before and the state after are both right; anything else (none, unknown, another) is not.
+    recorded = {r["commit"] for r in rows}
+    assert recorded <= {before, _checkout_commit()}, recorded
+    assert all(r["torch"] and r["cpu"] for r in rows)
     summary = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert {s["label"] for s in summary} == {"single-1t", "single-2t", "tsp", "ring", "kvr-even", "kvr-best",
                                              "kvr-nocomm"}
@@ -182,7 +202,8 @@ def test_a_world_whose_runs_are_all_recorded_is_not_started_again(tmp_path, monk
     """A sweep over several networks stopped in a later world: on --resume the finished world starts no ranks, no
     emulation and no sidecar, returns its rows, and keeps the noise report it wrote."""
     import kvrunahead.net.session as session
-    from kvrunahead.bench.cli import Job, run_world
+    from kvrunahead.bench.orchestrate import run_world
+    from kvrunahead.bench.plan import Job
 
     monkeypatch.setattr(session, "network", lambda *a, **k: pytest.fail("the finished world was started again"))
     net = "cap=50MB/s,noise"

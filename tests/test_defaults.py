@@ -12,7 +12,7 @@ from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.partition import Partition
 from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.search import tables
-from kvrunahead.search.tables import Table, TableEntry, TableError, TableMeta, config_hash
+from kvrunahead.search.tables import TableError
 from kvrunahead.sim.flops import balanced_partition, estimated_partition, layer_cost
 
 
@@ -22,21 +22,6 @@ def no_shipped_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "TABLES_DIR", tmp_path / "tables")
     (tmp_path / "tables").mkdir()
     return tmp_path / "tables"
-
-
-def _write_table(directory, model="tiny-llama", attention="split", world_size=2, contexts=(1024, 2048),
-                 share=0.7, bandwidth="loopback"):
-    t = Table(TableMeta(model=model, config_hash=config_hash(resolve_config(model)), dtype="float32",
-                        world_size=world_size, backend="gloo", transport="torch", device="cpu", threads_per_rank=1,
-                        bandwidth=bandwidth, kvr_attention=attention, device_kind="cpu"))
-    for ctx in contexts:
-        b1 = round(share * ctx)
-        rest = [round(b1 + (ctx - b1) * i / (world_size - 1)) for i in range(1, world_size)]
-        bounds = [0, b1, *rest]
-        t.add(TableEntry(ctx, bounds, [(b - a) / ctx for a, b in zip(bounds, bounds[1:])], 1.0, 1.2, 5, 1.0))
-    path = directory / f"{model}_{attention}_p{world_size}.json"
-    t.save(path)
-    return path
 
 
 @pytest.mark.parametrize("model, expected", [("tiny-llama", "split"), ("tiny-neox", "split"),
@@ -79,34 +64,34 @@ def test_the_cost_model_prices_the_threads_the_ranks_will_run_with(tmp_path, mon
     assert one.partition_source.startswith("cost model on")
 
 
-def test_a_matching_table_is_interpolated_by_default(no_shipped_tables):
-    _write_table(no_shipped_tables)
+def test_a_matching_table_is_interpolated_by_default(no_shipped_tables, write_table):
+    write_table(no_shipped_tables)
     prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)
     assert "interpolated between entries 1024 and 2048" in prepared.partition_source
     assert abs(prepared.partition.boundaries[1] - 0.7 * 1536) <= 1  # the entries hold 0.7 up to rounding
 
 
-def test_a_table_of_the_other_attention_is_not_picked_by_default(no_shipped_tables):
-    _write_table(no_shipped_tables, attention="masked")
+def test_a_table_of_the_other_attention_is_not_picked_by_default(no_shipped_tables, write_table):
+    write_table(no_shipped_tables, attention="masked")
     prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)  # split by default
     assert prepared.partition_source.startswith("cost model")
     masked = prepare(RunConfig(model="tiny-llama", context_len=1536, kvr_attention="masked"), 2)
     assert "interpolated" in masked.partition_source
 
 
-def test_a_table_of_another_network_is_not_picked_by_default(no_shipped_tables):
-    _write_table(no_shipped_tables, bandwidth="cap-13MBps")
+def test_a_table_of_another_network_is_not_picked_by_default(no_shipped_tables, write_table):
+    write_table(no_shipped_tables, bandwidth="cap-13MBps")
     assert prepare(RunConfig(model="tiny-llama", context_len=1536), 2).partition_source.startswith("cost model")
 
 
-def test_a_context_outside_the_table_falls_back_to_the_cost_model_and_says_so(no_shipped_tables):
-    _write_table(no_shipped_tables)
+def test_a_context_outside_the_table_falls_back_to_the_cost_model_and_says_so(no_shipped_tables, write_table):
+    write_table(no_shipped_tables)
     prepared = prepare(RunConfig(model="tiny-llama", context_len=4096), 2)
     assert prepared.partition_source.startswith("cost model") and "outside" in prepared.partition_source
 
 
-def test_a_table_of_the_other_attention_is_refused_unless_forced(no_shipped_tables):
-    path = _write_table(no_shipped_tables, attention="masked")
+def test_a_table_of_the_other_attention_is_refused_unless_forced(no_shipped_tables, write_table):
+    path = write_table(no_shipped_tables, attention="masked")
     with pytest.raises(InputError, match="attention masked, not split"):
         prepare(RunConfig(model="tiny-llama", context_len=1536, table=str(path)), 2)
     forced = prepare(RunConfig(model="tiny-llama", context_len=1536, table=str(path), force_table=True), 2)

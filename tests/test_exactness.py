@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvrunahead.partition import Partition
+from kvrunahead.partition import Partition, parse_partition, zigzag_ranges
 from tests.helpers import run_cases, skewed_ratios
 
 CONTEXT = 61  # odd on purpose: even parts cannot all be equal
@@ -17,6 +17,7 @@ BASELINES = {
 SPLIT_MODELS = ["tiny-llama", "tiny-neox", "tiny-bigcode"]
 BASELINE_CASES = [(mode, model) for mode, models in BASELINES.items() for model in models]
 NEW_TOKENS = 6
+PER_TOKEN = 4 * 2 * 2 * 16 * 4  # K,V bytes of one token of tiny-llama: 4 layers, 2 KV heads of 16, float32, K and V
 
 
 def partitions(p: int) -> dict[str, str]:
@@ -57,10 +58,29 @@ def _cases(p: int) -> list[dict]:
     return cases
 
 
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Every case on p real ranks, run once per world size whichever tests ask for it."""
+    runs: dict[int, dict] = {}
+
+    def run(p: int) -> dict:
+        if p not in runs:
+            runs[p] = run_cases(p, _cases(p), tmp_path_factory.mktemp(f"p{p}"))
+        return runs[p]
+
+    return run
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def world(request, tmp_path_factory):
-    p = request.param
-    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"p{p}"))
+def world(request, worlds):
+    return request.param, worlds(request.param)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def multi_rank_world(request, worlds):
+    """The world sizes where ranks have someone to send to: at p = 1 every mode's byte count is [0], so a byte
+    count test there compares nothing (test_a_lone_rank_sends_nothing_in_any_mode says what p = 1 must do)."""
+    return request.param, worlds(request.param)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -84,15 +104,16 @@ def test_kvr_bfloat16_first_token_matches_single_process(world, model, pname):
     assert v["first_token_match"], v
 
 
-@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head"])
-def test_kvr_sends_only_the_prefix_chain(world, pname):
-    """Rank i sends K,V of [0, b_{i+1}) once per layer (eq. 6); the last rank sends nothing."""
-    p, results = world
+@pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
+def test_kvr_sends_only_the_prefix_chain(multi_rank_world, pname):
+    """Rank i sends K,V of [0, b_{i+1}) once per layer (eq. 6), b the partition asked for; the last rank sends
+    nothing."""
+    p, results = multi_rank_world
     r = results[f"tiny-llama/{pname}/float32"]
-    # tiny-llama: 4 layers, 2 KV heads, head_dim 16, float32, K and V
-    per_token = 4 * 2 * 2 * 16 * 4
-    expected = [r["boundaries"][i + 1] * per_token for i in range(p - 1)] + [0]
-    assert r["bytes_sent"] == expected
+    b = parse_partition(partitions(p)[pname], CONTEXT, p).boundaries
+    assert r["boundaries"] == list(b)
+    # Every b_{i+1} >= 1 (no part is empty): each rank but the last sends something.
+    assert r["bytes_sent"] == [b[i + 1] * PER_TOKEN for i in range(p - 1)] + [0]
 
 
 @pytest.mark.parametrize("mode, model", BASELINE_CASES)
@@ -106,28 +127,45 @@ def test_baseline_modes_match_single_process(world, mode, model):
     assert results[f"{mode}/{model}/bfloat16"]["verification"]["first_token_match"]
 
 
+def _layout_tokens(mode: str, p: int) -> list[int]:
+    """Tokens per rank in the layout the mode sets itself: even contiguous parts (tsp), zigzag chunks (the others)."""
+    ranges = Partition.even(CONTEXT, p).ranges() if mode == "tsp" else zigzag_ranges(CONTEXT, p)
+    return [sum(e - a for a, e in mine) for mine in ranges]
+
+
 @pytest.mark.parametrize("mode", ["tsp", "cp-allgather"])
-def test_all_gather_modes_send_every_block_to_every_other_rank(world, mode):
+def test_all_gather_modes_send_every_block_to_every_other_rank(multi_rank_world, mode):
     """All-gather delivers each rank's K,V (padded to the largest block) to the p-1 others per layer (eq. 4)."""
-    p, results = world
+    p, results = multi_rank_world
     r = results[f"{mode}/tiny-llama/float32"]
-    per_token = 4 * 2 * 2 * 16 * 4
-    assert r["bytes_sent"] == [(p - 1) * max(r["tokens"]) * per_token] * p
+    tokens = _layout_tokens(mode, p)
+    assert r["tokens"] == tokens
+    assert r["bytes_sent"] == [(p - 1) * max(tokens) * PER_TOKEN] * p
 
 
-def test_ring_passes_on_every_block_but_its_successors(world):
+def test_ring_passes_on_every_block_but_its_successors(multi_rank_world):
     """In p-1 ring steps rank i forwards its own block and those of i-1 .. i-p+2, once per layer."""
-    p, results = world
+    p, results = multi_rank_world
     r = results["ring/tiny-llama/float32"]
-    per_token = 4 * 2 * 2 * 16 * 4
-    n = r["tokens"]
-    expected = [(sum(n) - n[(i + 1) % p]) * per_token if p > 1 else 0 for i in range(p)]
-    assert r["bytes_sent"] == expected
+    n = _layout_tokens("ring", p)
+    assert r["tokens"] == n
+    assert r["bytes_sent"] == [(CONTEXT - n[(i + 1) % p]) * PER_TOKEN for i in range(p)]
 
 
-def test_kvr_without_communication_sends_nothing(world):
-    _, results = world
-    assert set(results["kvr-nocomm/tiny-llama/float32"]["bytes_sent"]) == {0}
+def test_kvr_without_communication_sends_nothing(multi_rank_world):
+    p, results = multi_rank_world
+    assert results["kvr-nocomm/tiny-llama/float32"]["bytes_sent"] == [0] * p
+
+
+def test_a_lone_rank_sends_nothing_in_any_mode(worlds):
+    """At p = 1 one rank holds the whole prompt: no mode sends a byte, to itself included (an all-gather or ring
+    step over a world of one moves nothing)."""
+    results = worlds(1)
+    names = [f"tiny-llama/{pname}/float32" for pname in partitions(1)] + [
+        f"{mode}/tiny-llama/float32" for mode in BASELINES]
+    for name in names:
+        r = results[name]
+        assert (r["tokens"], r["boundaries"], r["bytes_sent"]) == ([CONTEXT], [0, CONTEXT], [0]), name
 
 
 @pytest.mark.parametrize("model", SPLIT_MODELS)

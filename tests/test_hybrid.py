@@ -62,10 +62,29 @@ def _cases(p: int) -> list[dict]:
     return cases
 
 
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Every case on p real ranks, run once per world size whichever tests ask for it."""
+    runs: dict[int, dict] = {}
+
+    def run(p: int) -> dict:
+        if p not in runs:
+            runs[p] = run_cases(p, _cases(p), tmp_path_factory.mktemp(f"hybrid-p{p}"))
+        return runs[p]
+
+    return run
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def world(request, tmp_path_factory):
-    p = request.param
-    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"hybrid-p{p}"))
+def world(request, worlds):
+    return request.param, worlds(request.param)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def multi_rank_world(request, worlds):
+    """The world sizes where the chain has links: at p = 1 its byte counts are [0] and [] whatever the windows
+    (test_a_lone_rank_sends_nothing_whatever_its_windows says what p = 1 must do)."""
+    return request.param, worlds(request.param)
 
 
 def _exact(r: dict) -> None:
@@ -92,24 +111,40 @@ def test_other_modes_run_sliding_window_models_exactly(world, model, mode):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_the_chain_sends_a_sliding_layer_only_its_window(world, model):
+def test_the_chain_sends_a_sliding_layer_only_its_window(multi_rank_world, model):
     """Rank i sends, per layer, K,V of [0, b_{i+1}) for a full layer and of its last window-1 positions for a
-    sliding one: exactly, byte for byte."""
-    p, results = world
+    sliding one: exactly, byte for byte, b the partition asked for."""
+    p, results = multi_rank_world
     config = resolve_config(model)
     windows = layer_windows(config)
+    assert any(windows), "no sliding layer: the sliding byte counts below would compare zeros"
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * kv_heads * head_dim * 4
-    for pname in partitions(p):
+    for pname, spec in partitions(p).items():
         r = results[f"{model}/split/{pname}"]
-        b = r["boundaries"]
+        b = list(parse_partition(spec, CONTEXT, p).boundaries)
+        assert r["boundaries"] == b, pname
         expected = [sum(min(b[i + 1], w - 1) if w else b[i + 1] for w in windows) * per_token
                     for i in range(p - 1)] + [0]
         assert r["bytes_sent"] == expected, pname
         sliding = [sum(min(b[i + 1], w - 1) for w in windows if w) * per_token for i in range(p - 1)]
         assert [k.get("sliding", 0) for k in r["bytes_sent_by_kind"][:-1]] == sliding, pname
         assert r["full_chain_bytes"] == len(windows) * per_token * sum(b[1:-1]), pname
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_lone_rank_sends_nothing_whatever_its_windows(worlds, model):
+    """At p = 1 one rank holds all 200 tokens, beyond every window: the chain has no link, so nothing is sent and
+    nothing would have been sent without the windows either."""
+    results = worlds(1)
+    for name in [f"{model}/{attention}/one" for attention in ("masked", "split")] + [
+            f"{mode}/{model}" for mode in BASELINES]:
+        r = results[name]
+        assert (r["tokens"], r["boundaries"], r["bytes_sent"]) == ([CONTEXT], [0, CONTEXT], [0]), name
+        assert not any(r["bytes_sent_by_kind"][0].values()), name
+        if not name.startswith(tuple(BASELINES)):
+            assert r["full_chain_bytes"] == 0, name  # only kvr reports it
 
 
 def test_ring_and_unsupported_layers_are_refused_with_one_line():

@@ -91,13 +91,12 @@ def test_kvr_prefill_refuses_a_bad_net_before_any_rank_starts():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot read the rate" in proc.stderr
 
 
-def test_a_table_searched_on_another_network_is_refused(tmp_path):
+def test_a_table_searched_on_another_network_is_refused(tmp_path, write_table):
     """A table keyed on one cap is refused on another (and on loopback), like one of another model."""
     from kvrunahead.errors import InputError
     from kvrunahead.policy import RunConfig, prepare
-    from tests.test_defaults import _write_table
 
-    path = _write_table(tmp_path, bandwidth="cap=650MB/s")
+    path = write_table(tmp_path, bandwidth="cap=650MB/s")
     with pytest.raises(InputError, match="made for network cap=650MB/s, not cap=22MB/s"):
         prepare(RunConfig(model="tiny-llama", context_len=1536, table=str(path), net="cap=22MB/s"), 2)
     with pytest.raises(InputError, match="made for network cap=650MB/s, not loopback"):
@@ -129,7 +128,15 @@ def test_sidecar_moves_the_bytes_it_reports_at_the_rate_asked_and_stops():
     assert abs(report.bytes_received - report.bytes_sent) <= 0.02 * report.bytes_sent  # what it sends arrives
     assert report.achieved_rate() == pytest.approx(20e6, rel=0.10)
     assert report.active_s == pytest.approx(report.wall_s * 0.5, rel=0.2)  # the duty cycle
-    assert report.cpu_share < 0.25
+    # The report accounts for what it moved and the CPU it took. How small that CPU share is depends on the
+    # machine and its load, so the figure is measured in experiments/sidecar_cpu, not asserted here.
+    assert report.bytes_sent == sum(report.bytes_per_direction.values())
+    assert set(report.bytes_per_direction) == set(report.active_s_per_direction) == {"0>1", "1>0"}
+    assert report.cpu_s > 0 and 0 < report.cpu_share < 1
+    assert report.cpu_share == pytest.approx(report.cpu_s / report.wall_s)
+    written = json.loads(report.to_json())
+    assert (written["cpu_share"], written["bytes_sent"]) == (report.cpu_share, report.bytes_sent)
+    assert f"CPU {report.cpu_share:.1%} of one core" in report.describe()
 
 
 @needs_emulation

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 import click
 
 from kvrunahead.choices import ALLGATHERS, DEFAULT_MODEL, DEVICES, DTYPES, KVR_ATTENTIONS
-from kvrunahead.errors import InputError, LaunchError, PeerTimeout
+from kvrunahead.errors import InputError, LaunchError, PeerTimeout, ProfileError
 from kvrunahead.net.spec import NetError
 from kvrunahead.prompt import PromptError
-from kvrunahead.sim.profile import ProfileError
 
 SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 BAD_INPUT = (InputError, LaunchError, NetError, PromptError, ProfileError)
@@ -74,6 +73,14 @@ def hard_exit(prog: str, message: str) -> None:
     os._exit(1)
 
 
+def _end_rank(prog: str, e: Exception, who: str, timeout_note: str = "", blank: str = "") -> None:
+    """A failed rank: a peer timeout as its one line, anything else named by its type and first line (``blank``
+    where it has none); exit 1."""
+    if isinstance(e, PeerTimeout):
+        hard_exit(prog, f"{e}{timeout_note}")
+    hard_exit(prog, f"{who} failed: {type(e).__name__}: {_first_line(e) or blank}")
+
+
 @contextlib.contextmanager
 def failure_ending(prog: str, *, rank: str | None = None, timeout_note: str = "",
                    reraise: bool = False) -> Iterator[None]:
@@ -84,9 +91,17 @@ def failure_ending(prog: str, *, rank: str | None = None, timeout_note: str = ""
         yield
     except BAD_INPUT as e:
         fail(prog, str(e))
-    except PeerTimeout as e:
-        hard_exit(prog, f"{e}{timeout_note}")
     except Exception as e:
-        if rank is None or reraise:
+        if not isinstance(e, PeerTimeout) and (rank is None or reraise):
             raise
-        hard_exit(prog, f"rank {rank} failed: {type(e).__name__}: {_first_line(e) or type(e).__name__}")
+        _end_rank(prog, e, f"rank {rank}", timeout_note, blank=type(e).__name__)
+
+
+@contextlib.contextmanager
+def rank_ending(prog: str) -> Iterator[None]:
+    """End a failed rank whose orchestrator reads only its exit code (kvr-bench's workers, whose input was
+    checked before they started): a peer timeout or any other failure is one line and exit 1."""
+    try:
+        yield
+    except Exception as e:
+        _end_rank(prog, e, "rank")

@@ -13,23 +13,23 @@ their own ranks, such as one torchrun per host. Needs root.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import subprocess
 import sys
 
 import click
 
+from kvrunahead.cli import common
 from kvrunahead.net.emulation import IFNAME, Emulation, leftovers, teardown_all
 from kvrunahead.net.session import network
 from kvrunahead.net.spec import NetError, parse_net
+from kvrunahead.supervise import supervise
+
+PROG = "kvr-net"
 
 
-def _fail(message: str) -> None:
-    click.echo(f"kvr-net: error: {message}", err=True)
-    sys.exit(2)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, help=__doc__)
+@click.group(context_settings=common.SETTINGS, help=__doc__)
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="kvr-net: %(message)s")
 
@@ -49,10 +49,6 @@ def run(hosts: int, net_text: str, grace: float, command: tuple[str, ...]) -> No
     share one hostname); GLOO_SOCKET_IFNAME, KVR_HOST and KVR_ADDR0 are set in its environment.
     Exits with the first non-zero exit code of the commands.
     """
-    import os
-
-    from kvrunahead.supervise import supervise
-
     try:
         spec = parse_net(net_text)
         if not spec.emulated:
@@ -70,7 +66,7 @@ def run(hosts: int, net_text: str, grace: float, command: tuple[str, ...]) -> No
             if h.noise is not None and (report := h.noise.stop()) is not None:
                 click.echo(f"kvr-net: {report.describe()}", err=True)
     except (NetError, KeyError) as e:
-        _fail(str(e))
+        common.fail(PROG, str(e))
     sys.exit(code)
 
 
@@ -79,13 +75,11 @@ def run(hosts: int, net_text: str, grace: float, command: tuple[str, ...]) -> No
 @click.option("--net", "net_text", default="cap=400MB/s", show_default=True, help="Link cap each way (no noise).")
 def up(hosts: int, net_text: str) -> None:
     """Create emulated hosts and leave them up; prints how to use and remove them."""
-    try:
+    with common.failure_ending(PROG):
         spec = parse_net(net_text)
         if spec.noise:
             raise NetError("kvr-net up makes the hosts only; the noise sidecar runs with kvr-net run")
         emu = Emulation(hosts, spec.cap_bytes_per_s).setup()
-    except NetError as e:
-        _fail(str(e))
     click.echo(emu.describe())
     click.echo(f"run on host 0: {shlex.join(emu.exec_prefix(0))} env GLOO_SOCKET_IFNAME={IFNAME} COMMAND")
     click.echo("remove: kvr-net down")
@@ -94,10 +88,8 @@ def up(hosts: int, net_text: str) -> None:
 @main.command()
 def down() -> None:
     """Remove every emulated host and link of this project, whichever run made them."""
-    try:
+    with common.failure_ending(PROG):
         removed = teardown_all()
-    except NetError as e:
-        _fail(str(e))
     click.echo("\n".join(f"removed {x}" for x in removed) or "nothing to remove")
 
 

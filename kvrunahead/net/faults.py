@@ -17,6 +17,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from kvrunahead.net.emulation import IFNAME, tbf_args
+from kvrunahead.net.spec import parse_rate
+
 FAULT_ENV = "KVRUNAHEAD_INJECT_FAULT"
 
 
@@ -65,8 +68,6 @@ def maybe_inject(fault: Fault | None, rank: int, layer: int) -> None:
     if fault.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
         return
-    from kvrunahead.net.emulation import IFNAME, tbf_args
-    from kvrunahead.net.spec import parse_rate
 
     # The rank runs inside its emulated host's namespace, where it may change its own link.
     if fault.action == "linkdown":

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrunahead.partition import Partition
+
 log = logging.getLogger(__name__)
 
 Boundaries = tuple[int, ...]
@@ -80,10 +82,6 @@ class SearchResult:
     all: dict[Boundaries, float] = field(default_factory=dict)  # every candidate measured, with its TTFT
 
 
-def even_boundaries(context_len: int, world_size: int) -> Boundaries:
-    return tuple(round(i * context_len / world_size) for i in range(world_size + 1))
-
-
 def _feasible(b: Boundaries) -> bool:
     return all(hi > lo for lo, hi in zip(b, b[1:]))
 
@@ -94,7 +92,7 @@ def _from_deltas(base: Boundaries, deltas: tuple[int, ...]) -> Boundaries:
 
 def golden_section(ev: Evaluator, context_len: int, lo: int, hi: int, stride: int) -> int:
     """Minimise over rank 0's extra tokens delta in [lo, hi] on a grid of ``stride`` (TTFT assumed unimodal)."""
-    base = even_boundaries(context_len, 2)
+    base = Partition.even(context_len, 2).boundaries
 
     def f(k: int) -> float:
         return ev(_from_deltas(base, (lo + k * stride,)))
@@ -117,7 +115,7 @@ def golden_section(ev: Evaluator, context_len: int, lo: int, hi: int, stride: in
 def grid_search(ev: Evaluator, context_len: int, world_size: int, center: tuple[int, ...], half_width: int,
                 stride: int, min_stride: int, on_level: Callable[[int, int, int], None] | None = None) -> int:
     """Hierarchical grid search (fig. 6 b-d); returns the number of levels. ``center`` are deltas."""
-    base = even_boundaries(context_len, world_size)
+    base = Partition.even(context_len, world_size).boundaries
     level = 0
     while True:
         level += 1
@@ -164,7 +162,7 @@ def polish(ev: Evaluator, min_stride: int, max_steps: int = MAX_POLISH_STEPS) ->
 def _search_window(ev: Evaluator, context_len: int, world_size: int, center: tuple[int, ...] | None, half: int,
                    min_stride: int, on_level: Callable[[int, int, int], None] | None) -> int:
     """One search of the deltas within ``half`` tokens of ``center`` (None: the whole range); returns levels."""
-    base = even_boundaries(context_len, world_size)
+    base = Partition.even(context_len, world_size).boundaries
     if world_size == 2:
         if center is None:
             # Rank 1 also attends to rank 0's tokens, so rank 0 never needs fewer than half (fig. 6a):
@@ -216,7 +214,7 @@ def search(
     ev = Evaluator(measure, checkpoint, on_measure)
     if preload:
         ev.preload(preload)
-    base = even_boundaries(context_len, world_size)
+    base = Partition.even(context_len, world_size).boundaries
     ev(base)  # the reference every table entry records (TTFT of KVR-E), and a candidate like any other
     if seed is None:
         levels = _search_window(ev, context_len, world_size, None, context_len // (2 * world_size), min_stride,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from kvrunahead.search.algorithm import even_boundaries
+from kvrunahead.partition import Partition
 
 
 def load_checkpoints(dirs: list[Path]) -> dict[str, list[tuple[list[int], float]]]:
@@ -31,6 +31,7 @@ def load_checkpoints(dirs: list[Path]) -> dict[str, list[tuple[list[int], float]
 
 
 def plot(curves: dict[str, list[tuple[list[int], float]]], png: Path) -> None:
+    # matplotlib is optional (the bench extra): imported only where a plot is drawn.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +41,8 @@ def plot(curves: dict[str, list[tuple[list[int], float]]], png: Path) -> None:
     for label, evals in curves.items():
         ctx, p = evals[0][0][-1], len(evals[0][0]) - 1
         # Relative to the even partition (a search measures it first); to the best if it is missing.
-        base = next((t for b, t in evals if tuple(b) == even_boundaries(ctx, p)), min(t for _, t in evals))
+        even = Partition.even(ctx, p).boundaries
+        base = next((t for b, t in evals if tuple(b) == even), min(t for _, t in evals))
         pts = sorted((b[1] / ctx, t / base) for b, t in evals)
         line = left.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=3, label=label)[0]
         bx, by = min(pts, key=lambda pt: pt[1])

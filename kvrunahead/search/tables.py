@@ -10,6 +10,7 @@ import datetime
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -213,8 +214,6 @@ def find_table(want: TableKey, directory: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    import sys
-
     for arg in sys.argv[1:]:
         table = Table.load(Path(arg))
         print(f"{arg}: {table.meta.key.describe()}\n\n{table.markdown()}")

@@ -30,10 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
+# torch, transformers and the model rooms are imported inside the functions that measure: kvr-calibrate's CLI
+# imports this module, and its --help and input checks answer without torch.
+from kvrunahead import __version__
 from kvrunahead.net.spec import parse_net
+from kvrunahead.provenance import environment
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
-from kvrunahead.sim.shape import ModelShape
+from kvrunahead.sim.shape import ModelShape, shape_from_config
 from kvrunahead.sim.simulate import simulate
 
 log = logging.getLogger(__name__)
@@ -215,7 +219,6 @@ def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: b
     import torch
 
     from kvrunahead.model.load import load_model, resolve_config
-    from kvrunahead.sim.shape import shape_from_config
 
     torch.set_num_threads(threads)
     model = load_model(model_name, getattr(torch, dtype), torch.device("cpu")).model
@@ -262,10 +265,7 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
     import torch
     import transformers
 
-    from kvrunahead import __version__
     from kvrunahead.model.load import load_model, resolve_config
-    from kvrunahead.provenance import environment
-    from kvrunahead.sim.shape import shape_from_config
 
     step = on_step or (lambda s: None)
     torch.set_num_threads(threads)

@@ -11,15 +11,27 @@ from pathlib import Path
 
 import click
 
-from kvrunahead.sim.profile import ProfileError
+from kvrunahead.choices import DTYPES
+from kvrunahead.cli import common
+from kvrunahead.errors import ProfileError
+from kvrunahead.net.spec import NetError, parse_net, parse_rate
+from kvrunahead.prompt import PromptError, parse_tokens
+from kvrunahead.sim.calibrate import calibrate
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.links import NoiseModel
+from kvrunahead.sim.plan import Option, plan
+from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile, local_profile_path, resolve_profile
+from kvrunahead.sim.shape import DTYPE_BYTES, PAPER_SHAPES, ModelShape, shape_from_config
+from kvrunahead.sim.simulate import MODES, SimError
+from kvrunahead.sim.timeline import plot_timeline
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+# kvrunahead.model.load imports torch (and transformers): it is imported where a model's config is read, so that
+# --help answers without it.
 
 
 def resolve_shape(name: str, dtype: str):
     """A paper model's shape by name, or any model kvr-prefill knows (preset, default, local directory)."""
     from kvrunahead.model.load import ModelError, resolve_config
-    from kvrunahead.sim.shape import DTYPE_BYTES, PAPER_SHAPES, ModelShape, shape_from_config
 
     if name in PAPER_SHAPES:
         s = PAPER_SHAPES[name]
@@ -31,15 +43,12 @@ def resolve_shape(name: str, dtype: str):
 
 
 def parse_noise(spec: str | None, interval_s: float = 1.0, duty: float = 0.5):
-    from kvrunahead.net.spec import parse_rate
-    from kvrunahead.sim.links import NoiseModel
-
     return None if not spec else NoiseModel(parse_rate(spec), interval_s, duty)
 
 
-@click.command(context_settings=CONTEXT)
-@click.option("--model", default="smollm2-135m", show_default=True, help="Model whose layers are timed.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.command(context_settings=common.SETTINGS)
+@common.model_option(help="Model whose layers are timed.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="Threads per rank, as the runs will use.")
 @click.option("--net", "nets", multiple=True,
               help="Network(s) whose link to measure, as kvr-prefill --net takes them (repeatable; default "
@@ -63,30 +72,20 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
     Writes JSON with the machine, versions, date and each fit's worst residual. Example:
       kvr-calibrate --out /tmp/cpu.json
     """
-    from kvrunahead.sim.calibrate import calibrate
-    from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile, local_profile_path
-
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if concurrent is None:
         concurrent = 2 if (os.cpu_count() or 1) >= 2 * threads else 1
     if threads < 1 or repeats < 1 or concurrent < 1:
-        click.echo("kvr-calibrate: error: --threads, --repeats and --ranks must be at least 1", err=True)
-        sys.exit(2)
+        common.fail("kvr-calibrate", "--threads, --repeats and --ranks must be at least 1")
     target = Path(out) if out else local_profile_path(threads)
     shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
     if no_link and not shipped.exists():
-        click.echo(f"kvr-calibrate: error: --no-link takes the links of the shipped profile, and there is none for "
-                   f"{threads} thread(s)", err=True)
-        sys.exit(2)
-    from kvrunahead.net.spec import NetError, parse_net
-
-    try:
+        common.fail("kvr-calibrate", f"--no-link takes the links of the shipped profile, and there is none for "
+                                     f"{threads} thread(s)")
+    with common.failure_ending("kvr-calibrate"):
         for net in nets:
             if parse_net(net).noise is not None:
                 raise NetError(f"--net {net}: a link is measured quiet (noise is the simulator's --noise)")
-    except NetError as e:
-        click.echo(f"kvr-calibrate: error: {e}", err=True)
-        sys.exit(2)
     start = time.perf_counter()
 
     def step(what: str) -> None:
@@ -123,7 +122,7 @@ def describe(profile) -> str:
     return "\n".join(lines)
 
 
-@click.command(context_settings=CONTEXT)
+@click.command(context_settings=common.SETTINGS)
 @click.option("--ctx", "contexts", required=True, help="Context length(s), e.g. 16k or 1k,8k,1M.")
 @click.option("--profile", default=None,
               help="a100-nvlink, a100-pcie, a100-nvlink-flash, h100-nvlink, cpu (this machine's kvr-calibrate "
@@ -148,12 +147,6 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
     KV-Runahead with the partition the cost model finds for each count. Example:
       kvr-plan --ctx 16k --profile a100-nvlink --max-ranks 8
     """
-    from kvrunahead.prompt import PromptError, parse_tokens
-    from kvrunahead.sim.costmodel import CostModel
-    from kvrunahead.sim.plan import plan
-    from kvrunahead.sim.profile import resolve_profile
-    from kvrunahead.sim.simulate import MODES, SimError
-
     try:
         ctxs = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
         prof, which = resolve_profile(profile)
@@ -169,8 +162,7 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
         cost.link  # noqa: B018 - one-line error now if the profile lacks the link
         noise_model = parse_noise(noise)
     except (PromptError, ProfileError, ValueError) as e:
-        click.echo(f"kvr-plan: error: {e}", err=True)
-        sys.exit(2)
+        common.fail("kvr-plan", str(e))
     attention = attention or ("masked" if prof.attention["masked"].score_bytes else "split")
     click.echo(f"{shape.name} on {which}, link {link or prof.default_link}"
                + (f", noise {noise}" if noise else "") + f", KVR attention {attention}", err=True)
@@ -180,37 +172,45 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
         try:
             options = plan(cost, ctx, max_ranks, chosen, attention, noise_model, counts, record=bool(timeline))
         except SimError as e:
-            click.echo(f"kvr-plan: error: {e}", err=True)
-            sys.exit(2)
-        single = next(o for o in options if o.mode == "single").ttft_s
-        best = options[0]
-        report.append({"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode,
-                                                           "boundaries": list(best.boundaries),
-                                                           "ttft_s": best.ttft_s},
-                       "options": [{"ranks": o.ranks, "mode": o.mode, "ttft_s": o.ttft_s,
-                                    "boundaries": list(o.boundaries), "speedup_vs_single": single / o.ttft_s}
-                                   for o in options]})
+            common.fail("kvr-plan", str(e))
+        report.append(_report(ctx, options))
         if not as_json:
-            click.echo(f"\ncontext {ctx}: predicted TTFT of every option ({time.perf_counter() - t:.1f} s)")
-            click.echo(f"  {'option':<18} {'TTFT s':>10} {'vs single':>10}  partition")
-            for o in sorted(options, key=lambda o: (o.ranks, o.mode)):
-                part = ",".join(map(str, o.boundaries)) if o.mode == "kvr" else "even/zigzag"
-                if len(part) > 60:
-                    part = part[:57] + "..."
-                click.echo(f"  {o.label:<18} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x  {part}")
-            click.echo(f"recommended: {best.label}, TTFT {best.ttft_s:.4f} s ({single / best.ttft_s:.2f}x single)"
-                       + (f", partition {','.join(map(str, best.boundaries))}" if best.mode == "kvr" else ""))
+            _print_options(ctx, options, time.perf_counter() - t)
         if timeline:
-            try:
-                import matplotlib  # noqa: F401
-
-                from kvrunahead.sim.timeline import plot_timeline
-            except ImportError:
-                click.echo("kvr-plan: error: --timeline needs matplotlib: pip install matplotlib", err=True)
-                sys.exit(2)
-
             path = Path(timeline) if len(ctxs) == 1 else Path(timeline).with_stem(f"{Path(timeline).stem}_{ctx}")
-            plot_timeline(best.result, path)
-            click.echo(f"timeline: {path}", err=True)
+            _plot_timeline(options[0], path)
     if as_json:
         click.echo(json.dumps(report, indent=1))
+
+
+def _report(ctx: int, options: list[Option]) -> dict:
+    """One context's options as kvr-plan --json writes them, fastest first."""
+    single = next(o for o in options if o.mode == "single").ttft_s
+    best = options[0]
+    return {"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode,
+                                                "boundaries": list(best.boundaries), "ttft_s": best.ttft_s},
+            "options": [{"ranks": o.ranks, "mode": o.mode, "ttft_s": o.ttft_s, "boundaries": list(o.boundaries),
+                         "speedup_vs_single": single / o.ttft_s} for o in options]}
+
+
+def _print_options(ctx: int, options: list[Option], elapsed_s: float) -> None:
+    single = next(o for o in options if o.mode == "single").ttft_s
+    best = options[0]
+    click.echo(f"\ncontext {ctx}: predicted TTFT of every option ({elapsed_s:.1f} s)")
+    click.echo(f"  {'option':<18} {'TTFT s':>10} {'vs single':>10}  partition")
+    for o in sorted(options, key=lambda o: (o.ranks, o.mode)):
+        part = ",".join(map(str, o.boundaries)) if o.mode == "kvr" else "even/zigzag"
+        if len(part) > 60:
+            part = part[:57] + "..."
+        click.echo(f"  {o.label:<18} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x  {part}")
+    click.echo(f"recommended: {best.label}, TTFT {best.ttft_s:.4f} s ({single / best.ttft_s:.2f}x single)"
+               + (f", partition {','.join(map(str, best.boundaries))}" if best.mode == "kvr" else ""))
+
+
+def _plot_timeline(best: Option, path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401 - optional (the bench extra): only --timeline needs it
+    except ImportError:
+        common.fail("kvr-plan", "--timeline needs matplotlib: pip install matplotlib")
+    plot_timeline(best.result, path)
+    click.echo(f"timeline: {path}", err=True)

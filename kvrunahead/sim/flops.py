@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrunahead.partition import Partition
+from kvrunahead.search.tables import config_hash
+from kvrunahead.sim.shape import shape_from_config
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,6 @@ _COSTS: dict[str, LayerCost] = {}
 def layer_cost(config) -> LayerCost:
     """Per-layer FLOPs from a transformers config, counting the decoder layers' parameters on the meta
     device (no memory, any architecture); remembered per architecture."""
-    from kvrunahead.search.tables import config_hash
 
     key = config_hash(config)
     if key not in _COSTS:
@@ -60,8 +61,7 @@ def layer_cost(config) -> LayerCost:
 
 
 def _count_layer_cost(config) -> LayerCost:
-    from kvrunahead.model.layout import layer_windows
-    from kvrunahead.sim.shape import shape_from_config
+    from kvrunahead.model.layout import layer_windows  # torch: kvr-plan's import stays torch-free
 
     shape = shape_from_config(config, "float32", windows_ok=True)
     windows = [w for w in layer_windows(config) if w is not None]

@@ -15,7 +15,7 @@ def main(out: str, repeats: int, sizes: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world
+    from kvrunahead.launcher import detect_launcher, init_world, leave_world
     from kvrunahead.transport import make_transport
 
     torch.set_num_threads(1)
@@ -50,7 +50,7 @@ def main(out: str, repeats: int, sizes: list[int]) -> None:
         with open(out, "w") as f:
             json.dump({"rows": rows, "allgather": t.allgather, "compute_s_per_byte": penalties}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 def _compute_penalty(t, rank: int, size: int, repeats: int) -> float:

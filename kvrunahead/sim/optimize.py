@@ -12,10 +12,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from kvrunahead.search.algorithm import even_boundaries
+from kvrunahead.partition import Partition
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import equal_work_sizes
 from kvrunahead.sim.links import NoiseModel
+from kvrunahead.sim.profile import resolve_profile
+from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import simulate
 
 MAX_SIMULATIONS = 300  # hill-climbing budget: a 64-rank, million-token search stays within seconds
@@ -59,7 +61,7 @@ def search_partition(model: CostModel, context_len: int, world_size: int, attent
             memo[b] = sum(simulate(model, "kvr", context_len, p, b, attention, n).ttft_s for n in noises) / len(noises)
         return memo[b]
 
-    even = even_boundaries(context_len, p)
+    even = Partition.even(context_len, p).boundaries
     if p == 1:
         t = ttft(even)
         return ModelSearch(even, t, t, even, count["n"], time.perf_counter() - t0)
@@ -92,10 +94,6 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
                         link: str | None = None):
     """``--partition auto`` where no table covers the context: the cost model's partition on this machine's
     profile (``kvr-calibrate``, else the shipped CPU profile). Returns the partition and a line saying so."""
-    from kvrunahead.partition import Partition
-    from kvrunahead.sim.profile import resolve_profile
-    from kvrunahead.sim.shape import shape_from_config
-
     profile, which = resolve_profile(None, threads)
     profile, used, link_note = profile.for_network(link)
     cost = CostModel(shape_from_config(config, dtype), profile, used)

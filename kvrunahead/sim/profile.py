@@ -14,11 +14,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvrunahead.errors import ProfileError
+from kvrunahead.net.spec import NetError, parse_net
+
 KERNELS = ("causal", "full", "masked")
-
-
-class ProfileError(ValueError):
-    """A profile that is missing, malformed or lacks what a run needs."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,6 @@ class HardwareProfile:
         ``cap=400MB/s``), the link's label and a line saying where its figures come from: the link measured on
         that network; for a cap not measured, the measured cap nearest in rate rescaled to it (its overshoot of
         the nominal rate, all-gather efficiency and compute per byte kept: tbf caps scale); else the default."""
-        from kvrunahead.net.spec import NetError, parse_net
 
         if label is None or label in self.links:
             used = label or self.default_link

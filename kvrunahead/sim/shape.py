@@ -62,7 +62,7 @@ class ModelShape:
 def shape_from_config(config, dtype: str, name: str = "", windows_ok: bool = False) -> ModelShape:
     """The shape of a transformers model; the cost model prices full-attention layers only, so a model with
     sliding-window layers raises ModelError unless ``windows_ok`` (the FLOP estimate counts the windows itself)."""
-    import torch
+    import torch  # here, not at the top: kvr-plan and kvr-search import this module and answer --help torch-free
     from transformers import AutoModelForCausalLM
 
     from kvrunahead.model.layout import layer_windows

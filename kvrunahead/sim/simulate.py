@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrunahead.partition import zigzag_ranges
-from kvrunahead.search.algorithm import even_boundaries
+from kvrunahead.partition import Partition, zigzag_ranges
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 
@@ -105,7 +104,7 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
     if mode in ("cp-allgather", "ring") and context_len < 2 * p:
         raise SimError(f"{mode} needs at least {2 * p} tokens for its 2p chunks")
     kvr = mode in ("kvr", "kvr-nocomm")
-    b = tuple(boundaries) if boundaries is not None and kvr else even_boundaries(context_len, p)
+    b = tuple(boundaries) if boundaries is not None and kvr else Partition.even(context_len, p).boundaries
     if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
         raise SimError(f"boundaries {b} are not a partition of {context_len} tokens over {p} ranks")
     links = Links(model.link, p, noise)

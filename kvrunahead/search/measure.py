@@ -1,0 +1,47 @@
+"""What ``kvr-search`` measures on the ranks: one candidate partition's TTFT, the same figure on every rank.
+
+The ranks stay up for the whole search: the model is loaded once; every rank runs the same search code,
+and the emitting rank's measured TTFT is shared with all, so every rank proposes the same next candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+from kvrunahead.launcher import World
+from kvrunahead.net.liveness import gather_objects
+from kvrunahead.policy import RunConfig
+from kvrunahead.runner import run_on_world
+from kvrunahead.search.algorithm import Boundaries
+
+
+def share(value, world: World) -> object:
+    """The value of whichever rank has one (the emitting rank), on every rank."""
+    if world.world_size == 1:
+        return value
+    gathered = gather_objects(value, "the other ranks' measurement")
+    return next(v for v in gathered if v is not None)
+
+
+def ttft_on_ranks(base: RunConfig, world: World, context_len: int, repeats: int,
+                  warmup_runs: int) -> Callable[[Boundaries], float]:
+    """``measure(boundaries) -> seconds`` for the search: the median TTFT of ``repeats`` prefills of
+    ``context_len`` tokens under the boundaries, after ``warmup_runs`` untimed ones before the first candidate."""
+    warm = {"runs": warmup_runs}
+
+    def measure(b: Boundaries) -> float:
+        # The warm-up runs precede a length's first candidate only: the model stays loaded and warm
+        # between candidates, and the median of the repeats absorbs a slower first run of a new shape.
+        cfg = dataclasses.replace(base, context_len=context_len, partition=",".join(map(str, b)))
+        times = []
+        for i in range(warm["runs"] + repeats):
+            result = run_on_world(cfg, world)
+            t = share(result.ttft_s if result is not None else None, world)
+            if i >= warm["runs"]:
+                times.append(t)
+        warm["runs"] = 0
+        return statistics.median(times)
+
+    return measure

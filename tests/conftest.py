@@ -1,0 +1,34 @@
+"""Fixtures shared by the test modules (pytest finds them here; test modules never import one another)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def write_table() -> Callable[..., Path]:
+    """A function that writes a partition table into a directory and returns its path: rank 0 takes ``share`` of
+    every context, the other ranks split the rest evenly, the key (model, attention, world size, network) as
+    asked."""
+    # Imported here, not at the top: every test module loads this file, and the torch-free ones must stay so.
+    from kvrunahead.model.load import resolve_config
+    from kvrunahead.search.tables import Table, TableEntry, TableMeta, config_hash
+
+    def write(directory: Path, model: str = "tiny-llama", attention: str = "split", world_size: int = 2,
+              contexts: tuple[int, ...] = (1024, 2048), share: float = 0.7, bandwidth: str = "loopback") -> Path:
+        t = Table(TableMeta(model=model, config_hash=config_hash(resolve_config(model)), dtype="float32",
+                            world_size=world_size, backend="gloo", transport="torch", device="cpu",
+                            threads_per_rank=1, bandwidth=bandwidth, kvr_attention=attention, device_kind="cpu"))
+        for ctx in contexts:
+            b1 = round(share * ctx)
+            rest = [round(b1 + (ctx - b1) * i / (world_size - 1)) for i in range(1, world_size)]
+            bounds = [0, b1, *rest]
+            t.add(TableEntry(ctx, bounds, [(b - a) / ctx for a, b in zip(bounds, bounds[1:])], 1.0, 1.2, 5, 1.0))
+        path = directory / f"{model}_{attention}_p{world_size}.json"
+        t.save(path)
+        return path
+
+    return write
