@@ -71,3 +71,16 @@ def kvr_prefill(*args: str, env: dict | None = None, timeout_s: float = 240) -> 
     return subprocess.run(
         ["kvr-prefill", *args], capture_output=True, text=True, timeout=timeout_s, env=env or dict(os.environ)
     )
+
+
+def world_runs(cases, tmp_path_factory, prefix: str):
+    """A function of the world size p giving ``cases(p)``'s results on p real ranks, run once per p whichever
+    tests ask for them (the body of a module-scoped fixture)."""
+    runs: dict[int, dict] = {}
+
+    def run(p: int) -> dict:
+        if p not in runs:
+            runs[p] = run_cases(p, cases(p), tmp_path_factory.mktemp(f"{prefix}{p}"))
+        return runs[p]
+
+    return run

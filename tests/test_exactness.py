@@ -3,7 +3,7 @@
 import pytest
 
 from kvrunahead.partition import Partition, parse_partition, zigzag_ranges
-from tests.helpers import run_cases, skewed_ratios
+from tests.helpers import skewed_ratios, world_runs
 
 CONTEXT = 61  # odd on purpose: even parts cannot all be equal
 MODELS = ["tiny-llama", "tiny-neox", "tiny-falcon", "tiny-bigcode"]  # GQA, MHA, MQA, MQA
@@ -61,14 +61,7 @@ def _cases(p: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     """Every case on p real ranks, run once per world size whichever tests ask for it."""
-    runs: dict[int, dict] = {}
-
-    def run(p: int) -> dict:
-        if p not in runs:
-            runs[p] = run_cases(p, _cases(p), tmp_path_factory.mktemp(f"p{p}"))
-        return runs[p]
-
-    return run
+    return world_runs(_cases, tmp_path_factory, "p")
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])

@@ -18,7 +18,7 @@ from kvrunahead.modes.kvr import ChainLink, kvr_prefill
 from kvrunahead.partition import Partition, parse_partition
 from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.transport import Transport
-from tests.helpers import run_cases, skewed_ratios
+from tests.helpers import skewed_ratios, world_runs
 
 CONTEXT = 200
 WINDOW = 64  # the tiny presets' window
@@ -65,14 +65,7 @@ def _cases(p: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     """Every case on p real ranks, run once per world size whichever tests ask for it."""
-    runs: dict[int, dict] = {}
-
-    def run(p: int) -> dict:
-        if p not in runs:
-            runs[p] = run_cases(p, _cases(p), tmp_path_factory.mktemp(f"hybrid-p{p}"))
-        return runs[p]
-
-    return run
+    return world_runs(_cases, tmp_path_factory, "hybrid-p")
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
