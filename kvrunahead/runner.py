@@ -150,11 +150,11 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     dtype = resolve_dtype(cfg, device)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
-    lm = _loaded(cfg.model, dtype, device, cfg.seed, prepared.rope)
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, prepared.rope)
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
-    transport = _transport(cfg.transport, rank, p, pick_backend(device), cfg.timeout_s, cfg.allgather)
+    transport = cached_transport(cfg.transport, rank, p, pick_backend(device), cfg.timeout_s, cfg.allgather)
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
@@ -163,8 +163,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
     state = mode.setup(step)
     emits = rank == mode.emitter(p)
-    logits, cache, first_token, total_s = _timed_prefill(mode, step, state, device, emits)
-    stats = _rank_stats(rank, ranges[rank], total_s, transport, state, device)
+    logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
+    stats = rank_stats(rank, ranges[rank], total_s, transport, state, device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
     if not emits:
         return None
@@ -206,7 +206,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     return result
 
 
-def _timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, emits: bool):
+def timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, emits: bool):
     """The timed region: from the start barrier to this rank's last K,V sent (and, on the emitting rank, the first
     token chosen). Returns the logits, the cache, the first token (-1 off the emitting rank) and the seconds."""
     if step.transport.world_size > 1:  # a single process inside a world of ranks (kvr-bench's singles) meets nobody
@@ -222,7 +222,7 @@ def _timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, 
     return logits, cache, first_token, time.perf_counter() - t0
 
 
-def _rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport: Transport, state: object,
+def rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport: Transport, state: object,
                 device: torch.device) -> RankStats:
     st = transport.stats
     return RankStats(
@@ -253,7 +253,7 @@ def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
 
 
-def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,
+def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
             rope: RopeExtension | None = None) -> LoadedModel:
     """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
     key = (name, dtype, str(device), seed, rope)
@@ -263,7 +263,8 @@ def _loaded(name: str, dtype: torch.dtype, device: torch.device, seed: int,
     return _MODELS[key]
 
 
-def _transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float, allgather: str) -> Transport:
+def cached_transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float,
+                     allgather: str) -> Transport:
     """One transport (and its process groups) per process and kind, reused across runs."""
     key = (name, rank, world_size, backend)
     if key not in _TRANSPORTS:

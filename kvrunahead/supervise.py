@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def forwarding_sigterm(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """A SIGTERM to the launcher goes to every rank, which decides what it means (kvr-serve's front drains), rather
+    than ending the launcher alone and leaving the ranks running without it."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def forward(sig: int, frame) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
@@ -13,6 +36,18 @@ def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
     When one rank fails the others get ``grace_s`` to notice on their own, then are terminated (a stopped rank
     is continued so that it can die), so a failure never leaves the launcher waiting.
     """
+    with forwarding_sigterm(procs):
+        code = _wait(procs, grace_s)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:
     failed_at = None
     code = 0
     try:
@@ -35,10 +70,4 @@ def supervise(procs: list[subprocess.Popen], grace_s: float = 5.0) -> int:
                 p.send_signal(signal.SIGINT)
                 p.send_signal(signal.SIGCONT)
         code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e.code, int) else 1)
-    for p in procs:
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return code

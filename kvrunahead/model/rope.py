@@ -70,6 +70,15 @@ def plan_extension(config, context_len: int, allow_long_context: bool = False, n
     return RopeExtension(factor, limit)
 
 
+def max_context(config, allow_long_context: bool = False) -> int | None:
+    """The longest context ``plan_extension`` lets through: the trained positions times the largest YaRN factor
+    where the rotary embedding can be extended, else the trained positions (None: unknown, or no limit asked)."""
+    limit = trained_positions(config)
+    if not limit or allow_long_context:
+        return None
+    return limit * MAX_YARN_FACTOR if _plain_rope(config) else limit
+
+
 def extended(config, ext: RopeExtension | None):
     """A copy of ``config`` with the extension in its rope parameters (``config`` itself when None)."""
     if ext is None:

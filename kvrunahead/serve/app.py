@@ -1,0 +1,366 @@
+"""The HTTP layer: a thin FastAPI app over an ``AsyncEngineClient`` (it knows nothing of ranks).
+
+POST /v1/completions (the raw prompt, as ``kvr-prefill --no-chat``), POST /v1/chat/completions (the model's chat
+template), GET /v1/models, GET /health, GET /metrics. Errors are OpenAI's body with the status a client of vLLM
+or SGLang expects: 400 for bad input, 429 with Retry-After when the queue is full, 503 while draining or once the
+engine is dead, 500 when the engine failed a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from kvrunahead.prompt import PromptError, build_prompt
+from kvrunahead.serve import protocol as p
+from kvrunahead.serve.metrics import Metrics
+from kvrunahead.serve.sequence import EngineDead, Finished, QueueFull, SamplingParams, TokenEvent, new_request_id
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there
+RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
+
+
+class ApiError(Exception):
+    """A request refused before it produced anything: the status, OpenAI's error body and its metrics outcome."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None, outcome: str = "invalid") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers, self.outcome = headers, outcome
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was in the engine."""
+
+
+def _unavailable(client) -> ApiError | None:
+    if not client.healthy:
+        return ApiError(503, "the engine has failed; the server is going down", type="server_error",
+                        code="engine_dead", outcome="unavailable")
+    if client.draining:
+        return ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
+                        code="draining", outcome="unavailable")
+    return None
+
+
+def _figures(figures) -> p.KvrFigures | None:
+    if figures is None:
+        return None
+    return p.KvrFigures(
+        ttft_s=figures.ttft_s, queue_s=figures.queue_s, degree=figures.degree, degree_source=figures.degree_source,
+        partition=p.Partition(boundaries=list(figures.boundaries), source=figures.partition_source),
+        ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")})
+               for r in figures.ranks])
+
+
+def _usage(done: Finished) -> p.Usage:
+    return p.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                   total_tokens=done.prompt_tokens + done.completion_tokens)
+
+
+def _sse(body: BaseModel | dict) -> str:
+    return f"data: {body.model_dump_json() if isinstance(body, BaseModel) else json.dumps(body)}\n\n"
+
+
+# --- the two endpoints' shapes -----------------------------------------------------------------------------------
+
+class _Completions:
+    """/v1/completions: ``text_completion`` objects, streamed as the same objects carrying the new text."""
+
+    def response(self, rid: str, model: str, text: str, done: Finished) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+                                    choices=[p.CompletionChoice(text=text, finish_reason=done.finish_reason)])
+
+    def chunk(self, rid: str, model: str, text: str, first: bool) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, choices=[p.CompletionChoice(text=text)])
+
+    def last(self, rid: str, model: str, done: Finished) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+                                    choices=[p.CompletionChoice(text="", finish_reason=done.finish_reason)])
+
+    def usage_chunk(self, rid: str, model: str, done: Finished) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, choices=[], usage=_usage(done))
+
+
+class _Chat:
+    """/v1/chat/completions: ``chat.completion``, streamed as ``chat.completion.chunk`` deltas."""
+
+    def response(self, rid: str, model: str, text: str, done: Finished) -> BaseModel:
+        return p.ChatCompletionResponse(
+            id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+            choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=done.finish_reason)])
+
+    def chunk(self, rid: str, model: str, text: str, first: bool) -> BaseModel:
+        delta = p.Delta(role="assistant" if first else None, content=text)
+        return p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta)])
+
+    def last(self, rid: str, model: str, done: Finished) -> BaseModel:
+        return p.ChatCompletionChunk(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+                                     choices=[p.ChatChunkChoice(delta=p.Delta(), finish_reason=done.finish_reason)])
+
+    def usage_chunk(self, rid: str, model: str, done: Finished) -> BaseModel:
+        return p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(done))
+
+
+# --- one request through the engine ------------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    """One admitted request: its events from the engine, watched for its client's disconnect, and timed."""
+
+    client: object
+    metrics: Metrics
+    request: Request
+    rid: str
+    events: AsyncIterator
+    arrival_s: float
+    first_token_s: float | None = None
+    ended: bool = False
+
+    async def next(self) -> TokenEvent | Finished:
+        """The next event; ``ClientGone`` if the client disconnects first (checked every DISCONNECT_POLL_S)."""
+        task = asyncio.ensure_future(_pull(self.events))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    event = task.result()
+                    break
+                if await self.request.is_disconnected():
+                    raise ClientGone
+        finally:
+            task.cancel()
+        if isinstance(event, TokenEvent) and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        return event
+
+    def end(self, done: Finished | None) -> None:
+        """Count the request once, however it ended; a request that did not finish in the engine is cancelled
+        there (its client went away), which frees its cache at the engine's next step."""
+        if self.ended:
+            return
+        self.ended = True
+        if done is None:
+            self.client.cancel(self.rid)
+        ranks = done.figures.ranks if done is not None and done.figures is not None else []
+        self.metrics.finished(
+            done.finish_reason if done is not None else "cancelled",
+            ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            e2e_s=time.monotonic() - self.arrival_s,
+            prompt_tokens=done.prompt_tokens if done is not None else 0,
+            completion_tokens=done.completion_tokens if done is not None else 0,
+            rank_bytes={r["rank"]: r["bytes_sent"] for r in ranks})
+
+
+async def _pull(events: AsyncIterator):
+    try:
+        return await anext(events)
+    except StopAsyncIteration:  # an engine stream must end with Finished: one that does not is the engine's fault
+        raise EngineDead("the engine ended the request without finishing it") from None
+
+
+def _failure(done: Finished, client) -> ApiError:
+    if done.finish_reason == "cancelled":
+        return ApiError(503, "the request was cancelled: the server shut down before it finished",
+                        type="server_error", code="cancelled", outcome="cancelled")
+    return ApiError(503 if not client.healthy else 500, f"the engine failed the request: {done.error}",
+                    type="server_error", code="engine_error", outcome="error")
+
+
+async def _admit(client, metrics: Metrics, request: Request, ids: list[int], params: SamplingParams, rid: str,
+                 arrival_s: float) -> tuple[_Run, TokenEvent | Finished]:
+    """Hand the request to the engine and wait for its first event; the client's generator raises QueueFull,
+    EngineDead or ValueError at its first step, before anything is queued."""
+    run = _Run(client, metrics, request, rid, client.generate(ids, params, rid), arrival_s)
+    try:
+        return run, await run.next()
+    except QueueFull:
+        raise _queue_full(client) from None
+    except ValueError as e:  # the engine's own check of the parameters or the prompt
+        raise ApiError(400, str(e)) from None
+    except EngineDead as e:
+        raise _unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
+    except BaseException:  # the client went away, or the server cancelled the request while it waited
+        run.end(None)
+        raise
+
+
+def _queue_full(client) -> ApiError:
+    return ApiError(429, "the queue of waiting requests is full: retry later", type="rate_limit_exceeded",
+                    code="queue_full", outcome="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _whole(run: _Run, first, shape, model: str) -> Response:
+    parts, event = [], first
+    try:
+        while isinstance(event, TokenEvent):
+            parts.append(event.text)
+            event = await run.next()
+    except ClientGone:
+        run.end(None)
+        return Response(status_code=499)
+    except BaseException:
+        run.end(None)
+        raise
+    run.end(event)
+    if event.finish_reason in ("cancelled", "error"):
+        e = _failure(event, run.client)
+        return JSONResponse(p.error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return JSONResponse(shape.response(run.rid, model, "".join(parts), event).model_dump(mode="json"))
+
+
+async def _stream(run: _Run, first, shape, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token with text, the last chunk with the finish reason, usage and the
+    figures, then ``data: [DONE]``. A failure mid-stream is an error event (the status is already sent)."""
+    event, sent = first, False
+    try:
+        while isinstance(event, TokenEvent):
+            if event.text:
+                yield _sse(shape.chunk(run.rid, model, event.text, first=not sent))
+                sent = True
+            event = await run.next()
+        run.end(event)
+        if event.finish_reason in ("cancelled", "error"):
+            e = _failure(event, run.client)
+            yield _sse(p.error_body(e.message, e.type, e.param, e.code))
+        else:
+            yield _sse(shape.last(run.rid, model, event))
+            if include_usage:
+                yield _sse(shape.usage_chunk(run.rid, model, event))
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        pass
+    finally:  # also when the server closes this generator because the client went away while a chunk was sent
+        run.end(None)
+
+
+# --- the routes --------------------------------------------------------------------------------------------------
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        message, param = p.describe_validation(e.errors(include_url=False))
+        raise ApiError(400, message, param=param) from None
+
+
+def _token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return list(prompt)
+    try:
+        return build_prompt(tokenizer, None, prompt, chat=False)
+    except PromptError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+
+def _chat_ids(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+    rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                             add_generation_prompt=True, tokenize=False)
+    # the template writes the special tokens (BOS) itself
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, max_tokens: int | None,
+              max_model_len: int) -> SamplingParams:
+    """The engine's parameters; the prompt and the tokens asked for must fit the model's positions."""
+    if n_prompt == 0:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if n_prompt >= max_model_len:
+        raise ApiError(400, f"the prompt is {n_prompt} tokens; this model takes at most {max_model_len} "
+                       "(prompt and output together)", param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_model_len - n_prompt
+    elif n_prompt + max_tokens > max_model_len:
+        raise ApiError(400, f"this model takes at most {max_model_len} tokens, but {n_prompt + max_tokens} were "
+                       f"asked for ({n_prompt} in the prompt, max_tokens {max_tokens})", param="max_tokens",
+                       code="context_length_exceeded")
+    return SamplingParams(max_tokens=max_tokens, temperature=req.sampling_temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, stop=req.stop_list, seed=req.seed)
+
+
+async def _serve(client, metrics: Metrics, request: Request, req, ids: list[int], max_tokens: int | None,
+                 shape, rid: str, arrival_s: float) -> Response:
+    params = _sampling(req, len(ids), max_tokens, client.max_model_len)
+    if (refusal := _unavailable(client)) is not None:
+        raise refusal
+    try:
+        run, first = await _admit(client, metrics, request, ids, params, rid, arrival_s)
+    except ClientGone:
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(_stream(run, first, shape, req.model, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _whole(run, first, shape, req.model)
+
+
+def _check_model(client, name: str) -> None:
+    if name != client.model_id:
+        raise ApiError(400, f"unknown model {name!r}: this server serves {client.model_id!r} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def build_app(client, metrics: Metrics | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``client`` (an ``AsyncEngineClient`` or anything with its interface)."""
+    metrics = metrics or Metrics()  # its queue gauges are the caller's to track (the app never sees the engine)
+    app = FastAPI(title="kvr-serve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        metrics.refused(e.outcome)
+        return JSONResponse(p.error_body(e.message, e.type, e.param, e.code), status_code=e.status,
+                            headers=e.headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival_s = time.monotonic()
+        req = await _parse(request, p.CompletionRequest)
+        _check_model(client, req.model)
+        ids = await run_in_threadpool(_token_ids, client.tokenizer, req.prompt)
+        return await _serve(client, metrics, request, req, ids, req.max_tokens, _Completions(), new_request_id(),
+                            arrival_s)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival_s = time.monotonic()
+        req = await _parse(request, p.ChatCompletionRequest)
+        _check_model(client, req.model)
+        ids = await run_in_threadpool(_chat_ids, client.tokenizer, req.messages)
+        rid = "chat" + new_request_id()
+        return await _serve(client, metrics, request, req, ids, req.asked_max_tokens, _Chat(), rid, arrival_s)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = p.ModelCard(id=client.model_id, max_model_len=client.max_model_len)
+        return p.ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        refusal = _unavailable(client)
+        if refusal is not None:
+            return JSONResponse({"status": refusal.code}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

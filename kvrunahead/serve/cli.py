@@ -1,0 +1,213 @@
+"""``kvr-serve``: an OpenAI-compatible server whose long prompts are prefilled by the KV chain.
+
+Every rank loads the model once and joins the world; the front (the last rank, where the chain leaves the full
+cache) runs the engine loop and uvicorn, the other ranks run the engine's worker loop. SIGTERM drains (new
+requests get 503, those in flight finish within ``--grace``) and exits 0; a rank that dies ends every request in
+flight with an error and the server exits 1, for a supervisor to restart it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import warnings
+
+import click
+
+from kvrunahead.cli import common
+from kvrunahead.errors import InputError
+
+log = logging.getLogger("kvrunahead")
+
+PROG = "kvr-serve"
+
+
+def _quiet(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before any rank loads a model when the address cannot be listened on (a port in use)."""
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port must be 0..65535, got {port}")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _check(options: dict, world_size: int) -> None:
+    """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
+    from kvrunahead.model.load import ModelError, resolve_config
+    from kvrunahead.model.rope import ContextError, max_context, plan_extension
+    from kvrunahead.serve.degree import parse_degree
+
+    if options["max_queue"] < 1:
+        raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
+    try:
+        parse_degree(options["degree"], world_size)
+        config = resolve_config(options["model"])
+        max_len = options["max_model_len"] or max_context(config, options["allow_long_context"])
+        if max_len is not None and max_len < 2:
+            raise InputError(f"--max-model-len must be at least 2, got {max_len}")
+        if max_len is not None:
+            plan_extension(config, max_len, options["allow_long_context"], options["model"])
+    except (ModelError, ContextError, ValueError) as e:
+        raise InputError(str(e)) from None
+
+
+def _engine_config(options: dict):
+    from kvrunahead.policy import RunConfig
+    from kvrunahead.serve.engine import EngineConfig
+
+    run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
+                    table=options["table"], dtype=options["dtype"], device=options["device"],
+                    threads=options["threads"], timeout_s=options["timeout_s"], net=options["net"],
+                    seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None)
+    return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
+                        degree=options["degree"])
+
+
+def _announce(url: str, model_id: str, world_size: int):
+    def started(server) -> None:
+        click.echo(f"{PROG}: serving {model_id} on {url.format(port=server.port)} over {world_size} rank(s)",
+                   err=True)
+    return started
+
+
+def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool) -> str | None:
+    """Run the engine loop and the HTTP server on this (the front) rank until drained or the engine dies; returns
+    why the engine failed, None after a clean stop. The workers are told to shut down either way."""
+    import uvicorn
+
+    from kvrunahead.serve.app import build_app
+    from kvrunahead.serve.client import AsyncEngineClient
+    from kvrunahead.serve.metrics import Metrics
+    from kvrunahead.serve.server import DrainingServer
+
+    client = AsyncEngineClient(engine)
+    metrics = Metrics()
+    metrics.track(lambda: len(engine.scheduler.waiting), lambda: len(engine.scheduler.running))
+    config = uvicorn.Config(build_app(client, metrics), host=host, port=port, lifespan="off",
+                            log_level="info" if verbose else "warning", access_log=verbose,
+                            timeout_graceful_shutdown=5)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
+    server = DrainingServer(config, client, grace_s,
+                            on_started=_announce(url, client.model_id, engine.world.world_size))
+    try:
+        server.run()
+    finally:
+        client.shutdown()  # ends the loop: errs anything left, sends the workers their Shutdown plan
+    if not server.started:
+        return f"could not listen on {host}:{port}"
+    return server.failure and (engine.error or server.failure)
+
+
+def _ignore_stop_signals() -> None:
+    """A worker outlives SIGTERM and SIGINT (a launcher or a terminal sends them to every rank): it ends on the
+    front's Shutdown plan after the drain, or within --timeout of the front's silence."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: log.info("worker: signal %d ignored; the front decides the shutdown", s))
+
+
+def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
+    """Join the world and serve: the front runs HTTP, the others the worker loop."""
+    from kvrunahead.launcher import init_world, local_rank_hint, pick_backend
+    from kvrunahead.policy import resolve_device
+    from kvrunahead.runner import leave_world
+    from kvrunahead.serve.engine import Engine
+
+    config = _engine_config(options)
+    device = resolve_device(config.run.device, local_rank_hint())
+    world = init_world(launcher, pick_backend(device), config.run.timeout_s)
+    front = world.rank == world.world_size - 1
+    if not front:
+        _ignore_stop_signals()
+    engine = Engine(config, world)  # a failure from here on ends the rank without teardown (failure_ending)
+    if front:
+        failure = serve_front(engine, host, port, grace_s, verbose)
+        if failure is not None:  # the process group may be broken: no teardown (it can block)
+            common.hard_exit(PROG, f"stopped: {failure}")
+    else:
+        engine.worker_loop()
+    leave_world()
+
+
+@click.command(context_settings=common.SETTINGS)
+@common.model_option(help="A preset or a local transformers model directory; its id is the API's `model`.")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="Start this many local ranks (when not launched by torchrun or mpirun).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests that may wait for their prefill; more are refused at once with 429 and Retry-After.")
+@click.option("--max-model-len", type=int, default=None,
+              help="Most tokens per request, prompt and output together. Default: the longest context the model "
+                   "takes, its trained positions times 4 where its rotary embedding can be extended by YaRN. Each "
+                   "prompt runs as kvr-prefill runs it: beyond the trained positions with the smallest YaRN factor "
+                   "that covers it (the weights are loaded once per factor in use), within them unextended.")
+@click.option("--degree", default="auto", show_default=True,
+              help="Ranks per prefill: auto (one rank below the measured or predicted crossover, the chain above), "
+                   "1, or the world size.")
+@click.option("--partition", default="auto", show_default=True,
+              help="The chain's partition, as kvr-prefill's: auto, table, even, boundaries or ratios.")
+@click.option("--table", type=click.Path(exists=True, dir_okay=False), help="Partition table to use.")
+@common.kvr_attention_option(help="The chain's attention, as kvr-prefill's: auto, split or masked.")
+@common.net_option(help="The network label (and with --nproc, its emulation), as kvr-prefill's.")
+@common.timeout_option(60.0, help="Seconds a rank waits on another before the server fails (and exits 1).")
+@click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
+              help="After SIGTERM: seconds the requests in flight get to finish before they are ended.")
+@common.dtype_option(help="Default: float32 on CPU, bfloat16 on GPU.")
+@common.device_option()
+@click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")
+@common.allow_long_context_option(help="Run beyond the trained positions without a RoPE extension.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress and every request to stderr.")
+def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **options) -> None:
+    """Serve a model over HTTP with the OpenAI API; long prompts are prefilled by KV-Runahead over the ranks.
+
+    \b
+      kvr-serve --nproc 2 --port 8000
+      torchrun --nproc-per-node 2 --no-python kvr-serve
+      mpirun -n 2 kvr-serve
+      curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
+    """
+    _quiet(verbose)
+    from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
+    from kvrunahead.policy import RunConfig, network_spec
+
+    launcher = detect_launcher()
+    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    with common.failure_ending(PROG, rank=rank, reraise=verbose):
+        if nproc < 1:
+            raise InputError("--nproc must be at least 1")
+        if grace_s < 0:
+            raise InputError(f"--grace must be >= 0, got {grace_s}")
+        world_size = world_size_hint(launcher, nproc)
+        if launcher != "single" and nproc not in (1, world_size):
+            raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
+        net = network_spec(RunConfig(net=options["net"]))
+        if launcher == "single":
+            _check_listen(host, port)
+            _check(options, world_size)
+            if nproc > 1:
+                # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
+                sys.exit(spawn(nproc, sys.argv[1:], grace_s=max(5.0, options["timeout_s"] + 5.0),
+                               module="kvrunahead.serve.cli", net=net))
+            if net.emulated:
+                raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
+        run_rank(options, launcher, host, port, grace_s, verbose)
+
+
+if __name__ == "__main__":
+    main()

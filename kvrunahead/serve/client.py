@@ -1,0 +1,115 @@
+"""The engine behind asyncio: what the HTTP layer talks to, knowing nothing of ranks.
+
+The engine loop runs in one background thread on the front rank (every collective stays on that thread); events
+cross to the event loop with ``loop.call_soon_threadsafe`` onto one ``asyncio.Queue`` per request, as vLLM's
+``AsyncLLM`` streams its outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from kvrunahead.serve.engine import Engine
+from kvrunahead.serve.sequence import (
+    EngineDead,
+    Event,
+    Finished,
+    Request,
+    SamplingParams,
+    TokenEvent,
+    new_request_id,
+)
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngineClient:
+    def __init__(self, engine: Engine, model_id: str | None = None) -> None:
+        self.engine = engine
+        self.model_id = model_id or engine.config.run.model
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.draining = False
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        """False once a rank died, the loop failed or the engine was shut down."""
+        return self.engine.healthy and self._thread.is_alive() and self._loop_error is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    def begin_drain(self) -> None:
+        """Take no new requests (SIGTERM); those in flight run to their end."""
+        self.draining = True
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+        """The request's events up to its Finished. The first ``__anext__`` raises QueueFull, EngineDead (dead or
+        draining) or ValueError (bad parameters, prompt too long) before anything is queued. Closing the generator
+        early (a client gone) cancels the request."""
+        if self.draining:
+            raise EngineDead("the server is draining")
+        if not self.healthy:
+            raise EngineDead(f"the engine has failed: {self.engine.error or self._loop_error}")
+        request = Request(request_id or new_request_id(), list(prompt_ids), params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.engine.add(request)
+            self._wake.set()
+            while not finished:
+                event = await queue.get()
+                finished = isinstance(event, Finished)
+                yield event
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._wake.set()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop; it tells the workers to end and errs any request still in flight."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                if not engine.has_work():
+                    self._wake.wait(engine.config.heartbeat_s)
+                    self._wake.clear()
+                self._dispatch(engine.step())
+        except Exception as e:  # noqa: BLE001 - a bug in the loop must still end every request
+            log.exception("the engine loop failed")
+            self._loop_error = f"{type(e).__name__}: {e}"
+            self._dispatch(engine.fail_all(self._loop_error))
+            return
+        engine.shutdown()
+        self._dispatch(engine.fail_all("the server shut down"))
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            target = self._queues.get(event.request_id)
+            if target is not None:
+                loop, queue = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+                except RuntimeError:  # the event loop has closed: nobody is listening any more
+                    pass

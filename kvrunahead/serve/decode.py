@@ -1,0 +1,133 @@
+"""Continuous batching of the decode on the front rank: every decoding request advances in one forward per step.
+
+The requests' caches are left-padded to a common length and stacked into one ``DynamicCache``; a 2D attention mask
+zeroes the pads and explicit position ids give every request its own positions, so each row attends exactly what
+it would alone (greedy output alone == in a batch, tests/test_serve_engine.py). The batch is rebuilt only when its
+membership changes (a request joins after its prefill or leaves); otherwise the step appends one token to it.
+
+Models with sliding-window layers decode one request per forward on that request's own cache: a window kept per
+row would have to be trimmed by each row's own length, which one padded cache cannot do exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
+
+
+def cache_kv(cache: DynamicCache) -> KV:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class BatchDecoder:
+    def __init__(self, model: torch.nn.Module, batched: bool) -> None:
+        self.model = model
+        self.batched = batched
+        self.device = next(model.parameters()).device
+        self.own: dict[str, object] = {}  # request id -> its KV (batched) or its cache (one request per forward)
+        self.members: list[str] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [batch, tokens]: 0 on the pads
+        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def add(self, request_id: str, cache: DynamicCache) -> None:
+        self.own[request_id] = cache_kv(cache) if self.batched else cache
+
+    def remove(self, request_id: str) -> None:
+        """Free a request's cache (finished or cancelled); the batch drops its row at the next step."""
+        self.own.pop(request_id, None)
+        if request_id in self.members and self.cache is not None:
+            self._unbatch()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.own
+
+    @torch.no_grad()
+    def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Feed each request its last token at its position; the next-token logits ``[vocab]`` of each."""
+        if not self.batched:
+            return {rid: self._forward(self.own[rid], [tokens[rid]], [positions[rid]], None)[0] for rid in tokens}
+        if list(tokens) != self.members:
+            self._rebuild(list(tokens))
+        self.mask = torch.cat((self.mask, self.mask.new_ones(len(self.members), 1)), dim=1)
+        logits = self._forward(self.cache, [tokens[r] for r in self.members], [positions[r] for r in self.members],
+                               self.mask)
+        return dict(zip(self.members, logits))
+
+    def _forward(self, cache, tokens: list[int], positions: list[int], mask) -> torch.Tensor:
+        ids = torch.tensor([[t] for t in tokens], device=self.device)
+        pos = torch.tensor([[p] for p in positions], device=self.device)
+        extra = {"logits_to_keep": 1} if self._keep else {}
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
+                         **extra)
+        return out.logits[:, -1]
+
+    def _unbatch(self) -> None:
+        """Give every member still alive its own (unpadded) KV back, then drop the batch."""
+        total = self.mask.shape[1]
+        for b, rid in enumerate(self.members):
+            if rid in self.own:
+                pad = total - int(self.mask[b].sum())
+                self.own[rid] = [(layer.keys[b:b + 1, :, pad:], layer.values[b:b + 1, :, pad:])
+                                 for layer in self.cache.layers]
+        self.members, self.cache, self.mask = [], None, None
+
+    def _rebuild(self, members: list[str]) -> None:
+        if self.cache is not None:
+            self._unbatch()
+        kvs = [self.own[r] for r in members]
+        lengths = [kv[0][0].shape[-2] for kv in kvs]
+        total = max(lengths)
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(len(kvs[0])):
+            keys = torch.cat([F.pad(kv[layer][0], (0, 0, total - n, 0)) for kv, n in zip(kvs, lengths)])
+            values = torch.cat([F.pad(kv[layer][1], (0, 0, total - n, 0)) for kv, n in zip(kvs, lengths)])
+            cache.update(keys, values, layer)
+        self.mask = torch.tensor([[0] * (total - n) + [1] * n for n in lengths], device=self.device)
+        self.members, self.cache = members, cache
+
+
+class VariantDecoders:
+    """One ``BatchDecoder`` per RoPE variant (see ``executor.RankContext``): requests whose prompts run different
+    rotary embeddings advance in separate forwards, one per variant in use, each batched."""
+
+    def __init__(self, decoder_for: Callable[[object], BatchDecoder]) -> None:
+        self.decoder_for = decoder_for
+        self.by_variant: dict[object, BatchDecoder] = {}
+        self.variant_of: dict[str, object] = {}
+
+    def add(self, request_id: str, cache: DynamicCache, variant: object = None) -> None:
+        if variant not in self.by_variant:
+            self.by_variant[variant] = self.decoder_for(variant)
+        self.by_variant[variant].add(request_id, cache)
+        self.variant_of[request_id] = variant
+
+    def remove(self, request_id: str) -> None:
+        if request_id in self.variant_of:
+            self.by_variant[self.variant_of.pop(request_id)].remove(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.variant_of
+
+    @property
+    def members(self) -> list[str]:
+        """The requests in a batch now (for tests and the queue gauges)."""
+        return [r for d in self.by_variant.values() for r in d.members]
+
+    @property
+    def own(self) -> dict[str, object]:
+        return {r: kv for d in self.by_variant.values() for r, kv in d.own.items()}
+
+    def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
+        logits: dict[str, torch.Tensor] = {}
+        for variant, decoder in self.by_variant.items():
+            mine = [r for r in tokens if self.variant_of[r] == variant]
+            if mine:
+                logits.update(decoder.step({r: tokens[r] for r in mine}, {r: positions[r] for r in mine}))
+        return logits

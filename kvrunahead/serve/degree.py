@@ -1,0 +1,119 @@
+"""How many ranks prefill a request: one, or the whole chain.
+
+KV-Runahead pays for its parallel prefill with the chain's fill and the K,V it hands on (section 4), so a short
+prompt finishes sooner on one rank while a long one wins on the chain. The crossover is never a constant: it comes
+from measurement (partition tables searched at world size 1 and at p, whose entries carry the measured TTFT), else
+from the cost model of kvrunahead/sim (the predicted TTFT at degree 1 and at p on this machine's profile); the
+reason is returned with the choice and reported per request (``RequestFigures.degree_source``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from kvrunahead.errors import ProfileError
+from kvrunahead.model.layout import layer_windows
+from kvrunahead.policy import RunConfig, network_label, table_key
+from kvrunahead.search.tables import Table, TableError, find_table
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.optimize import search_partition
+from kvrunahead.sim.profile import resolve_profile
+from kvrunahead.sim.shape import shape_from_config
+from kvrunahead.sim.simulate import simulate
+
+
+@dataclass(frozen=True)
+class DegreeChoice:
+    degree: int
+    source: str
+
+
+def parse_degree(spec: str, world_size: int) -> int | None:
+    """``--degree``: ``auto`` (None), or 1 or the world size (a chain over a subset of the ranks would need a
+    transport of its own per subset; not built)."""
+    if spec == "auto":
+        return None
+    try:
+        degree = int(spec)
+    except ValueError:
+        raise ValueError(f"--degree must be auto, 1 or {world_size}, got {spec!r}") from None
+    if degree not in (1, world_size):
+        raise ValueError(f"--degree must be auto, 1 or {world_size} (the world size), got {degree}")
+    return degree
+
+
+def _measured_ttft(table: Table, n: int) -> float | None:
+    """The table's measured TTFT at ``n`` tokens, interpolated between its two nearest entries; None outside."""
+    entries = table.entries
+    if not entries or table.meta.source != "measured" or not entries[0].context_len <= n <= entries[-1].context_len:
+        return None
+    lo = max((e for e in entries if e.context_len <= n), key=lambda e: e.context_len)
+    hi = min((e for e in entries if e.context_len >= n), key=lambda e: e.context_len)
+    if hi.context_len == lo.context_len:
+        return lo.ttft_s
+    w = (n - lo.context_len) / (hi.context_len - lo.context_len)
+    return (1 - w) * lo.ttft_s + w * hi.ttft_s
+
+
+class DegreePolicy:
+    """The degree per prompt length, decided once per length and remembered."""
+
+    def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
+                 threads: int, degree: str = "auto") -> None:
+        self.cfg, self.config, self.p = cfg, config, world_size
+        self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
+        self.forced = parse_degree(degree, world_size)
+        self.choose = lru_cache(maxsize=4096)(self._choose)
+
+    def _choose(self, n: int) -> DegreeChoice:
+        if self.forced is not None:
+            return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
+        if self.p == 1:
+            return DegreeChoice(1, "one rank in the world")
+        if n < self.p:
+            return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks")
+        measured = self._from_tables(n)
+        if measured is not None:
+            return measured
+        predicted, why = self._from_cost_model(n)
+        if predicted is not None:
+            return predicted
+        return DegreeChoice(self.p, f"the chain: no measured TTFT at degree 1 and {self.p} and no cost model ({why})")
+
+    def _from_tables(self, n: int) -> DegreeChoice | None:
+        ttft = {}
+        for d in (1, self.p):
+            key = table_key(self.cfg, self.config, d, self.attention, self.local_world_size)
+            if d == 1:  # a single rank's table does not depend on the network
+                key = dataclasses.replace(key, bandwidth=network_label(self.cfg, 1, 1))
+            try:
+                path = find_table(key)
+            except TableError:
+                return None
+            ttft[d] = _measured_ttft(Table.load(path), n)
+            if ttft[d] is None:
+                return None
+        degree = 1 if ttft[1] <= ttft[self.p] else self.p
+        return DegreeChoice(degree, f"measured: {ttft[1]:.3f} s on 1 rank, {ttft[self.p]:.3f} s on {self.p} "
+                                    f"(partition tables, interpolated at {n} tokens)")
+
+    def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
+        key = table_key(self.cfg, self.config, self.p, self.attention, self.local_world_size)
+        if key.device_kind != "cpu":
+            return None, "the CPU cost model prices CPU ranks only"
+        if any(w is not None for w in layer_windows(self.config)):
+            return None, "the cost model prices full-attention layers only"
+        try:
+            profile, which = resolve_profile(None, self.threads)
+        except ProfileError as e:
+            return None, str(e)
+        profile, used, _ = profile.for_network(key.bandwidth)
+        cost = CostModel(shape_from_config(self.config, key.dtype), profile, used)
+        one = simulate(cost, "kvr", n, 1, None, self.attention).ttft_s
+        stride = max(1, min(64, n // (8 * self.p)))
+        chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
+        degree = 1 if one <= chain else self.p
+        return DegreeChoice(degree, f"cost model on {which}: predicted {one:.3f} s on 1 rank, {chain:.3f} s on "
+                                    f"{self.p}"), ""

@@ -1,0 +1,246 @@
+"""The serving engine: owns the world, the model (loaded once per rank), the scheduler and the caches in flight.
+
+``Engine.step()`` is nano-vllm's three lines, schedule -> execute -> postprocess, and returns the events of the
+step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. ``kvr-prefill``-style one-shot
+use is ``Engine.run_one(request)``: one request through the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrunahead.errors import InputError
+from kvrunahead.launcher import World, pick_backend
+from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.load import load_model, resolve_config
+from kvrunahead.model.rope import ContextError, max_context, plan_extension
+from kvrunahead.modes import check_model
+from kvrunahead.policy import RunConfig, default_threads, resolve_attention, resolve_device, resolve_dtype
+from kvrunahead.runner import cached_transport, loaded_model
+from kvrunahead.serve import executor
+from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
+from kvrunahead.serve.degree import DegreePolicy
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillPlan, RankContext, Shutdown
+from kvrunahead.serve.planning import partition_for
+from kvrunahead.serve.sampling import Sampler
+from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Work
+from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    run: RunConfig = field(default_factory=RunConfig)  # model, partition, attention, transport, net, timeout, ...
+    max_queue: int = 64
+    max_model_len: int | None = None  # None: the longest context the model takes (RoPE extension included)
+    degree: str = "auto"  # auto, 1, or the world size
+    heartbeat_s: float = 1.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, world: World) -> None:
+        cfg = config.run
+        self.config, self.world = config, world
+        model_config = resolve_config(cfg.model)
+        self.max_model_len = config.max_model_len or max_context(model_config, cfg.allow_long_context) or 2048
+        plan_extension(model_config, self.max_model_len, cfg.allow_long_context, cfg.model)  # refuse it early
+        self.attention, _ = resolve_attention(cfg, model_config)
+        check_model("kvr", model_config, self.attention)
+        device = resolve_device(cfg.device, world.local_rank)
+        threads = cfg.threads or default_threads(world.local_world_size)
+        torch.set_num_threads(threads)
+        dtype = resolve_dtype(cfg, device)
+        lm = loaded_model(cfg.model, dtype, device, cfg.seed)
+        transport = cached_transport(cfg.transport, world.rank, world.world_size, pick_backend(device),
+                                     cfg.timeout_s, cfg.allgather)
+        layout = probe_kv_layout(lm.model)
+        self.ctx = RankContext(lm, layout, transport, device, world.rank, world.world_size,
+                               load=lambda rope: load_model(cfg.model, dtype, device, cfg.seed, rope))
+        self.degrees = DegreePolicy(cfg, model_config, world.world_size, world.local_world_size, self.attention,
+                                    threads, config.degree)
+        self.model_config = model_config
+        self.threads = threads
+        self.scheduler = Scheduler(config.max_queue)
+        self.decoder = VariantDecoders(self._decoder_for)
+        self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
+        self.samplers: dict[str, Sampler] = {}
+        self.healthy = True
+        self.error: str | None = None
+        self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+
+    def _decoder_for(self, rope) -> BatchDecoder:
+        lm, layout = self.ctx.model(rope)
+        return BatchDecoder(lm.model, batched=not layout.windows)
+
+    @property
+    def is_front(self) -> bool:
+        return self.ctx.rank == self.ctx.front
+
+    @property
+    def tokenizer(self):
+        return self.ctx.lm.tokenizer
+
+    @property
+    def in_flight(self) -> int:
+        return self.scheduler.in_flight
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.in_flight or self._cancelled)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises QueueFull, EngineDead, or ValueError naming what is wrong with it."""
+        if not self.healthy:
+            raise EngineDead(f"the engine has failed: {self.error}")
+        request.params.check()
+        n = len(request.prompt_ids)
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; this server takes 1 to {self.max_model_len}")
+        cfg = self.config.run
+        try:
+            rope = plan_extension(self.model_config, n, cfg.allow_long_context, cfg.model)
+        except ContextError as e:
+            raise ValueError(str(e)) from None
+        with self._lock:
+            self.scheduler.add(Sequence(request, rope=rope))
+
+    def cancel(self, request_id: str) -> None:
+        """Free the request (waiting or decoding) at the next step; it ends with Finished('cancelled')."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def step(self) -> list[Event]:
+        """schedule -> execute -> postprocess. An idle step only keeps the workers' heartbeat."""
+        events = self._reap_cancelled()
+        with self._lock:
+            work = self.scheduler.schedule() if self.healthy else None
+        try:
+            if work is None:
+                self.heartbeat.maybe_ping()
+                return events
+            outcome = self._execute(work)
+        except InputError as e:  # this request's own problem, found before any other rank took part
+            return events + [self._finish(work.seq, "error", str(e))]
+        except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
+            return events + self._fail(e, work)
+        return events + self._postprocess(work, outcome)
+
+    def _execute(self, work: Work):
+        if isinstance(work, DecodeWork):
+            self.heartbeat.maybe_ping()
+            tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
+            return self.decoder.step(tokens, {s.request_id: s.next_position for s in work.seqs})
+        seq = work.seq
+        seq.prefill_start_s = time.monotonic()
+        ids = seq.request.prompt_ids
+        choice = self.degrees.choose(len(ids))
+        if choice.degree == 1:
+            boundaries, source = (0, len(ids)), "one rank"
+            outcome = executor.single_prefill(self.ctx, ids, seq.rope)
+        else:
+            partition, source = partition_for(self.config.run, self.model_config, len(ids), self.ctx.world_size,
+                                              self.attention, self.world.local_world_size, self.threads)
+            boundaries = partition.boundaries
+            plan = PrefillPlan(seq.request_id, ids, boundaries, self.attention, seq.rope)
+            executor.send_plan(self.ctx, plan)
+            self.heartbeat.sent()
+            outcome = executor.chain_prefill(self.ctx, plan)
+        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, choice.degree,
+                                     list(boundaries), source, choice.source)
+        return outcome
+
+    def _postprocess(self, work: Work, outcome) -> list[Event]:
+        if isinstance(work, PrefillWork):
+            return self._after_prefill(work.seq, outcome)
+        events: list[Event] = []
+        for seq in work.seqs:
+            events += self._advance(seq, self.samplers[seq.request_id](outcome[seq.request_id]))
+        return events
+
+    def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
+        self.last_prefill_logits = outcome.logits.float().cpu()
+        sampler = self.samplers[seq.request_id] = Sampler(seq.request.params)
+        token = sampler(outcome.logits)
+        seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
+        seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
+                              "bytes_sent": r.bytes_sent} for r in outcome.ranks]
+        self.decoder.add(seq.request_id, outcome.cache, seq.rope)
+        with self._lock:
+            self.scheduler.start_decoding(seq)
+        return self._advance(seq, token)
+
+    def _advance(self, seq: Sequence, token: int) -> list[Event]:
+        """Take ``token`` into ``seq``; its text delta and, when it ends (EOS, a stop string, max_tokens), its
+        Finished."""
+        lm = self.ctx.lm
+        eos = token in lm.eos_token_ids
+        seq.output_ids.append(token)
+        text_ids = seq.output_ids[:-1] if eos else seq.output_ids  # EOS ends the text; it is not part of it
+        text = lm.decode(text_ids)
+        delta, stopped = seq.text.advance(text)
+        reason = "stop" if eos or stopped else "length" if len(seq.output_ids) >= seq.request.params.max_tokens \
+            else None
+        if reason is not None and not stopped:
+            delta += seq.text.flush(text)
+        events: list[Event] = [TokenEvent(seq.request_id, token, delta)]
+        if reason is not None:
+            events.append(self._finish(seq, reason))
+        return events
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> Finished:
+        with self._lock:
+            self.scheduler.finish(seq)
+        self.decoder.remove(seq.request_id)
+        self.samplers.pop(seq.request_id, None)
+        return seq.finished(reason, error)
+
+    def _reap_cancelled(self) -> list[Event]:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
+        return [self._finish(seq, "cancelled") for seq in seqs]
+
+    def _fail(self, e: Exception, work: Work | None) -> list[Event]:
+        """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
+        self.healthy = False
+        self.error = f"{type(e).__name__}: {e}"
+        log.error("engine step failed: %s", self.error)
+        with self._lock:
+            seqs = self.scheduler.drain_all()
+        if isinstance(work, PrefillWork) and work.seq not in seqs:
+            seqs.append(work.seq)
+        return [self._finish(seq, "error", self.error) for seq in seqs]
+
+    def fail_all(self, why: str) -> list[Event]:
+        """End every request in flight with an error (the client's loop is stopping or broke)."""
+        return self._fail(RuntimeError(why), None)
+
+    def run_one(self, request: Request) -> tuple[list[Event], RequestFigures | None]:
+        """One request to its end through the same steps as a served one (``kvr-prefill``-style use)."""
+        self.add(request)
+        events: list[Event] = []
+        while not any(isinstance(e, Finished) and e.request_id == request.request_id for e in events):
+            events += self.step()
+        done = next(e for e in events if isinstance(e, Finished) and e.request_id == request.request_id)
+        return [e for e in events if e.request_id == request.request_id], done.figures
+
+    def worker_loop(self) -> None:
+        """A non-front rank: run the front's plans until it shuts the engine down."""
+        executor.worker_loop(self.ctx)
+
+    def shutdown(self) -> None:
+        """End the workers' loops (front only; best effort when a rank has already gone)."""
+        if self.ctx.world_size > 1 and self.error is None:
+            try:
+                executor.send_plan(self.ctx, Shutdown())
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not tell the workers to shut down: %s", e)
+        self.healthy = False
+        self.error = self.error or "shut down"

@@ -1,0 +1,181 @@
+"""Runs a step on every rank (nano-vllm's model runner): the front sends a plan, every rank executes its part.
+
+The front is the LAST rank (p - 1): the KV chain leaves the full cache and the first token there (section 4.1), so
+decode needs no transfer. A chain prefill goes through exactly the runner's code (``MODES["kvr"]``, the same
+``Step``, ``timed_prefill`` and ``rank_stats``), so a served prompt gets the logits and tokens ``kvr-prefill``
+gives. Non-front ranks run ``worker_loop``: receive a plan, run their part, drop their cache, repeat.
+
+Plans travel as pickled bytes broadcast from the front on the patient gloo group, and every wait for one is
+bounded by the peers' heartbeats (net/liveness.py), not by a fixed timeout: a worker may wait minutes while the
+front decodes or prefills alone, and still notices a front that died or froze within ``--timeout``. While idle or
+decoding, the front broadcasts a ``Ping`` every ``heartbeat_s``, so that it notices a dead worker at once, not at
+the next long prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+
+from kvrunahead.model.layout import KVLayout, probe_kv_layout
+from kvrunahead.model.load import LoadedModel
+from kvrunahead.model.rope import RopeExtension
+from kvrunahead.modes import MODES, Step
+from kvrunahead.net import liveness
+from kvrunahead.partition import Partition
+from kvrunahead.runner import RankStats, rank_stats, timed_prefill
+from kvrunahead.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    request_id: str
+    ids: list[int]
+    boundaries: tuple[int, ...]
+    attention: str
+    rope: RopeExtension | None = None  # the extension this prompt's length needs, as kvr-prefill plans it
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Sent while no prefill runs: proves to the workers that the front is alive and to the front that they are."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Ends every worker's loop (the server is stopping)."""
+
+
+Plan = PrefillPlan | Ping | Shutdown
+
+
+@dataclass
+class RankContext:
+    """What a rank keeps across steps: the model (loaded once per RoPE variant), its KV layout, the transport and
+    where it runs.
+
+    A prompt beyond the trained positions runs, as in ``kvr-prefill``, with the rotary embedding extended by the
+    smallest YaRN factor that covers it, and a shorter one without: YaRN changes every position's rotation, so one
+    model for both would not give what ``kvr-prefill`` gives. The weights are loaded once per factor in use.
+    """
+
+    lm: LoadedModel  # the unextended model: tokenizer, EOS, the prompts within the trained positions
+    layout: KVLayout
+    transport: Transport
+    device: torch.device
+    rank: int
+    world_size: int
+    load: Callable[[RopeExtension | None], LoadedModel] | None = None
+    variants: dict = field(default_factory=dict)  # RopeExtension -> (LoadedModel, KVLayout)
+
+    @property
+    def front(self) -> int:
+        return self.world_size - 1
+
+    def model(self, rope: RopeExtension | None) -> tuple[LoadedModel, KVLayout]:
+        if rope is None:
+            return self.lm, self.layout
+        if rope not in self.variants:
+            log.info("rank %d: loading the model with %s", self.rank, rope.describe())
+            lm = self.load(rope)
+            self.variants[rope] = (lm, probe_kv_layout(lm.model))
+        return self.variants[rope]
+
+
+@dataclass
+class PrefillOutcome:
+    logits: torch.Tensor  # [vocab], on the model's device
+    cache: DynamicCache
+    ranks: list[RankStats] = field(default_factory=list)
+
+
+def send_plan(ctx: RankContext, plan: Plan) -> None:
+    """Broadcast ``plan`` from the front to every rank (as long as they are alive)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
+    _broadcast(torch.tensor([payload.numel()], dtype=torch.int64), ctx, "the workers to take the next plan")
+    _broadcast(payload, ctx, "the workers to take the next plan")
+
+
+def recv_plan(ctx: RankContext) -> Plan:
+    """The front's next plan; waits as long as the front is alive (its heartbeats), then raises PeerTimeout."""
+    size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(size, ctx, "the front's next plan")
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    _broadcast(payload, ctx, "the front's next plan")
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
+    work = dist.broadcast(tensor, src=ctx.front, group=liveness.patient_group(), async_op=True)
+    liveness.wait_for_peers(work, what)
+
+
+def chain_prefill(ctx: RankContext, plan: PrefillPlan) -> PrefillOutcome | None:
+    """This rank's part of a KV-Runahead prefill, the runner's own code; the front gets the outcome."""
+    mode = MODES["kvr"]
+    partition = Partition(tuple(plan.boundaries))
+    ctx.transport.reset_stats()
+    ranges = mode.token_ranges(partition)
+    mine = ranges[ctx.rank]
+    my_ids = torch.tensor([[t for a, e in mine for t in plan.ids[a:e]]], device=ctx.device)
+    lm, layout = ctx.model(plan.rope)
+    step = Step(lm.model, my_ids, plan.ids, ranges, ctx.transport, layout, len(plan.ids), plan.attention)
+    state = mode.setup(step)
+    emits = ctx.rank == mode.emitter(ctx.world_size)
+    logits, cache, _, total_s = timed_prefill(mode, step, state, ctx.device, emits)
+    stats = rank_stats(ctx.rank, mine, total_s, ctx.transport, state, ctx.device)
+    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")
+    if not emits:
+        return None  # a worker's cache dies here: decode happens on the front alone
+    return PrefillOutcome(logits, cache, all_stats)
+
+
+def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None = None) -> PrefillOutcome:
+    """A prefill on the front alone (degree 1): the single-process mode, the other ranks untouched."""
+    mode = MODES["single"]
+    ranges = [[(0, len(ids))]]
+    lm, layout = ctx.model(rope)
+    step = Step(lm.model, torch.tensor([ids], device=ctx.device), ids, ranges, ctx.transport, layout, len(ids))
+    t0 = time.perf_counter()
+    logits, cache = mode.prefill(step, None)
+    total_s = time.perf_counter() - t0
+    stats = RankStats(rank=ctx.rank, tokens=len(ids), total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
+                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
+    return PrefillOutcome(logits, cache, [stats])
+
+
+def worker_loop(ctx: RankContext) -> None:
+    """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone."""
+    log.info("rank %d serving as a worker of front rank %d", ctx.rank, ctx.front)
+    while True:
+        plan = recv_plan(ctx)
+        if isinstance(plan, Shutdown):
+            log.info("rank %d: shutdown", ctx.rank)
+            return
+        if isinstance(plan, PrefillPlan):
+            chain_prefill(ctx, plan)
+
+
+class Heartbeat:
+    """The front's Ping schedule: one broadcast every ``heartbeat_s`` while no prefill broadcast happens."""
+
+    def __init__(self, ctx: RankContext, heartbeat_s: float) -> None:
+        self.ctx, self.heartbeat_s = ctx, heartbeat_s
+        self.last_s = time.monotonic()
+
+    def sent(self) -> None:
+        self.last_s = time.monotonic()
+
+    def maybe_ping(self) -> None:
+        if self.ctx.world_size > 1 and time.monotonic() - self.last_s >= self.heartbeat_s:
+            send_plan(self.ctx, Ping())
+            self.sent()

@@ -1,0 +1,71 @@
+"""The server's Prometheus metrics, in a registry of its own (two servers in one process never share counts).
+
+Names follow vLLM's where the meaning is the same (``time_to_first_token``, ``time_per_output_token``,
+``e2e_request_latency``), under the ``kvr_`` prefix; TTFT is what the client waits: from the request's arrival at
+the server to its first token, queueing included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: from a few milliseconds (a short prompt on one rank) to minutes (a long prompt on a slow CPU chain).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+# The outcomes a request is counted under: how it finished, or why it was refused before it started.
+OUTCOMES = ("stop", "length", "cancelled", "error", "invalid", "queue_full", "unavailable")
+
+
+class Metrics:
+    """The histograms, gauges and counters of one server, rendered in Prometheus' text format."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("kvr_ttft_seconds", "Time from a request's arrival to its first token.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.tpot = Histogram("kvr_time_per_output_token_seconds",
+                              "Time between a request's output tokens after the first (one observation per request).",
+                              buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e = Histogram("kvr_e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("kvr_prompt_tokens", "Prompt tokens of the requests served.", registry=r)
+        self.generation_tokens = Counter("kvr_generation_tokens", "Tokens generated.", registry=r)
+        self.queue_depth = Gauge("kvr_queue_depth", "Requests waiting for their prefill.", registry=r)
+        self.running = Gauge("kvr_requests_running", "Requests admitted and not yet finished.", registry=r)
+        self.requests = Counter("kvr_requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.rank_bytes = Counter("kvr_rank_bytes_sent", "Bytes each rank sent in the requests' prefills.", ["rank"],
+                                  registry=r)
+        for outcome in OUTCOMES:  # every outcome shows from the start, at zero
+            self.requests.labels(outcome=outcome)
+
+    def track(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
+        """Read the gauges from the engine at each scrape rather than keeping a second count of its state."""
+        self.queue_depth.set_function(queue_depth)
+        self.running.set_function(running)
+
+    def refused(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome).inc()
+
+    def finished(self, outcome: str, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
+                 completion_tokens: int, rank_bytes: dict[int, int]) -> None:
+        """One request that was admitted, however it ended."""
+        self.requests.labels(outcome=outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if completion_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
+        if outcome in ("stop", "length"):
+            self.e2e.observe(e2e_s)
+        for rank, n in rank_bytes.items():
+            self.rank_bytes.labels(rank=str(rank)).inc(n)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

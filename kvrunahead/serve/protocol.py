@@ -1,0 +1,278 @@
+"""The OpenAI request and response shapes of /v1/completions and /v1/chat/completions, as pydantic models.
+
+Requests are strict: a parameter this server does not know is refused by name (``extra="forbid"``), never
+ignored, and a value of the wrong type is refused rather than coerced (``"max_tokens": "16"`` is an error, as it
+is at OpenAI). Parameters the server knows but does not implement (``n``, penalties, logprobs, ...) are accepted
+only at their neutral value, so a client that spells out the defaults still works; any other value is refused
+by name. The official ``openai`` client sends only what its caller passes.
+
+Every response, and the last chunk of a stream, carries the request's own figures in the extension field
+``kvrunahead`` (TTFT, the degree and partition chosen and why, per-rank compute and wait).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Known parameters that are accepted only at these values (the API's defaults, which change nothing).
+_NEUTRAL: dict[str, tuple] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What both endpoints share: the model, the sampling parameters, streaming."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user label: recorded nowhere, changes nothing
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    DEFAULT_TEMPERATURE: ClassVar[float] = 1.0  # OpenAI's (and vLLM's) default: sampling unless asked otherwise
+
+    @field_validator("n", "best_of", "echo", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
+                     "logit_bias", "suffix", check_fields=False)
+    @classmethod
+    def _neutral_only(cls, value: Any, info) -> Any:
+        if value not in _NEUTRAL[info.field_name]:
+            allowed = " or ".join(repr(v) for v in _NEUTRAL[info.field_name] if v is not None)
+            raise ValueError(f"{value!r} is not supported by this server (only {allowed})")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("a stop string must not be empty")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def sampling_temperature(self) -> float:
+        return self.DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(value)}")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name; wins when both are given
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RankFigures(BaseModel):
+    rank: int
+    compute_s: float
+    wait_s: float
+    bytes_sent: int
+
+
+class Partition(BaseModel):
+    boundaries: list[int]
+    source: str
+
+
+class KvrFigures(BaseModel):
+    """The extension field: how this request was prefilled."""
+
+    ttft_s: float
+    queue_s: float
+    degree: int
+    degree_source: str
+    partition: Partition
+    ranks: list[RankFigures]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kvrunahead: KvrFigures | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    kvrunahead: KvrFigures | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    kvrunahead: KvrFigures | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvrunahead"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _param(loc: tuple) -> str | None:
+    loc = tuple(x for x in loc if x != "body")
+    # pydantic names the union member that failed (``stop.str``, ``prompt.list[int]``); the client named a field
+    parts = [str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool")))]
+    return ".".join(parts) or None
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """One message naming the offending parameter (and the parameter's name) from pydantic's errors; the first
+    error of each parameter only (a union reports one per member)."""
+    seen: dict[str | None, str] = {}
+    for e in errors:
+        param = _param(tuple(e.get("loc", ())))
+        if param in seen:
+            continue
+        kind = e.get("type", "")
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        if kind == "json_invalid":
+            seen[param] = f"malformed JSON body: {e.get('ctx', {}).get('error', msg)}"
+        elif kind == "extra_forbidden":
+            seen[param] = f"unknown parameter '{param}': not supported by this server"
+        elif kind == "missing":
+            seen[param] = f"'{param}' is required"
+        elif param is None:
+            seen[param] = f"the request body must be a JSON object ({msg})"
+        else:
+            seen[param] = f"'{param}': {msg}"
+    first = next(iter(seen), None)
+    return "; ".join(seen.values()) or "invalid request", first

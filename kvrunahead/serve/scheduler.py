@@ -1,0 +1,81 @@
+"""What runs next: one prefill, or one batched decode of every running request (torch-free).
+
+TTFT first: a waiting request is prefilled as soon as the engine is free. Decodes are never starved: after a
+prefill, the next step decodes whenever any request is decoding, so a stream of arrivals still lets every running
+request advance every other step at worst.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvrunahead.serve.sequence import QueueFull, Sequence
+
+
+@dataclass
+class PrefillWork:
+    seq: Sequence
+
+
+@dataclass
+class DecodeWork:
+    seqs: list[Sequence]
+
+
+Work = PrefillWork | DecodeWork
+
+
+class Scheduler:
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
+        self.waiting.append(seq)
+
+    def schedule(self) -> Work | None:
+        """The next step, or None when idle. A prefilled sequence leaves ``waiting`` here."""
+        decode_due = bool(self.running) and (self._last_was_prefill or not self.waiting)
+        if decode_due:
+            self._last_was_prefill = False
+            return DecodeWork(list(self.running))
+        if self.waiting:
+            self._last_was_prefill = True
+            return PrefillWork(self.waiting.popleft())
+        return None
+
+    def start_decoding(self, seq: Sequence) -> None:
+        seq.status = "running"
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Take a request out wherever it is (cancel); the caller frees its cache."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                return seq
+        return None
+
+    def drain_all(self) -> list[Sequence]:
+        """Every request in flight, removed (the engine failed)."""
+        seqs = [*self.waiting, *self.running]
+        self.waiting.clear()
+        self.running.clear()
+        return seqs
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,154 @@
+"""One request's state, its sampling parameters and the events the engine emits for it (torch-free).
+
+Like nano-vllm's ``sequence.py``: what a request asked for and how far it got, nothing about how a step runs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than ``max_queue``: refused at once (HTTP 429), never left waiting unbounded."""
+
+
+class EngineDead(RuntimeError):
+    """The engine takes no more requests: a rank died, the loop failed, or the server is draining."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy (argmax), the setting under which served output equals kvr-prefill's
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def check(self) -> None:
+        """Raise ValueError naming the bad field (the HTTP layer turns it into a 400)."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_s: float = field(default_factory=time.monotonic)  # time.monotonic(): TTFT and queue time count from here
+
+
+def new_request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class RequestFigures:
+    """What a response reports of its prefill: TTFT, the degree and partition chosen and why, per-rank figures."""
+
+    ttft_s: float  # from arrival to the first token chosen
+    queue_s: float  # from arrival to the start of its prefill
+    degree: int
+    boundaries: list[int]
+    partition_source: str
+    degree_source: str
+    ranks: list[dict] = field(default_factory=list)  # {rank, compute_s, wait_s, bytes_sent}
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int
+    text: str  # the new text since the last event, stop strings already cut
+
+
+@dataclass
+class Finished:
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    figures: RequestFigures | None = None
+    error: str | None = None
+
+
+Event = TokenEvent | Finished
+
+
+class StopText:
+    """The text a request has shown so far, cut at the first stop string.
+
+    Text that could still turn into a stop string (a suffix that is a prefix of one) or a partial UTF-8 character
+    (the decoder's U+FFFD) is held back until the next token decides it, so no client ever sees part of a stop
+    string.
+    """
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.shown = 0  # characters of the decoded text already emitted
+
+    def advance(self, text: str) -> tuple[str, bool]:
+        """Given the whole decoded output so far, the new text to show and whether a stop string ended it."""
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            delta, self.shown = text[self.shown:cut], max(self.shown, cut)
+            return delta, True
+        safe = len(text)
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        delta = text[self.shown:safe] if safe > self.shown else ""
+        self.shown = max(self.shown, safe)
+        return delta, False
+
+    def flush(self, text: str) -> str:
+        """The held-back text when the request ends for another reason (length, EOS)."""
+        delta = text[self.shown:]
+        self.shown = len(text)
+        return delta
+
+
+@dataclass
+class Sequence:
+    """A request in the engine: its tokens so far, what it has shown, and where it stands."""
+
+    request: Request
+    output_ids: list[int] = field(default_factory=list)
+    text: StopText | None = None
+    status: Literal["waiting", "running", "finished"] = "waiting"
+    figures: RequestFigures | None = None
+    prefill_start_s: float | None = None
+    rope: object = None  # the RoPE extension its prompt's length needs (a model.rope.RopeExtension), or None
+
+    def __post_init__(self) -> None:
+        self.text = StopText(self.request.params.stop)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def next_position(self) -> int:
+        """The position of the last chosen token, fed at the next decode step."""
+        return self.prompt_len + len(self.output_ids) - 1
+
+    def finished(self, reason: FinishReason, error: str | None = None) -> Finished:
+        self.status = "finished"
+        return Finished(self.request_id, reason, self.prompt_len, len(self.output_ids), self.figures, error)

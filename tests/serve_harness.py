@@ -1,0 +1,99 @@
+"""Starts the serving engine on real ranks (started by tests/test_serve_engine.py like tests/helpers.py does) and
+writes what the front saw to JSON.
+
+Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
+Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
+client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end).
+"""
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvrunahead.launcher import init_world, leave_world
+from kvrunahead.policy import RunConfig, prepare
+from kvrunahead.runner import run_on_world
+from kvrunahead.serve.client import AsyncEngineClient
+from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.sequence import Finished, Request, SamplingParams
+
+
+def match(scenario: dict, world, out: dict) -> None:
+    cfg = RunConfig(**scenario["run"])
+    ref = run_on_world(cfg, world)
+    engine = Engine(EngineConfig(run=cfg, degree=scenario.get("degree", "auto")), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    ids = prepare(cfg, world.world_size).ids
+    events, figures = engine.run_one(Request("r", ids, SamplingParams(max_tokens=cfg.max_new_tokens)))
+    engine.shutdown()
+    out.update(ref_first=ref.first_token, ref_tokens=ref.generated_tokens, ref_boundaries=list(ref.boundaries),
+               tokens=[e.token_id for e in events if not isinstance(e, Finished)],
+               max_abs_logit_diff=float((ref.logits - engine.last_prefill_logits).abs().max()),
+               degree=figures.degree, boundaries=figures.boundaries, degree_source=figures.degree_source,
+               ranks=figures.ranks)
+
+
+async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict) -> None:
+    async for event in client.generate(list(range(20, 80)), SamplingParams(max_tokens=4000), rid):
+        if not ready.exists():
+            ready.write_text("decoding")
+        if isinstance(event, Finished):
+            out[rid] = {"finish_reason": event.finish_reason, "error": event.error, "at_s": time.monotonic()}
+
+
+def serve(scenario: dict, world, out: dict) -> None:
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    client = AsyncEngineClient(engine)
+
+    async def main() -> None:
+        await asyncio.gather(*(_collect(client, f"r{i}", Path(scenario["ready"]), out) for i in range(3)))
+
+    asyncio.run(main())
+    out["healthy"] = client.healthy
+    out["done_s"] = time.monotonic()
+
+
+def idle(scenario: dict, world, out: dict) -> None:
+    """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    client = AsyncEngineClient(engine)
+    Path(scenario["ready"]).write_text("idle")
+    time.sleep(120)
+    client.shutdown()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO)
+    scenario = json.load(open(sys.argv[1]))
+    world = init_world("torchrun", "gloo", timeout_s=scenario["run"].get("timeout_s", 60))
+    out: dict = {}
+    code = 0
+    try:
+        {"match": match, "serve": serve, "idle": idle}[scenario["name"]](scenario, world, out)
+    except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
+        logging.exception("rank %d failed", world.rank)
+        out["error"] = f"{type(e).__name__}: {e}"
+        code = 2
+    if out.get("healthy") is False:
+        code = 3
+    json.dump(out, open(f"{sys.argv[2]}.{world.rank}", "w"))
+    if code == 0:
+        leave_world()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``kvr-serve`` on real ranks (two gloo ranks of the synthetic tiny-llama on 127.0.0.1): the official ``openai``
+client gets what ``kvr-prefill`` prints for the same prompt; SIGTERM drains (the stream in flight completes, a new
+request gets 503) and exits 0; a worker that dies ends the requests in flight with an error, fails /health and
+the server exits non-zero; bad input is one line and exit 2. Every server here is bounded and killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+class Server:
+    """A ``kvr-serve --nproc 2`` process group; its stderr is collected as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrunahead.serve.cli", "--nproc", "2", "--port", "0",
+                                      "--model", MODEL, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True, env=ENV, cwd=ROOT, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+
+    def url(self, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(r"serving \S+ on (http://\S+)/v1", line):
+                    return m.group(1)
+            assert self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.1)
+        raise AssertionError(f"no server after {timeout_s} s: {''.join(self.lines)}")
+
+    def ranks(self) -> dict[int, int]:
+        """pid by rank of the spawned ranks."""
+        out = {}
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and int((d / "stat").read_text().split(")")[1].split()[1]) == self.proc.pid:
+                    env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                    out[int(env["RANK"])] = int(d.name)
+            except (OSError, KeyError, IndexError, ValueError):
+                continue
+        return out
+
+    def wait(self, timeout_s: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"kvr-serve still running after {timeout_s} s: {''.join(self.lines)}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[Server]:
+    server = Server(*args)
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def _api(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=60)
+
+
+def _prefill_text(tmp_path: Path, max_new_tokens: int) -> str:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--model", MODEL,
+                        "--prompt-file", str(prompt), "--no-chat", "--max-new-tokens", str(max_new_tokens), "--json"],
+                       capture_output=True, text=True, timeout=180, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["generated_text"]
+
+
+def test_served_greedy_text_equals_kvr_prefill_and_sigterm_drains_the_stream_in_flight(tmp_path):
+    expected = _prefill_text(tmp_path, 12)
+    with serving("--grace", "60") as server:
+        url = server.url()
+        api = _api(url)
+        c = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert c.choices[0].text == expected
+        assert c.model_extra["kvrunahead"]["degree"] in (1, 2) and c.usage.completion_tokens == 12
+        stream = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
+        chunks = [next(stream)]
+        os.kill(server.proc.pid, signal.SIGTERM)  # the launcher forwards it to the ranks: the front drains
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+        assert server.wait() == 0, "".join(server.lines)
+
+
+def test_a_worker_that_dies_fails_the_requests_in_flight_and_the_server_exits_nonzero():
+    with serving("--timeout", "10") as server:
+        url = server.url()
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", f"{url}/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            t0 = time.monotonic()
+            os.kill(server.ranks()[0], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2].removeprefix("data: "))
+        assert time.monotonic() - t0 < 10 + 5
+        assert server.wait() != 0
+        assert any("stopped:" in line for line in server.lines), "".join(server.lines)
+
+
+def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2():
+    cmd = [sys.executable, "-m", "kvrunahead.serve.cli", "--model", MODEL]
+    r = subprocess.run([*cmd, "--max-queue", "0"], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["kvr-serve: error: --max-queue must be at "
+                                                                   "least 1, got 0"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120, env=ENV,
+                           cwd=ROOT)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

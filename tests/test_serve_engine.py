@@ -1,0 +1,234 @@
+"""The serving engine (kvrunahead/serve/): one code path with the runner, batched decode exact, cancel, overload,
+sampling, stop strings, and a rank failure that ends every request in flight without hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrunahead.launcher import World, free_port
+from kvrunahead.policy import RunConfig
+from kvrunahead.serve.client import AsyncEngineClient
+from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.sampling import nucleus
+from kvrunahead.serve.sequence import (
+    EngineDead,
+    Finished,
+    QueueFull,
+    Request,
+    SamplingParams,
+    StopText,
+    TokenEvent,
+)
+from tests.helpers import HERE, rank_env, wait_all
+
+ROOT = HERE.parent
+PROMPTS = [list(range(30, 70)), list(range(100, 117)), list(range(5, 90))]  # different lengths
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), max_queue=4), World(0, 1, 0, 1, "single"))
+
+
+def _tokens(events) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for e in events:
+        if isinstance(e, TokenEvent):
+            out.setdefault(e.request_id, []).append(e.token_id)
+    return out
+
+
+def _until_finished(engine: Engine, ids: set[str], max_steps: int = 500) -> list:
+    events: list = []
+    for _ in range(max_steps):
+        events += engine.step()
+        if ids <= {e.request_id for e in events if isinstance(e, Finished)}:
+            return events
+    raise AssertionError(f"requests {ids} did not finish in {max_steps} steps")
+
+
+def test_greedy_output_alone_equals_output_in_a_batch_joined_at_different_steps(engine):
+    alone = {}
+    for i, ids in enumerate(PROMPTS):
+        events, _ = engine.run_one(Request(f"alone{i}", ids, SamplingParams(max_tokens=12)))
+        alone[i] = _tokens(events)[f"alone{i}"]
+    events, widest = [], 0
+    for i, ids in enumerate(PROMPTS):  # each joins while the earlier ones decode
+        engine.add(Request(f"batch{i}", ids, SamplingParams(max_tokens=12)))
+        for _ in range(3):
+            events += engine.step()
+            widest = max(widest, len(engine.decoder.members))
+    events += _until_finished(engine, {f"batch{i}" for i in range(3)})
+    assert widest == 3  # the three really advanced in one forward
+    batched = _tokens(events)
+    assert all(batched[f"batch{i}"] == alone[i] for i in range(3)), (batched, alone)
+    assert max(len(engine.decoder.members), len(engine.decoder.own)) == 0  # every cache freed
+
+
+def test_cancel_frees_the_request_at_the_next_step(engine):
+    engine.add(Request("c", PROMPTS[0], SamplingParams(max_tokens=100)))
+    engine.step(), engine.step()
+    assert "c" in engine.decoder
+    engine.cancel("c")
+    events = engine.step()
+    assert [e.finish_reason for e in events if isinstance(e, Finished)] == ["cancelled"]
+    assert "c" not in engine.decoder and engine.in_flight == 0
+
+
+def test_queue_full_is_refused_at_once(engine):
+    for i in range(4):
+        engine.add(Request(f"q{i}", PROMPTS[1], SamplingParams(max_tokens=1)))
+    with pytest.raises(QueueFull):
+        engine.add(Request("q4", PROMPTS[1], SamplingParams(max_tokens=1)))
+    _until_finished(engine, {f"q{i}" for i in range(4)})
+
+
+def test_bad_requests_are_refused_by_name(engine):
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add(Request("bad", PROMPTS[0], SamplingParams(max_tokens=0)))
+    with pytest.raises(ValueError, match="tokens"):
+        engine.add(Request("long", [1] * (engine.max_model_len + 1)))
+
+
+def test_sampling_with_the_same_seed_gives_the_same_tokens(engine):
+    params = {"max_tokens": 10, "temperature": 0.9, "top_p": 0.8}
+    runs = [_tokens(engine.run_one(Request(f"s{k}", PROMPTS[0], SamplingParams(seed=seed, **params)))[0])[f"s{k}"]
+            for k, seed in enumerate((7, 7, 8))]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    kept = nucleus(torch.tensor([0.5, 0.3, 0.15, 0.05]), 0.7)
+    assert torch.allclose(kept, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_stop_strings_are_cut_and_never_shown_in_part():
+    stop = StopText(["END"])
+    assert stop.advance("abc E") == ("abc ", False)  # "E" may start "END": held back
+    assert stop.advance("abc EN") == ("", False)
+    assert stop.advance("abc ENDxyz") == ("", True)
+    again = StopText(["END"])
+    assert again.advance("abc E") == ("abc ", False)
+    assert again.advance("abc Ex") == ("Ex", False)
+
+
+def test_a_stop_string_ends_the_request_with_its_text_cut(engine):
+    events, _ = engine.run_one(Request("full", PROMPTS[2], SamplingParams(max_tokens=12)))
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    events, _ = engine.run_one(Request("cut", PROMPTS[2], SamplingParams(max_tokens=12, stop=[stop])))
+    cut = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    assert events[-1].finish_reason == "stop"
+    assert cut == text[:text.find(stop)]
+
+
+def test_async_client_streams_and_refuses_when_draining(engine):
+    client = AsyncEngineClient(engine)
+
+    async def run() -> list:
+        return [e async for e in client.generate(PROMPTS[0], SamplingParams(max_tokens=5))]
+
+    try:
+        events = asyncio.run(asyncio.wait_for(run(), 60))
+        assert [type(e) for e in events] == [TokenEvent] * 5 + [Finished]
+        client.begin_drain()
+
+        async def refused() -> None:
+            async for _ in client.generate(PROMPTS[0], SamplingParams()):
+                pass
+
+        with pytest.raises(EngineDead):
+            asyncio.run(refused())
+    finally:
+        client._stop.set()  # leave the module's engine usable: stop the loop without shutting the engine
+        client._wake.set()
+        client._thread.join(10)
+
+
+def _start_ranks(scenario: dict, tmp: Path, p: int = 2) -> tuple[list[subprocess.Popen], Path]:
+    (tmp / "scenario.json").write_text(json.dumps(scenario))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "serve_harness.py"), str(tmp / "scenario.json"),
+                               str(tmp / "out.json")], env=rank_env(r, p, port, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(p)]
+    return procs, tmp / "out.json"
+
+
+@pytest.mark.timeout(240)
+def test_engine_chain_prefill_matches_the_runner_on_real_ranks(tmp_path):
+    run = {"model": "tiny-llama", "context_len": 96, "partition": "0.6,0.4", "max_new_tokens": 6, "threads": 1}
+    procs, out = _start_ranks({"name": "match", "run": run, "degree": "2"}, tmp_path)
+    outputs = wait_all(procs, 200)
+    assert [q.returncode for q in procs] == [0, 0], "\n".join(outputs)
+    r = json.loads(Path(f"{out}.1").read_text())
+    assert r["degree"] == 2 and r["boundaries"] == r["ref_boundaries"]
+    assert r["tokens"][0] == r["ref_first"] and r["tokens"] == r["ref_tokens"]
+    assert r["max_abs_logit_diff"] <= 1e-3
+    assert [x["rank"] for x in r["ranks"]] == [0, 1] and r["ranks"][0]["bytes_sent"] > 0
+
+
+def _wait_ready(ready: Path, procs, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert time.monotonic() < deadline and all(q.poll() is None for q in procs), what
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_ends_every_request_with_an_error_within_the_timeout(tmp_path):
+    timeout_s = 5.0
+    ready = tmp_path / "ready"
+    scenario = {"name": "serve", "ready": str(ready),
+                "run": {"model": "tiny-llama", "threads": 1, "timeout_s": timeout_s, "partition": "even"}}
+    procs, out = _start_ranks(scenario, tmp_path)
+    try:
+        _wait_ready(ready, procs, "never started decoding")
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        outputs = wait_all(procs[1:], timeout_s + 30)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait(10)
+    front = json.loads(Path(f"{out}.1").read_text())
+    assert procs[1].returncode == 3, outputs
+    assert front["healthy"] is False
+    assert [front[f"r{i}"]["finish_reason"] for i in range(3)] == ["error"] * 3, front
+    assert front["done_s"] - killed_at < timeout_s + 10
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_whose_front_died_exits_non_zero_within_the_timeout(tmp_path):
+    timeout_s = 4.0
+    ready = tmp_path / "ready"
+    scenario = {"name": "idle", "ready": str(ready), "run": {"model": "tiny-llama", "threads": 1,
+                                                           "timeout_s": timeout_s}}
+    procs, _ = _start_ranks(scenario, tmp_path)
+    try:
+        _wait_ready(ready, procs, "the front never started")
+        time.sleep(timeout_s + 2)  # idle longer than --timeout: the pings keep the worker waiting
+        assert procs[0].poll() is None, "the worker left an idle but live front"
+        killed_at = time.monotonic()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        outputs = wait_all(procs[:1], timeout_s + 30)
+        assert procs[0].returncode not in (0, None), outputs
+        assert time.monotonic() - killed_at < timeout_s + 10
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait(10)

@@ -1,0 +1,350 @@
+"""The HTTP layer over a fake engine client (no ranks, no torch): bad input is refused by name with OpenAI's error
+body, overload and drain answer at once, streams are framed as server-sent events ending in ``data: [DONE]``, a
+client that disconnects cancels its request, and the official ``openai`` client works unchanged against a real
+uvicorn on 127.0.0.1. The same paths on real ranks are in tests/test_serve_cli.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from kvrunahead.serve.app import build_app
+from kvrunahead.serve.metrics import Metrics
+from kvrunahead.serve.sequence import Finished, QueueFull, RequestFigures, TokenEvent
+from kvrunahead.serve.server import DrainingServer
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "fake-model"
+
+
+class FakeTokenizer:
+    """Characters as token ids, a chat template of role tags."""
+
+    chat_template = "tags"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def __len__(self) -> int:
+        return 0x110000
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> str:
+        assert add_generation_prompt and not tokenize
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeClient:
+    """The ``AsyncEngineClient`` interface: replies ``words`` one per event; ``hold_after`` events, waits until
+    cancelled; ``full`` raises QueueFull at the first step, as the real client's generator does."""
+
+    model_id = MODEL
+    max_model_len = 64
+
+    def __init__(self, words: tuple[str, ...] = ("Hello", " world", "!"), hold_after: int | None = None,
+                 full: bool = False, finish: str | None = None) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.words, self.hold_after, self.full, self.finish = words, hold_after, full, finish
+        self.healthy, self.draining = True, False
+        self.requests: list[tuple[list[int], object, str]] = []
+        self.cancelled: list[str] = []
+        self.open: set[str] = set()
+        self.waiting = self.running = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.open)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def shutdown(self) -> None:
+        self.healthy = False
+
+    async def generate(self, prompt_ids, params, request_id):
+        if self.full:
+            raise QueueFull("3 requests are waiting (--max-queue 3)")
+        self.requests.append((prompt_ids, params, request_id))
+        self.open.add(request_id)
+        try:
+            words = self.words[:params.max_tokens]
+            for i, word in enumerate(words):
+                if i == self.hold_after:
+                    await asyncio.sleep(3600)  # a long prefill or decode: only a cancel ends it
+                yield TokenEvent(request_id, i, word)
+            figures = RequestFigures(0.01, 0.002, 2, [0, 5, len(prompt_ids)], "test table", "forced",
+                                     [{"rank": 0, "compute_s": 0.004, "wait_s": 0.0, "bytes_sent": 1000},
+                                      {"rank": 1, "compute_s": 0.005, "wait_s": 0.001, "bytes_sent": 0}])
+            reason = self.finish or ("length" if len(words) == params.max_tokens else "stop")
+            yield Finished(request_id, reason, len(prompt_ids), len(words), figures,
+                           "boom" if reason == "error" else None)
+        finally:
+            self.open.discard(request_id)
+
+
+def _app(client: FakeClient):
+    metrics = Metrics()
+    metrics.track(lambda: client.waiting, lambda: client.running)
+    return build_app(client, metrics)
+
+
+def _post(client: FakeClient, path: str, body) -> httpx.Response:
+    with TestClient(_app(client)) as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return http.post(path, content=content, headers={"Content-Type": "application/json"})
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b'{"model": "fake-model", "prompt": ', None, "malformed JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    ({**COMPLETION, "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({**COMPLETION, "temperature": "hot"}, "temperature", "valid number"),
+    ({**COMPLETION, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({**COMPLETION, "frobnicate": True}, "frobnicate", "unknown parameter 'frobnicate'"),
+    ({**COMPLETION, "n": 2}, "n", "not supported"),
+    ({**COMPLETION, "logprobs": 3}, "logprobs", "not supported"),
+    ({**COMPLETION, "model": "gpt-4"}, "model", "unknown model 'gpt-4'"),
+    ({**COMPLETION, "prompt": "x" * 70}, "prompt", "at most 64"),
+    ({**COMPLETION, "prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "at most 64"),
+    ({"prompt": "Hi"}, "model", "'model' is required"),
+])
+def test_bad_completion_requests_get_400_naming_the_problem(body, param, words):
+    client = FakeClient()
+    err = _error(_post(client, "/v1/completions", body), 400)
+    assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
+    assert client.requests == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "Input should be"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown parameter"),
+    ({"model": MODEL, "messages": []}, "messages", "at least 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "greater than or equal to 1"),
+])
+def test_bad_chat_requests_get_400_naming_the_problem(body, param, words):
+    err = _error(_post(FakeClient(), "/v1/chat/completions", body), 400)
+    assert err["param"] == param and words in err["message"]
+
+
+def test_neutral_values_of_unimplemented_parameters_are_accepted():
+    body = {**COMPLETION, "n": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
+            "best_of": 1, "logit_bias": {}, "user": "me", "stream": False}
+    assert _post(FakeClient(), "/v1/completions", body).status_code == 200
+
+
+def test_sampling_parameters_reach_the_engine():
+    client = FakeClient()
+    body = {**COMPLETION, "temperature": 0.7, "top_p": 0.9, "stop": "\n", "seed": 7, "max_tokens": 3}
+    r = _post(client, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    ids, params, _ = client.requests[0]
+    assert ids == [1, ord("H"), ord("i")]
+    assert (params.max_tokens, params.temperature, params.top_p, params.stop, params.seed) == (3, 0.7, 0.9, ["\n"], 7)
+
+
+def test_chat_applies_the_template_and_defaults_max_tokens_to_the_room_left():
+    client = FakeClient()
+    r = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    body = r.json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
+    ids, params, _ = client.requests[0]
+    assert "".join(map(chr, ids)) == "<user>Hi<assistant>"
+    assert params.max_tokens == 64 - len(ids)
+    assert params.temperature == 1.0  # OpenAI's default, as vLLM's
+
+
+def test_full_queue_is_429_with_retry_after_at_once():
+    t0 = time.monotonic()
+    r = _post(FakeClient(full=True), "/v1/completions", COMPLETION)
+    assert time.monotonic() - t0 < 5
+    assert _error(r, 429)["code"] == "queue_full"
+    assert int(r.headers["Retry-After"]) >= 1
+
+
+def test_draining_or_dead_server_is_503_and_health_says_so():
+    client = FakeClient()
+    with TestClient(_app(client)) as http:
+        assert http.get("/health").status_code == 200
+        client.begin_drain()
+        assert _error(http.post("/v1/completions", json=COMPLETION), 503)["code"] == "draining"
+        assert http.get("/health").status_code == 503
+        client.draining, client.healthy = False, False
+        assert _error(http.post("/v1/completions", json=COMPLETION), 503)["code"] == "engine_dead"
+    assert client.requests == []
+
+
+def test_a_request_the_engine_fails_is_an_error_response():
+    err = _error(_post(FakeClient(finish="error"), "/v1/completions", COMPLETION), 500)
+    assert "boom" in err["message"] and err["type"] == "server_error"
+
+
+def _events(text: str) -> list[str]:
+    assert text.endswith("data: [DONE]\n\n")
+    frames = text.split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data: ") for f in frames[:-1])
+    return [f.removeprefix("data: ") for f in frames[:-1]]
+
+
+def test_stream_is_server_sent_events_ending_in_done():
+    with TestClient(_app(FakeClient())) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 5,
+                                                    "messages": [{"role": "user", "content": "Hi"}],
+                                                    "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = [json.loads(e) for e in _events(r.text)[:-1]]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[:3]] == ["Hello", " world", "!"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    last, usage = chunks[-2], chunks[-1]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["kvrunahead"]["degree"] == 2
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_an_error_mid_stream_is_an_error_event_then_done():
+    with TestClient(_app(FakeClient(finish="error"))) as http:
+        r = http.post("/v1/completions", json={**COMPLETION, "stream": True})
+    events = _events(r.text)
+    assert "boom" in json.loads(events[-2])["error"]["message"]
+
+
+def test_metrics_count_the_requests_and_their_ttft():
+    client = FakeClient()
+    with TestClient(_app(client)) as http:
+        for _ in range(2):
+            assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+        http.post("/v1/completions", json={**COMPLETION, "max_tokens": 0})
+        client.waiting = 3
+        text = http.get("/metrics").text
+    assert "kvr_ttft_seconds_count 2.0" in text
+    assert 'kvr_requests_total{outcome="stop"} 2.0' in text
+    assert 'kvr_requests_total{outcome="invalid"} 1.0' in text
+    assert "kvr_queue_depth 3.0" in text
+    assert 'kvr_rank_bytes_sent_total{rank="0"} 2000.0' in text
+    assert "kvr_time_per_output_token_seconds_count 2.0" in text
+
+
+# --- a real uvicorn on 127.0.0.1 ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def serving(client: FakeClient, grace_s: float = 5.0) -> Iterator[tuple[str, DrainingServer]]:
+    """The app under DrainingServer in a thread on an ephemeral port; stopped (and joined) at the end."""
+    config = uvicorn.Config(_app(client), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = DrainingServer(config, client, grace_s)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.port}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_openai_client_completion_chat_and_stream_against_uvicorn():
+    with serving(FakeClient()) as (url, _):
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=10)
+        assert [m.id for m in api.models.list().data] == [MODEL]
+        c = api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+        assert c.choices[0].text == "Hello world" and c.choices[0].finish_reason == "length"
+        assert c.usage.prompt_tokens == 3 and c.usage.completion_tokens == 2
+        assert c.model_extra["kvrunahead"]["partition"]["boundaries"] == [0, 5, 3]
+        chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], seed=1)
+        assert chat.choices[0].message.content == "Hello world!" and chat.choices[0].finish_reason == "stop"
+        chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  stream=True, max_completion_tokens=8))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Hello world!"
+        assert len(chunks) >= 3 and chunks[-1].choices[0].finish_reason == "stop"
+        text = "".join(ch.choices[0].text for ch in api.completions.create(model=MODEL, prompt="Hi", stream=True))
+        assert text == "Hello world!"
+        with pytest.raises(openai.BadRequestError, match="unknown model"):
+            api.completions.create(model="gpt-4", prompt="Hi")
+
+
+@contextlib.contextmanager
+def _sent(url: str, body: dict) -> Iterator[socket.socket]:
+    """A completion request sent on a raw connection, which is closed at the end without reading the answer."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        yield sock
+
+
+def test_a_client_that_disconnects_while_waiting_for_its_first_token_cancels_its_request():
+    client = FakeClient(hold_after=0)
+    with serving(client) as (url, _):
+        with _sent(url, COMPLETION):
+            _until(lambda: client.requests)
+        _until(lambda: client.cancelled)
+        assert client.cancelled == [client.requests[0][2]]
+        _until(lambda: client.in_flight == 0)
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request():
+    client = FakeClient(hold_after=1)
+    with serving(client) as (url, _), httpx.Client(timeout=10) as http:
+        with http.stream("POST", f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+        _until(lambda: client.cancelled)
+        assert client.cancelled == [client.requests[0][2]]
+        _until(lambda: client.in_flight == 0)
+
+
+def test_drain_refuses_new_requests_finishes_those_in_flight_then_stops():
+    client = FakeClient(hold_after=1)
+    with serving(client, grace_s=30) as (url, server), httpx.Client(timeout=10) as http:
+        with http.stream("POST", f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+            server.handle_exit(15, None)  # SIGTERM
+            refused = http.post(f"{url}/v1/completions", json=COMPLETION)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert not server.should_exit  # the request in flight keeps the server up
+            client.hold_after = None
+        _until(lambda: client.in_flight == 0)
+    assert server.failure is None
+
+
+def test_drain_ends_what_outlives_the_grace_period():
+    client = FakeClient(hold_after=0)
+    with serving(client, grace_s=0.5) as (url, server):
+        with _sent(url, COMPLETION):
+            _until(lambda: client.requests)
+            server.handle_exit(15, None)
+            _until(lambda: not client.healthy)  # shutdown() called when the grace ran out
+    assert server.failure is None
