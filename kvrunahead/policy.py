@@ -205,21 +205,30 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
-        local_world_size = local_world_size or world_size
-        key = table_key(cfg, config, world_size, attention, local_world_size)
-        if cfg.partition == "table" or cfg.table:
-            lookup = _table_partition(cfg, key, len(ids))
-            if lookup.partition.world_size != world_size:
-                raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
-            return Prepared(ids, lookup.partition, lookup.source, lookup.warning, **done)
-        if cfg.partition.strip() == "auto":
-            check_fits(len(ids), world_size)
-            threads = cfg.threads or default_threads(local_world_size)  # what each rank will run with
-            partition, source = _auto_partition(cfg, config, key, len(ids), attention, threads)
-            return Prepared(ids, partition, source, **done)
-        partition = parse_partition(cfg.partition, len(ids), world_size)
+        partition, source, warning = choose_partition(cfg, config, len(ids), world_size, attention,
+                                                      local_world_size or world_size)
     except (ModelError, PromptError, PartitionError, TableError, ContextError) as e:
         raise InputError(str(e)) from None
     except NotImplementedError as e:
         raise InputError(f"mode {cfg.mode!r} cannot run {cfg.model}: {e}") from None
-    return Prepared(ids, partition, "even" if cfg.partition.strip() == "even" else "explicit", **done)
+    return Prepared(ids, partition, source, warning, **done)
+
+
+def choose_partition(cfg: RunConfig, config, n: int, world_size: int, attention: str,
+                     local_world_size: int) -> tuple[Partition, str, str | None]:
+    """The kvr partition of a prompt of ``n`` tokens and where it comes from (with the table's warning, if any):
+    ``--table``/``table``: the table; ``auto``: the table of this exact setting where it covers ``n``, else the
+    cost model, else the FLOP estimate; else the boundaries or ratios given. ``prepare`` and the serving engine
+    (per request) both ask it."""
+    key = table_key(cfg, config, world_size, attention, local_world_size)
+    if cfg.partition == "table" or cfg.table:
+        lookup = _table_partition(cfg, key, n)
+        if lookup.partition.world_size != world_size:
+            raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
+        return lookup.partition, lookup.source, lookup.warning
+    if cfg.partition.strip() == "auto":
+        check_fits(n, world_size)
+        threads = cfg.threads or default_threads(local_world_size)  # what each rank will run with
+        return (*_auto_partition(cfg, config, key, n, attention, threads), None)
+    source = "even" if cfg.partition.strip() == "even" else "explicit"
+    return parse_partition(cfg.partition, n, world_size), source, None

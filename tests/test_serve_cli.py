@@ -150,3 +150,52 @@ def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2():
                            cwd=ROOT)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _counter(url: str, outcome: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    m = re.search(rf'^kvr_requests_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_bad_input_overload_and_a_disconnect_on_real_ranks_leave_the_server_serving():
+    with serving("--max-queue", "1", "--max-model-len", "4096", "--timeout", "30") as server:
+        url = server.url()
+        post = f"{url}/v1/completions"
+        good = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        bad = [  # (body as sent, the words its error must name)
+            ('{"model": "tiny-llama", "prompt": ', "JSON"),
+            (json.dumps({**good, "max_tokens": "four"}), "max_tokens"),
+            (json.dumps({**good, "model": "gpt-4"}), "gpt-4"),
+            (json.dumps({**good, "prompt": "x" * 5000}), "4096"),
+            (json.dumps({**good, "max_tokens": 0}), "max_tokens"),
+        ]
+        for body, words in bad:
+            r = httpx.post(post, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+        assert httpx.post(post, json=good, timeout=60).status_code == 200  # still serving
+
+        # More waiting requests than --max-queue: 429 with Retry-After at once, the others served.
+        with httpx.Client(timeout=120) as client:
+            results: list[httpx.Response] = []
+            threads = [threading.Thread(target=lambda: results.append(client.post(post, json=good)))
+                       for _ in range(24)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        codes = sorted(r.status_code for r in results)
+        assert len(codes) == 24 and set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+        assert all(r.headers.get("Retry-After") for r in results if r.status_code == 429)
+
+        # A client that leaves mid-stream: its request is cancelled, the server goes on.
+        before = _counter(url, "cancelled")
+        long = {**good, "prompt": "Hi", "max_tokens": 4000, "stream": True}  # far longer than the test lasts
+        with httpx.stream("POST", post, json=long, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.monotonic() + 20
+        while _counter(url, "cancelled") <= before:
+            assert time.monotonic() < deadline, "the disconnected request was never cancelled"
+            time.sleep(0.2)
+        assert httpx.post(post, json=good, timeout=60).status_code == 200

@@ -7,8 +7,10 @@ Torch-free, so that ``--help`` and the input checks answer before torch is impor
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 import click
@@ -53,6 +55,19 @@ def device_option(help: str | None = None):
 
 def allow_long_context_option(help: str | None = None):
     return click.option("--allow-long-context", is_flag=True, help=help)
+
+
+def quiet(verbose: bool) -> None:
+    """Logging for a CLI: progress with ``--verbose``; otherwise warnings only, and transformers' warnings and
+    progress bars (weights loading on every rank) silenced."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not verbose:
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read where transformers is first imported
+        hf_logging = sys.modules.get("transformers.utils.logging")
+        if hf_logging is not None:  # imported already, by the CLI's own imports
+            hf_logging.disable_progress_bar()
 
 
 def fail(prog: str, message: str) -> None:

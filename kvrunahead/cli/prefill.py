@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-import warnings
 
 import click
 
@@ -164,13 +163,7 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
       torchrun --nproc-per-node 2 --no-python kvr-prefill --ctx 4k
       mpirun -n 2 kvr-prefill --ctx 4k
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if not verbose:
-        warnings.filterwarnings("ignore")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    common.quiet(verbose)
     launcher = detect_launcher()
     rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
     with common.failure_ending("kvr-prefill", rank=rank, reraise=verbose):

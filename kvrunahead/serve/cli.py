@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import sys
-import warnings
 
 import click
 
@@ -23,13 +22,6 @@ from kvrunahead.errors import InputError
 log = logging.getLogger("kvrunahead")
 
 PROG = "kvr-serve"
-
-
-def _quiet(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if not verbose:
-        warnings.filterwarnings("ignore")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -182,7 +174,7 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
       curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
     """
-    _quiet(verbose)
+    common.quiet(verbose)
     from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
     from kvrunahead.policy import RunConfig, network_spec
 

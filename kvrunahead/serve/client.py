@@ -102,7 +102,7 @@ class AsyncEngineClient:
             self._dispatch(engine.fail_all(self._loop_error))
             return
         engine.shutdown()
-        self._dispatch(engine.fail_all("the server shut down"))
+        self._dispatch(engine.fail_all("the server shut down", on_purpose=True))
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:

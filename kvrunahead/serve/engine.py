@@ -20,13 +20,21 @@ from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
-from kvrunahead.policy import RunConfig, default_threads, resolve_attention, resolve_device, resolve_dtype
+from kvrunahead.partition import PartitionError
+from kvrunahead.policy import (
+    RunConfig,
+    choose_partition,
+    default_threads,
+    resolve_attention,
+    resolve_device,
+    resolve_dtype,
+)
 from kvrunahead.runner import cached_transport, loaded_model
+from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillPlan, RankContext, Shutdown
-from kvrunahead.serve.planning import partition_for
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Work
 from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
@@ -145,8 +153,7 @@ class Engine:
             boundaries, source = (0, len(ids)), "one rank"
             outcome = executor.single_prefill(self.ctx, ids, seq.rope)
         else:
-            partition, source = partition_for(self.config.run, self.model_config, len(ids), self.ctx.world_size,
-                                              self.attention, self.world.local_world_size, self.threads)
+            partition, source = self._partition(len(ids))
             boundaries = partition.boundaries
             plan = PrefillPlan(seq.request_id, ids, boundaries, self.attention, seq.rope)
             executor.send_plan(self.ctx, plan)
@@ -155,6 +162,15 @@ class Engine:
         seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, choice.degree,
                                      list(boundaries), source, choice.source)
         return outcome
+
+    def _partition(self, n: int):
+        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition)."""
+        try:
+            partition, source, _ = choose_partition(self.config.run, self.model_config, n, self.ctx.world_size,
+                                                    self.attention, self.world.local_world_size)
+        except (PartitionError, TableError) as e:
+            raise InputError(str(e)) from None
+        return partition, source
 
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
@@ -207,20 +223,21 @@ class Engine:
             seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
         return [self._finish(seq, "cancelled") for seq in seqs]
 
-    def _fail(self, e: Exception, work: Work | None) -> list[Event]:
+    def _fail(self, e: Exception, work: Work | None, level: int = logging.ERROR) -> list[Event]:
         """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
         self.healthy = False
         self.error = f"{type(e).__name__}: {e}"
-        log.error("engine step failed: %s", self.error)
+        log.log(level, "engine step failed: %s", self.error)
         with self._lock:
             seqs = self.scheduler.drain_all()
         if isinstance(work, PrefillWork) and work.seq not in seqs:
             seqs.append(work.seq)
         return [self._finish(seq, "error", self.error) for seq in seqs]
 
-    def fail_all(self, why: str) -> list[Event]:
-        """End every request in flight with an error (the client's loop is stopping or broke)."""
-        return self._fail(RuntimeError(why), None)
+    def fail_all(self, why: str, on_purpose: bool = False) -> list[Event]:
+        """End every request in flight with an error (the client's loop broke, or it is stopping: ``on_purpose``,
+        no error to log)."""
+        return self._fail(RuntimeError(why), None, logging.INFO if on_purpose else logging.ERROR)
 
     def run_one(self, request: Request) -> tuple[list[Event], RequestFigures | None]:
         """One request to its end through the same steps as a served one (``kvr-prefill``-style use)."""
