@@ -57,14 +57,14 @@ bench() {  # $1 kvr|hf, $2 part, extra args...
 
 for part in "${PARTS[@]}"; do
   case $part in
-    single16k)  # one 16k request at a time (serve_parity's prompt), 1 untimed + 3 timed, client-side TTFT
+    single16k)  # one ~16k request at a time, each another document, 1 untimed + 3 timed, client-side TTFT
       for who in kvr hf; do
         [ -f "$OUT/single16k/$who.done" ] && continue
         mkdir -p "$OUT/single16k"; rm -f "$OUT/single16k/$who.jsonl"
         port=$([ "$who" = kvr ] && echo $KVR_PORT || echo $HF_PORT)
         pid=$(start_server "$who"); trap "stop_server $pid" EXIT
         wait_up "$port" "$pid"
-        python3 "$OUT/single.py" "http://127.0.0.1:$port/v1" "$who" experiments/serve_parity/prompt_16384.txt \
+        python3 "$OUT/single.py" "http://127.0.0.1:$port/v1" "$who" 16000 \
           "$OUT/single16k/$who.jsonl" 3
         stop_server "$pid"; trap - EXIT; touch "$OUT/single16k/$who.done"
       done ;;

@@ -180,9 +180,9 @@ def _default_label(base_url: str) -> str:
 def _load_plan(spec: PlanSpec, dataset: str | None, tokenizer_name: str | None, max_prompt_tokens: int):
     tokenizer = None
     if tokenizer_name:
-        from transformers import AutoTokenizer
+        from kvrunahead.model.load import load_tokenizer  # torch: only when asked, so --help stays light
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+        tokenizer = load_tokenizer(tokenizer_name)  # a preset (smollm2-135m) or a model directory
     pool = []
     if spec.long_share < 1:
         with open_sharegpt(dataset) as fp:
