@@ -47,12 +47,19 @@ async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict) 
             out[rid] = {"finish_reason": event.finish_reason, "error": event.error, "at_s": time.monotonic()}
 
 
-def serve(scenario: dict, world, out: dict) -> None:
+def _front_client(scenario: dict, world) -> AsyncEngineClient | None:
+    """The engine on every rank: the workers run their loop to its end (None), the front gets its client."""
     engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2), world)
     if not engine.is_front:
         engine.worker_loop()
+        return None
+    return AsyncEngineClient(engine)
+
+
+def serve(scenario: dict, world, out: dict) -> None:
+    client = _front_client(scenario, world)
+    if client is None:
         return
-    client = AsyncEngineClient(engine)
 
     async def main() -> None:
         await asyncio.gather(*(_collect(client, f"r{i}", Path(scenario["ready"]), out) for i in range(3)))
@@ -64,11 +71,9 @@ def serve(scenario: dict, world, out: dict) -> None:
 
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
-    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2), world)
-    if not engine.is_front:
-        engine.worker_loop()
+    client = _front_client(scenario, world)
+    if client is None:
         return
-    client = AsyncEngineClient(engine)
     Path(scenario["ready"]).write_text("idle")
     time.sleep(120)
     client.shutdown()

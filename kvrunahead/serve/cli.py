@@ -40,19 +40,16 @@ def _check_listen(host: str, port: int) -> None:
 def _check(options: dict, world_size: int) -> None:
     """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
     from kvrunahead.model.load import ModelError, resolve_config
-    from kvrunahead.model.rope import ContextError, max_context, plan_extension
+    from kvrunahead.model.rope import ContextError
     from kvrunahead.serve.degree import parse_degree
+    from kvrunahead.serve.engine import model_len_limit
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
     try:
         parse_degree(options["degree"], world_size)
-        config = resolve_config(options["model"])
-        max_len = options["max_model_len"] or max_context(config, options["allow_long_context"])
-        if max_len is not None and max_len < 2:
-            raise InputError(f"--max-model-len must be at least 2, got {max_len}")
-        if max_len is not None:
-            plan_extension(config, max_len, options["allow_long_context"], options["model"])
+        config = _engine_config(options)
+        model_len_limit(config.run, resolve_config(options["model"]), config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:
         raise InputError(str(e)) from None
 

@@ -66,6 +66,7 @@ class DegreePolicy:
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
         self.forced = parse_degree(degree, world_size)
         self.choose = lru_cache(maxsize=4096)(self._choose)
+        self._cost: tuple[CostModel | None, str] | None = None
 
     def _choose(self, n: int) -> DegreeChoice:
         if self.forced is not None:
@@ -100,6 +101,20 @@ class DegreePolicy:
                                     f"(partition tables, interpolated at {n} tokens)")
 
     def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
+        if self._cost is None:  # once per policy: the profile is read and the model built once, not per length
+            self._cost = self._cost_model()
+        cost, which = self._cost
+        if cost is None:
+            return None, which
+        one = simulate(cost, "kvr", n, 1, None, self.attention).ttft_s
+        stride = max(1, min(64, n // (8 * self.p)))
+        chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
+        degree = 1 if one <= chain else self.p
+        return DegreeChoice(degree, f"cost model on {which}: predicted {one:.3f} s on 1 rank, {chain:.3f} s on "
+                                    f"{self.p}"), ""
+
+    def _cost_model(self) -> tuple[CostModel | None, str]:
+        """The cost model of this setting and the profile it stands on, or None and why there is none."""
         key = table_key(self.cfg, self.config, self.p, self.attention, self.local_world_size)
         if key.device_kind != "cpu":
             return None, "the CPU cost model prices CPU ranks only"
@@ -110,10 +125,4 @@ class DegreePolicy:
         except ProfileError as e:
             return None, str(e)
         profile, used, _ = profile.for_network(key.bandwidth)
-        cost = CostModel(shape_from_config(self.config, key.dtype), profile, used)
-        one = simulate(cost, "kvr", n, 1, None, self.attention).ttft_s
-        stride = max(1, min(64, n // (8 * self.p)))
-        chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
-        degree = 1 if one <= chain else self.p
-        return DegreeChoice(degree, f"cost model on {which}: predicted {one:.3f} s on 1 rank, {chain:.3f} s on "
-                                    f"{self.p}"), ""
+        return CostModel(shape_from_config(self.config, key.dtype), profile, used), which

@@ -51,13 +51,22 @@ class EngineConfig:
     heartbeat_s: float = 1.0
 
 
+def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
+    """The most tokens a request may hold: ``--max-model-len``, else the longest context the model takes (its
+    RoPE extension included). Raises InputError or ContextError for a limit the model cannot run."""
+    limit = asked or max_context(model_config, run.allow_long_context) or 2048
+    if limit < 2:
+        raise InputError(f"--max-model-len must be at least 2, got {limit}")
+    plan_extension(model_config, limit, run.allow_long_context, run.model)
+    return limit
+
+
 class Engine:
     def __init__(self, config: EngineConfig, world: World) -> None:
         cfg = config.run
         self.config, self.world = config, world
         model_config = resolve_config(cfg.model)
-        self.max_model_len = config.max_model_len or max_context(model_config, cfg.allow_long_context) or 2048
-        plan_extension(model_config, self.max_model_len, cfg.allow_long_context, cfg.model)  # refuse it early
+        self.max_model_len = model_len_limit(cfg, model_config, config.max_model_len)
         self.attention, _ = resolve_attention(cfg, model_config)
         check_model("kvr", model_config, self.attention)
         device = resolve_device(cfg.device, world.local_rank)
@@ -83,6 +92,7 @@ class Engine:
         self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
+        self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -164,13 +174,17 @@ class Engine:
         return outcome
 
     def _partition(self, n: int):
-        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition)."""
-        try:
-            partition, source, _ = choose_partition(self.config.run, self.model_config, n, self.ctx.world_size,
-                                                    self.attention, self.world.local_world_size)
-        except (PartitionError, TableError) as e:
-            raise InputError(str(e)) from None
-        return partition, source
+        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
+        decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
+        request's step."""
+        if n not in self._partitions:
+            try:
+                partition, source, _ = choose_partition(self.config.run, self.model_config, n, self.ctx.world_size,
+                                                        self.attention, self.world.local_world_size)
+            except (PartitionError, TableError) as e:
+                raise InputError(str(e)) from None
+            self._partitions[n] = partition, source
+        return self._partitions[n]
 
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
