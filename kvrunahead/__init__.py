@@ -16,7 +16,7 @@ _API = {
     "RunConfig": "kvrunahead.policy",  # what to run: model, mode, context, partition, network, ...
     "prepare": "kvrunahead.policy",  # the plan of a run (prompt, partition and why), before any rank works
     "InputError": "kvrunahead.errors",
-    "run_on_world": "kvrunahead.runner",  # one prefill on ranks that have joined (torchrun, mpirun)
+    "run_on_world": "kvrunahead.serve.oneshot",  # one prefill on ranks that have joined (torchrun, mpirun)
     "RunResult": "kvrunahead.runner",
     "RankStats": "kvrunahead.runner",
     "World": "kvrunahead.launcher",

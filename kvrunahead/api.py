@@ -1,6 +1,6 @@
 """The library's front door: one prefill over local ranks started here, its result returned to the caller.
 
-Under torchrun or mpirun, where the ranks already exist, call ``runner.run_on_world`` on each rank instead.
+Under torchrun or mpirun, where the ranks already exist, call ``kvrunahead.run_on_world`` on each rank instead.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvrunahead.errors import LaunchError
 from kvrunahead.launcher import spawn
 from kvrunahead.policy import RunConfig, network_spec, prepare
 from kvrunahead.runner import RunResult, run
+from kvrunahead.serve import oneshot
 
 
 def prefill(cfg: RunConfig, nproc: int = 1) -> RunResult:
@@ -43,7 +44,8 @@ def prefill(cfg: RunConfig, nproc: int = 1) -> RunResult:
 def _rank_main(plan: str, out: str) -> None:
     """One spawned rank of ``prefill``: the emitting rank saves the result where the caller reads it."""
     with common.failure_ending("kvrunahead", rank=os.environ["RANK"]):
-        result = run(RunConfig(**json.loads(Path(plan).read_text())), "spawn", int(os.environ["WORLD_SIZE"]))
+        result = run(RunConfig(**json.loads(Path(plan).read_text())), "spawn", int(os.environ["WORLD_SIZE"]),
+                     oneshot.run_on_world)
         if result is not None:
             torch.save(result, out)
 

@@ -121,15 +121,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run(cfg: RunConfig, launcher: str, world_size: int) -> RunResult | None:
-    """Check the input, join the ranks, run one prefill; the last rank returns the result, others None."""
+def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunResult | None:
+    """Check the input, join the ranks, run one prefill (``on_world``, default ``run_on_world``); the emitting rank
+    returns the result, others None."""
     prepare(cfg, world_size)
     if cfg.transport == "mpi" and launcher != "mpi" and world_size > 1:
         raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s)
     try:
-        return run_on_world(cfg, world)
+        result = (on_world or run_on_world)(cfg, world)
+        # rank 0 hosts the rendezvous store: a rank that left while the last one still decodes or verifies would
+        # take the store of its heartbeat away (torch prints a C++ trace for it), so the ranks leave together
+        liveness.patient_barrier("the emitting rank to finish its report")
+        return result
     finally:
         leave_world()
 
@@ -170,20 +175,43 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         return None
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
     tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
+    ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
+    return finish_result(cfg, ran, total_s, all_stats, logits, tokens)
+
+
+@dataclass
+class Ran:
+    """What a one-shot prefill ran on: its world, plan, model (the prompt's RoPE variant) and threads per rank."""
+
+    world: World
+    prepared: Prepared
+    lm: LoadedModel
+    layout: KVLayout
+    transport: Transport
+    dtype: torch.dtype
+    threads: int
+
+
+def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats], logits: torch.Tensor,
+                  tokens: list[int]) -> RunResult:
+    """The emitting rank's report of a one-shot prefill (the runner's or the serving engine's) and, with
+    ``--verify``, its check against the single process."""
+    world, prepared, lm, layout = ran.world, ran.prepared, ran.lm, ran.layout
+    partition, p, device = prepared.partition, world.world_size, next(lm.model.parameters()).device
     result = RunResult(
         model=cfg.model,
         mode=cfg.mode,
         world_size=p,
         launcher=world.launcher,
         backend=pick_backend(device) if p > 1 else "none",
-        transport=transport.name,
+        transport=ran.transport.name,
         network=network_label(cfg, p, world.local_world_size, tables=False),
-        allgather=transport.allgather if cfg.mode in ("tsp", "cp-allgather") and p > 1 else None,
+        allgather=ran.transport.allgather if cfg.mode in ("tsp", "cp-allgather") and p > 1 else None,
         device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        threads_per_rank=threads,
-        oversubscribed=threads * world.local_world_size > (os.cpu_count() or 1),
-        context_len=len(ids),
+        dtype=str(ran.dtype).removeprefix("torch."),
+        threads_per_rank=ran.threads,
+        oversubscribed=ran.threads * world.local_world_size > (os.cpu_count() or 1),
+        context_len=len(prepared.ids),
         rope_extension=prepared.rope.describe() if prepared.rope else None,
         kvr_attention=f"{prepared.kvr_attention} ({prepared.attention_source})" if cfg.mode.startswith("kvr") else None,
         sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
@@ -192,17 +220,17 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         partition_source=prepared.partition_source,
         partition_warning=prepared.warning,
         ratios=[round(r, 4) for r in partition.ratios],
-        ttft_s=total_s,
-        ranks=all_stats,
-        first_token=first_token,
-        first_token_text=lm.decode([first_token]),
+        ttft_s=ttft_s,
+        ranks=ranks,
+        first_token=tokens[0],
+        first_token_text=lm.decode(tokens[:1]),
         generated_tokens=tokens,
         generated_text=lm.decode(tokens),
         logits=logits.float().cpu(),
     )
     if cfg.verify:
-        all_threads = min(threads * world.local_world_size, os.cpu_count() or 1)
-        result.verification = verify(lm, ids, result, cfg, dtype, threads, all_threads)
+        all_threads = min(ran.threads * world.local_world_size, os.cpu_count() or 1)
+        result.verification = verify(lm, prepared.ids, result, cfg, ran.dtype, ran.threads, all_threads)
     return result
 
 

@@ -1,12 +1,12 @@
-"""Validation 1: the simulator against every p = 2 point this project has measured on this machine.
+"""Validation 1: the simulator against every p = 2 point this project measured on the AMD machine.
 
 Every timed group of runs (same experiment, length, mode, partition, attention and network) in
 experiments/ttft_cpu_p2, ttft_cpu_p2_split, ttft_cpu_p2_16k and ttft_network_p2 (quiet and noisy), and the
 kvr-best sweeps' partitions; and every entry of the partition tables searched on the ranks
-(partition_tables/smollm2-135m_p2_*). The prediction uses one calibrated profile (default: the one shipped
-in kvrunahead/sim/profiles/cpu-t1.json, measured by `kvr-calibrate` on this machine) and nothing measured
-by these runs. Single at 2 threads is p = 1 and needs a 2-thread profile; MPI rows are left out (the profile's
-links are gloo's).
+(partition_tables/smollm2-135m_p2_*). The prediction uses one calibrated profile (default: cpu-t1-amd-epyc.json
+here, the profile shipped until the project moved to an Intel machine, measured by `kvr-calibrate` on the AMD
+machine that made these rows) and nothing measured by these runs. Single at 2 threads is p = 1 and needs a
+2-thread profile; MPI rows are left out (the profile's links are gloo's).
 
   python experiments/sim_validation/own.py [--profile FILE]   # writes own.json, own.md, own.png here
 """
@@ -24,7 +24,7 @@ from kvrunahead.net.spec import parse_net
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.optimize import search_partition
-from kvrunahead.sim.profile import SHIPPED_DIR, resolve_profile
+from kvrunahead.sim.profile import resolve_profile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import simulate
 
@@ -69,7 +69,7 @@ def noise_model(spec) -> NoiseModel | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default=str((SHIPPED_DIR / "cpu-t1.json").relative_to(ROOT)))
+    ap.add_argument("--profile", default=str((HERE / "cpu-t1-amd-epyc.json").relative_to(ROOT)))
     args = ap.parse_args()
     path = args.profile if Path(args.profile).exists() else str(ROOT / args.profile)
     profile, _ = resolve_profile(path)

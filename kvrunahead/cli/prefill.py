@@ -18,6 +18,7 @@ from kvrunahead.modes import MODES
 from kvrunahead.policy import RunConfig, network_spec, prepare
 from kvrunahead.prompt import PromptError, parse_tokens
 from kvrunahead.runner import RunResult, run
+from kvrunahead.serve import oneshot
 
 log = logging.getLogger("kvrunahead")
 
@@ -185,7 +186,7 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
             sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
         if launcher == "single" and network_spec(cfg).emulated:
             raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
-        result = run(cfg, launcher, world_size)
+        result = run(cfg, launcher, world_size, oneshot.run_on_world)
     if result is None:
         return
     if result.partition_warning:

@@ -5,6 +5,10 @@ prompt finishes sooner on one rank while a long one wins on the chain. The cross
 from measurement (partition tables searched at world size 1 and at p, whose entries carry the measured TTFT), else
 from the cost model of kvrunahead/sim (the predicted TTFT at degree 1 and at p on this machine's profile); the
 reason is returned with the choice and reported per request (``RequestFigures.degree_source``).
+
+A prompt on one rank runs while the other ranks of the node idle, so the front takes their cores
+(``solo_threads``, see serve/executor.py): the degree-1 side is priced at those threads, the chain at ``threads``
+per rank.
 """
 
 from __future__ import annotations
@@ -61,12 +65,13 @@ class DegreePolicy:
     """The degree per prompt length, decided once per length and remembered."""
 
     def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
-                 threads: int, degree: str = "auto") -> None:
+                 threads: int, degree: str = "auto", solo_threads: int | None = None) -> None:
         self.cfg, self.config, self.p = cfg, config, world_size
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
+        self.solo_threads = solo_threads or threads
         self.forced = parse_degree(degree, world_size)
         self.choose = lru_cache(maxsize=4096)(self._choose)
-        self._cost: tuple[CostModel | None, str] | None = None
+        self._costs: dict[int, tuple[CostModel | None, str]] = {}  # threads -> the cost model and its profile
 
     def _choose(self, n: int) -> DegreeChoice:
         if self.forced is not None:
@@ -101,27 +106,35 @@ class DegreePolicy:
                                     f"(partition tables, interpolated at {n} tokens)")
 
     def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
-        if self._cost is None:  # once per policy: the profile is read and the model built once, not per length
-            self._cost = self._cost_model()
-        cost, which = self._cost
+        cost, which = self._cost_model(self.threads)
         if cost is None:
             return None, which
-        one = simulate(cost, "kvr", n, 1, None, self.attention).ttft_s
+        solo, solo_which = self._cost_model(self.solo_threads)
+        if solo is None:  # no profile at the front's solo threads: one rank priced at the chain's threads (slower)
+            solo, solo_which = cost, f"{which}, at {self.threads} thread(s): none for {self.solo_threads}"
+        one = simulate(solo, "kvr", n, 1, None, self.attention).ttft_s
         stride = max(1, min(64, n // (8 * self.p)))
         chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
         degree = 1 if one <= chain else self.p
-        return DegreeChoice(degree, f"cost model on {which}: predicted {one:.3f} s on 1 rank, {chain:.3f} s on "
-                                    f"{self.p}"), ""
+        return DegreeChoice(degree, f"cost model: predicted {one:.3f} s on 1 rank of {self.solo_threads} "
+                                    f"thread(s) ({solo_which}), {chain:.3f} s on {self.p} ranks of {self.threads} "
+                                    f"({which})"), ""
 
-    def _cost_model(self) -> tuple[CostModel | None, str]:
-        """The cost model of this setting and the profile it stands on, or None and why there is none."""
+    def _cost_model(self, threads: int) -> tuple[CostModel | None, str]:
+        """The cost model of this setting at ``threads`` per rank and the profile it stands on, or None and why
+        there is none; built once per thread count, not per length."""
+        if threads not in self._costs:
+            self._costs[threads] = self._build_cost_model(threads)
+        return self._costs[threads]
+
+    def _build_cost_model(self, threads: int) -> tuple[CostModel | None, str]:
         key = table_key(self.cfg, self.config, self.p, self.attention, self.local_world_size)
         if key.device_kind != "cpu":
             return None, "the CPU cost model prices CPU ranks only"
         if any(w is not None for w in layer_windows(self.config)):
             return None, "the cost model prices full-attention layers only"
         try:
-            profile, which = resolve_profile(None, self.threads)
+            profile, which = resolve_profile(None, threads)
         except ProfileError as e:
             return None, str(e)
         profile, used, _ = profile.for_network(key.bandwidth)

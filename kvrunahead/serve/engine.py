@@ -17,7 +17,7 @@ import torch
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, pick_backend
 from kvrunahead.model.layout import probe_kv_layout
-from kvrunahead.model.load import load_model, resolve_config
+from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.partition import PartitionError
@@ -77,10 +77,12 @@ class Engine:
         transport = cached_transport(cfg.transport, world.rank, world.world_size, pick_backend(device),
                                      cfg.timeout_s, cfg.allgather)
         layout = probe_kv_layout(lm.model)
+        solo = executor.solo_threads(threads, world.local_world_size) if device.type == "cpu" else threads
         self.ctx = RankContext(lm, layout, transport, device, world.rank, world.world_size,
-                               load=lambda rope: load_model(cfg.model, dtype, device, cfg.seed, rope))
+                               load=lambda rope: loaded_model(cfg.model, dtype, device, cfg.seed, rope),
+                               threads=threads, solo_threads=solo)
         self.degrees = DegreePolicy(cfg, model_config, world.world_size, world.local_world_size, self.attention,
-                                    threads, config.degree)
+                                    threads, config.degree, solo)
         self.model_config = model_config
         self.threads = threads
         self.scheduler = Scheduler(config.max_queue)
@@ -90,6 +92,7 @@ class Engine:
         self.healthy = True
         self.error: str | None = None
         self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
+        self.last_prefill_ranks: list = []  # every rank's RankStats of the last prefill (kvr-prefill's report)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
@@ -153,6 +156,7 @@ class Engine:
     def _execute(self, work: Work):
         if isinstance(work, DecodeWork):
             self.heartbeat.maybe_ping()
+            self.ctx.use_threads(solo=True)
             tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
             return self.decoder.step(tokens, {s.request_id: s.next_position for s in work.seqs})
         seq = work.seq
@@ -196,6 +200,7 @@ class Engine:
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
+        self.last_prefill_ranks = outcome.ranks
         sampler = self.samplers[seq.request_id] = Sampler(seq.request.params)
         token = sampler(outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s

@@ -10,11 +10,16 @@ bounded by the peers' heartbeats (net/liveness.py), not by a fixed timeout: a wo
 front decodes or prefills alone, and still notices a front that died or froze within ``--timeout``. While idle or
 decoding, the front broadcasts a ``Ping`` every ``heartbeat_s``, so that it notices a dead worker at once, not at
 the next long prompt.
+
+A waiting worker sleeps between polls (net/liveness.py), so while the front works alone (a decode step, a prefill on
+one rank) the node's other cores are free: the front then runs with ``solo_threads``, the threads of every rank on
+its node, and goes back to its own share for a chain prefill.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -76,6 +81,13 @@ class RankContext:
     world_size: int
     load: Callable[[RopeExtension | None], LoadedModel] | None = None
     variants: dict = field(default_factory=dict)  # RopeExtension -> (LoadedModel, KVLayout)
+    threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
+    solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
+
+    def use_threads(self, solo: bool) -> None:
+        n = self.solo_threads if solo else self.threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     @property
     def front(self) -> int:
@@ -89,6 +101,12 @@ class RankContext:
             lm = self.load(rope)
             self.variants[rope] = (lm, probe_kv_layout(lm.model))
         return self.variants[rope]
+
+
+def solo_threads(threads: int, local_world_size: int) -> int:
+    """The front's threads while it works alone: every local rank's share, within the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(threads, min(threads * local_world_size, cores))
 
 
 @dataclass
@@ -123,6 +141,7 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan) -> PrefillOutcome | None:
     """This rank's part of a KV-Runahead prefill, the runner's own code; the front gets the outcome."""
     mode = MODES["kvr"]
     partition = Partition(tuple(plan.boundaries))
+    ctx.use_threads(solo=False)
     ctx.transport.reset_stats()
     ranges = mode.token_ranges(partition)
     mine = ranges[ctx.rank]
@@ -143,6 +162,7 @@ def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None 
     """A prefill on the front alone (degree 1): the single-process mode, the other ranks untouched."""
     mode = MODES["single"]
     ranges = [[(0, len(ids))]]
+    ctx.use_threads(solo=True)
     lm, layout = ctx.model(rope)
     step = Step(lm.model, torch.tensor([ids], device=ctx.device), ids, ranges, ctx.transport, layout, len(ids))
     t0 = time.perf_counter()

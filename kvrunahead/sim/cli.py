@@ -53,7 +53,9 @@ def parse_noise(spec: str | None, interval_s: float = 1.0, duty: float = 0.5):
 @click.option("--net", "nets", multiple=True,
               help="Network(s) whose link to measure, as kvr-prefill --net takes them (repeatable; default "
                    "loopback; a cap needs root).")
-@click.option("--no-link", is_flag=True, help="Skip the two-rank link benchmark (keep the shipped link figures).")
+@click.option("--no-link", is_flag=True,
+              help="Skip the two-rank link benchmark (keep the shipped profile's link figures: the one for "
+                   "--threads, else the 1-thread one).")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
 @click.option("--quick", is_flag=True, help="Fewer shapes (about a minute); for a check, not for predictions.")
 @click.option("--ranks", "concurrent", type=int, default=None,
@@ -79,9 +81,8 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
         common.fail("kvr-calibrate", "--threads, --repeats and --ranks must be at least 1")
     target = Path(out) if out else local_profile_path(threads)
     shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
-    if no_link and not shipped.exists():
-        common.fail("kvr-calibrate", f"--no-link takes the links of the shipped profile, and there is none for "
-                                     f"{threads} thread(s)")
+    if not shipped.exists():  # a link is the transport's: the 1-thread profile's serves where none of these exists
+        shipped = SHIPPED_DIR / "cpu-t1.json"
     with common.failure_ending("kvr-calibrate"):
         for net in nets:
             if parse_net(net).noise is not None:
