@@ -75,7 +75,7 @@ for part in "${PARTS[@]}"; do
       done; done ;;
     mixed)
       for rate in 0.25 0.5; do for who in kvr hf; do
-        bench "$who" "mixed/rate$rate" --rate "$rate" --requests 40 --duration 160 --long-share 0.05 \
+        bench "$who" "mixed/rate$rate" --rate "$rate" --requests 80 --duration 320 --long-share 0.05 \
           --long-tokens 8k-16k --long-max-tokens 16 --max-tokens-cap 64 --timeout 600
       done; done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
