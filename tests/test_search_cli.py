@@ -75,3 +75,27 @@ def test_bad_input_is_one_line_error(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvr-search: error:"), proc.stderr
     assert message in lines[0]
+
+
+def test_the_balance_criterion_writes_entries_with_their_balance_and_resumes(tmp_path):
+    table = tmp_path / "t.json"
+    proc = _search("--ctx", "512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2")
+    assert proc.returncode == 0, proc.stderr
+    entry = json.loads(table.read_text())["entries"][0]
+    assert entry["criterion"] == "balance" and entry["balance"] >= 1.0 and entry["even_ttft_s"] is None
+    steps = re.findall(r"balance +(\d+(?:,\d+)+) ", proc.stderr)
+    confirms = re.findall(r"confirm +(\d+(?:,\d+)+) ", proc.stderr)
+    assert steps and len(confirms) == 2 * 3  # the balanced point and its 2 neighbours, 2 interleaved rounds
+    assert entry["evaluations"] == len(set(steps) | set(confirms))
+    assert ",".join(map(str, entry["boundaries"])) in confirms
+    table.unlink()  # the checkpoint stays: a resumed search runs nothing again
+    again = _search("--ctx", "512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2",
+                    "--resume")
+    assert again.returncode == 0 and not re.search(r"(balance|confirm) +\d+,", again.stderr), again.stderr
+    assert json.loads(table.read_text())["entries"][0]["boundaries"] == entry["boundaries"]
+
+
+def test_the_balance_criterion_is_measured_on_the_ranks(tmp_path):
+    proc = _search("--ctx", "512", "--out", str(tmp_path / "t.json"), "--criterion", "balance", "--backend",
+                   "model", timeout_s=120)
+    assert proc.returncode == 2 and "reads the balance of runs on the ranks" in proc.stderr, proc.stderr

@@ -60,6 +60,7 @@ def test_forced_and_trivial_degrees():
     assert _policy(degree="1").choose(16384).degree == 1 and "as asked" in _policy(degree="2").choose(64).source
     assert _policy(p=1, solo=1).choose(16384).degree == 1
     assert _policy(p=4).choose(3).degree == 1  # fewer tokens than ranks
+    assert _policy(degree="2").choose(1).degree == 1  # even when the chain is forced: it needs a token per rank
     with pytest.raises(ValueError, match="auto, 1 or 2"):
         parse_degree("3", 2)
     with pytest.raises(ValueError, match="auto, 1 or 2"):

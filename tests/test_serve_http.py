@@ -89,6 +89,10 @@ class FakeClient:
             figures = RequestFigures(0.01, 0.002, 2, [0, 5, len(prompt_ids)], "test table", "forced",
                                      [{"rank": 0, "compute_s": 0.004, "wait_s": 0.0, "bytes_sent": 1000},
                                       {"rank": 1, "compute_s": 0.005, "wait_s": 0.001, "bytes_sent": 0}])
+            if self.finish == "bad_input":  # the engine found the request unplannable (a partition it cannot take)
+                yield Finished(request_id, "error", len(prompt_ids), 0, None, "--partition 0,9,10 does not fit",
+                               bad_input=True)
+                return
             reason = self.finish or ("length" if len(words) == params.max_tokens else "stop")
             yield Finished(request_id, reason, len(prompt_ids), len(words), figures,
                            "boom" if reason == "error" else None)
@@ -348,3 +352,12 @@ def test_drain_ends_what_outlives_the_grace_period():
             server.handle_exit(15, None)
             _until(lambda: not client.healthy)  # shutdown() called when the grace ran out
     assert server.failure is None
+
+
+def test_a_request_the_engine_cannot_plan_is_a_400_naming_why():
+    fake = FakeClient(finish="bad_input")
+    with TestClient(_app(fake)) as http:
+        r = http.post("/v1/completions", json=COMPLETION)
+        err = _error(r, 400)
+        assert "does not fit" in err["message"] and err["type"] == "invalid_request_error"
+        assert 'kvr_requests_total{outcome="invalid"} 1.0' in http.get("/metrics").text

@@ -15,6 +15,7 @@ from kvrunahead.net.liveness import gather_objects
 from kvrunahead.policy import RunConfig
 from kvrunahead.runner import run_on_world
 from kvrunahead.search.algorithm import Boundaries
+from kvrunahead.search.balance import Measurement
 
 
 def share(value, world: World) -> object:
@@ -43,5 +44,24 @@ def ttft_on_ranks(base: RunConfig, world: World, context_len: int, repeats: int,
                 times.append(t)
         warm["runs"] = 0
         return statistics.median(times)
+
+    return measure
+
+
+def busy_on_ranks(base: RunConfig, world: World, context_len: int,
+                  warmup_runs: int) -> Callable[[Boundaries], Measurement]:
+    """``measure(boundaries) -> Measurement`` for the balance search: one prefill's TTFT and every rank's busy
+    time (compute, without its waits and blocked sends), the same on every rank; ``warmup_runs`` untimed runs
+    before the first candidate."""
+    warm = {"runs": warmup_runs}
+
+    def measure(b: Boundaries) -> Measurement:
+        cfg = dataclasses.replace(base, context_len=context_len, partition=",".join(map(str, b)))
+        for _ in range(warm["runs"]):
+            run_on_world(cfg, world)
+        warm["runs"] = 0
+        result = run_on_world(cfg, world)
+        mine = Measurement(result.ttft_s, tuple(r.compute_s for r in result.ranks)) if result is not None else None
+        return share(mine, world)
 
     return measure

@@ -79,6 +79,8 @@ class TableEntry:
     evaluations: int
     search_s: float
     seeded: bool = False
+    balance: float | None = None  # max rank busy / min, where the search read it (--criterion balance)
+    criterion: str | None = None  # how it was found: None (older tables) or ttft, balance
 
 
 @dataclass

@@ -155,8 +155,9 @@ class _Run:
         if done is None:
             self.client.cancel(self.rid)
         ranks = done.figures.ranks if done is not None and done.figures is not None else []
+        outcome = "cancelled" if done is None else "invalid" if done.bad_input else done.finish_reason
         self.metrics.finished(
-            done.finish_reason if done is not None else "cancelled",
+            outcome,
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             e2e_s=time.monotonic() - self.arrival_s,
             prompt_tokens=done.prompt_tokens if done is not None else 0,
@@ -175,6 +176,8 @@ def _failure(done: Finished, client) -> ApiError:
     if done.finish_reason == "cancelled":
         return ApiError(503, "the request was cancelled: the server shut down before it finished",
                         type="server_error", code="cancelled", outcome="cancelled")
+    if done.bad_input:  # found when the engine planned it (a partition this length cannot take)
+        return ApiError(400, done.error, code="invalid_prompt")
     return ApiError(503 if not client.healthy else 500, f"the engine failed the request: {done.error}",
                     type="server_error", code="engine_error", outcome="error")
 

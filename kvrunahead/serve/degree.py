@@ -74,12 +74,12 @@ class DegreePolicy:
         self._costs: dict[int, tuple[CostModel | None, str]] = {}  # threads -> the cost model and its profile
 
     def _choose(self, n: int) -> DegreeChoice:
-        if self.forced is not None:
-            return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
         if self.p == 1:
             return DegreeChoice(1, "one rank in the world")
-        if n < self.p:
+        if n < self.p:  # even under --degree p: a chain needs a token per rank
             return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks")
+        if self.forced is not None:
+            return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
         measured = self._from_tables(n)
         if measured is not None:
             return measured

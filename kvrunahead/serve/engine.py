@@ -148,7 +148,7 @@ class Engine:
                 return events
             outcome = self._execute(work)
         except InputError as e:  # this request's own problem, found before any other rank took part
-            return events + [self._finish(work.seq, "error", str(e))]
+            return events + [self._finish(work.seq, "error", str(e), bad_input=True)]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, work)
         return events + self._postprocess(work, outcome)
@@ -229,12 +229,12 @@ class Engine:
             events.append(self._finish(seq, reason))
         return events
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> Finished:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, bad_input: bool = False) -> Finished:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
         self.samplers.pop(seq.request_id, None)
-        return seq.finished(reason, error)
+        return seq.finished(reason, error, bad_input)
 
     def _reap_cancelled(self) -> list[Event]:
         with self._lock:

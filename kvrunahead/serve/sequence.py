@@ -79,6 +79,7 @@ class Finished:
     completion_tokens: int
     figures: RequestFigures | None = None
     error: str | None = None
+    bad_input: bool = False  # the error is the request's own (an HTTP 400), not the engine's
 
 
 Event = TokenEvent | Finished
@@ -149,6 +150,7 @@ class Sequence:
         """The position of the last chosen token, fed at the next decode step."""
         return self.prompt_len + len(self.output_ids) - 1
 
-    def finished(self, reason: FinishReason, error: str | None = None) -> Finished:
+    def finished(self, reason: FinishReason, error: str | None = None, bad_input: bool = False) -> Finished:
         self.status = "finished"
-        return Finished(self.request_id, reason, self.prompt_len, len(self.output_ids), self.figures, error)
+        return Finished(self.request_id, reason, self.prompt_len, len(self.output_ids), self.figures, error,
+                        bad_input)

@@ -1,0 +1,180 @@
+"""A partition search that reads the ranks' balance from each run, not the TTFT of runs minutes apart.
+
+The golden-section search compares TTFTs measured one after another on a machine whose speed drifts by more than
+the differences it decides on. One run's per-rank figures are immune to that drift: every rank ran at the same
+time. So each step measures a candidate, reads every rank's busy time (its compute, without waiting for its
+predecessor or on its sends), turns it into that rank's rate against the FLOP model of its part
+(``rate_i = busy_i / work(prefix_i, tokens_i)``), and moves every boundary to where the rates predict equal busy
+times: a root-finding (Newton-like) step on the balance, which for p > 2 moves each boundary by its neighbours'
+imbalance at once. It stops when the measured balance (max busy / min busy) is within ``tolerance`` or a step
+moves no boundary by a ``quantum``. The balanced point and its neighbours one ``stride`` away are then timed in
+``confirm_rounds`` interleaved rounds (one run of each per round, so the drift hits all alike), and the lowest
+median TTFT is the answer.
+
+Knows nothing of torch: it is given ``measure(boundaries) -> Measurement`` and the work model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Boundaries = tuple[int, ...]
+Work = Callable[[float, float], float]  # (prefix tokens, own tokens) -> modelled work of one rank
+
+
+@dataclass(frozen=True)
+class Measurement:
+    ttft_s: float
+    busy_s: tuple[float, ...]  # per rank: compute only (no waits for the predecessor, no blocked sends)
+
+    @property
+    def balance(self) -> float:
+        """max busy / min busy: 1.0 is perfect balance."""
+        return max(self.busy_s) / max(min(self.busy_s), 1e-9)
+
+
+@dataclass
+class BalanceResult:
+    boundaries: Boundaries
+    ttft_s: float  # the median of its confirmation runs
+    balance: float  # of the chosen candidate, from its balancing run (or its first confirmation run)
+    candidates: int  # distinct partitions measured
+    runs: int  # prefills run (balancing steps and confirmation runs)
+    search_s: float
+    steps: list[dict] = field(default_factory=list)  # the balancing steps: boundaries, TTFT, busy, balance
+    confirmation: dict[str, list[float]] = field(default_factory=dict)  # "b0,b1,..." -> its TTFTs
+
+
+def _key(b: Boundaries) -> str:
+    return ",".join(map(str, b))
+
+
+def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Work, quantum: int = 1) -> Boundaries:
+    """Where every rank's busy time would be equal, if each kept the rate it showed at ``boundaries``: rank i's
+    predicted busy for a part of n tokens after a prefix of b is ``rate_i * work(b, n)``. Boundaries are rounded
+    to ``quantum`` tokens and every part keeps at least one quantum."""
+    n, p = boundaries[-1], len(boundaries) - 1
+    rates = []
+    for i in range(p):
+        w = work(float(boundaries[i]), float(boundaries[i + 1] - boundaries[i]))
+        rates.append(busy[i] / w if w > 0 else 0.0)
+    if min(rates) <= 0:
+        raise ValueError(f"a rank reported no busy time: {list(busy)}")
+    sizes = _equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
+    cuts, prefix = [0], 0.0
+    for s in sizes[:-1]:
+        prefix += s
+        cuts.append(round(prefix / quantum) * quantum)
+    cuts.append(n)
+    for i in range(1, p):  # every part at least one quantum, the last one included
+        cuts[i] = min(max(cuts[i], cuts[i - 1] + quantum), n - (p - i) * quantum)
+    return tuple(cuts)
+
+
+def _equal_level_sizes(works: list[Work], n: int) -> list[float]:
+    """Continuous part sizes, summing to ``n``, at which every rank's ``works[i](prefix, size)`` is equal."""
+
+    def within(i: int, prefix: float, level: float) -> float:
+        lo, hi = 0.0, float(n)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if works[i](prefix, mid) <= level else (lo, mid)
+        return lo
+
+    def covered(level: float) -> list[float]:
+        prefix, sizes = 0.0, []
+        for i in range(len(works)):
+            sizes.append(within(i, prefix, level))
+            prefix += sizes[-1]
+        return sizes
+
+    lo, hi = 0.0, max(w(0.0, float(n)) for w in works) * len(works)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)
+    sizes = covered(hi)
+    return [x * n / sum(sizes) for x in sizes]
+
+
+def neighbours(b: Boundaries, stride: int) -> list[Boundaries]:
+    """``b`` with one inner boundary moved ``stride`` either way (those that leave every part non-empty)."""
+    out = []
+    for i in range(1, len(b) - 1):
+        for step in (-stride, stride):
+            c = (*b[:i], b[i] + step, *b[i + 1:])
+            if all(hi > lo for lo, hi in zip(c, c[1:])):
+                out.append(c)
+    return out
+
+
+@dataclass
+class _Log:
+    """The runs so far, checkpointed after each one. A resumed search makes the same calls in the same order (it
+    is deterministic given the figures), so the k-th call takes the k-th saved run while they agree."""
+
+    path: Path | None
+    runs: list[dict] = field(default_factory=list)  # {"phase", "boundaries", "ttft_s", "busy_s"}
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.runs and self.path is not None and Path(self.path).exists():
+            self.runs = json.loads(Path(self.path).read_text()).get("runs", [])
+
+    def run(self, phase: str, b: Boundaries, measure: Callable[[Boundaries], Measurement],
+            on_measure: Callable[[str, Boundaries, Measurement], None] | None) -> Measurement:
+        k, self.calls = self.calls, self.calls + 1
+        if k < len(self.runs):
+            done = self.runs[k]
+            if done["phase"] == phase and tuple(done["boundaries"]) == b:
+                return Measurement(done["ttft_s"], tuple(done["busy_s"]))
+            del self.runs[k:]  # the search took another way than the saved one: measure from here
+        m = measure(b)
+        self.runs.append({"phase": phase, "boundaries": list(b), "ttft_s": m.ttft_s, "busy_s": list(m.busy_s)})
+        if self.path is not None:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps({"runs": self.runs}, indent=1))
+        if on_measure is not None:
+            on_measure(phase, b, m)
+        return m
+
+
+def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundaries, work: Work, stride: int = 64,
+                   quantum: int = 8, tolerance: float = 0.02, max_steps: int = 6, confirm_rounds: int = 3,
+                   checkpoint: Path | None = None, preload: list[dict] | None = None,
+                   on_measure: Callable[[str, Boundaries, Measurement], None] | None = None) -> BalanceResult:
+    """Balance from ``seed``, then confirm against the neighbours ``stride`` away (see the module's text).
+    ``preload``: the runs of an interrupted search (a checkpoint's ``runs``, shared by every rank), replayed in
+    place of the ``checkpoint`` file's."""
+    if len(seed) < 3:
+        raise ValueError("a partition search needs at least two ranks")
+    t0 = time.perf_counter()
+    log = _Log(checkpoint, list(preload or []))
+    b, steps, seen = tuple(seed), [], {}
+    for _ in range(max_steps):
+        m = log.run("balance", b, measure, on_measure)
+        seen[b] = m
+        steps.append({"boundaries": list(b), "ttft_s": m.ttft_s, "busy_s": list(m.busy_s), "balance": m.balance})
+        if m.balance <= 1 + tolerance:
+            break
+        nxt = balanced_boundaries(b, m.busy_s, work, quantum)
+        if nxt in seen or max(abs(x - y) for x, y in zip(nxt, b)) < quantum:
+            break
+        b = nxt
+    best = min(seen, key=lambda c: seen[c].balance)
+    pool = [best, *neighbours(best, stride)]
+    confirmation: dict[str, list[float]] = {_key(c): [] for c in pool}
+    first: dict[Boundaries, Measurement] = {}
+    for _ in range(confirm_rounds):
+        for c in pool:
+            m = log.run("confirm", c, measure, on_measure)
+            confirmation[_key(c)].append(m.ttft_s)
+            first.setdefault(c, m)
+    chosen = min(pool, key=lambda c: (statistics.median(confirmation[_key(c)]), c != best))
+    balance = seen[chosen].balance if chosen in seen else first[chosen].balance
+    return BalanceResult(chosen, statistics.median(confirmation[_key(chosen)]), balance,
+                         len(set(seen) | set(pool)), log.calls, time.perf_counter() - t0, steps, confirmation)
