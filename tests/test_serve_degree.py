@@ -72,3 +72,17 @@ def test_the_front_alone_takes_the_node_s_idle_cores(monkeypatch):
     assert solo_threads(1, 2) == 2 and solo_threads(2, 2) == 4 and solo_threads(1, 1) == 1
     assert solo_threads(3, 4) == 8  # never more than the cores this process may use
     assert solo_threads(4, 4) == 8 and solo_threads(16, 1) == 16  # nor fewer than its own share
+
+
+def test_the_chain_is_priced_at_the_partition_the_engine_will_run(shipped_profiles_only):
+    cfg = RunConfig(threads=1)
+    asked = []
+
+    def lopsided(n):  # a partition far from balance: rank 1 does nearly everything
+        asked.append(n)
+        return (0, 64, n)
+
+    served = DegreePolicy(cfg, resolve_config(cfg.model), 2, 2, "split", 1, "auto", 2, lopsided).choose(8192)
+    optimum = _policy().choose(8192)
+    assert asked == [8192] and _predicted(served.source)[1] > 1.3 * _predicted(optimum.source)[1]
+    assert served.degree == 1 and optimum.degree == 2  # the lopsided chain loses to one rank; the balanced wins

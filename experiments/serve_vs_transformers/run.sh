@@ -3,13 +3,16 @@
 # threads) on the same weights and machine. One server runs at a time (an idle server beside the other would take
 # CPU); the servers alternate per rate and per load. Resumable: a part whose rows are complete is skipped
 # (kvr-serve-bench --resume). Usage: bash experiments/serve_vs_transformers/run.sh [PART...]
-# PARTS: single16k sharegpt mixed (default: all three).
+# PARTS: single16k sharegpt mixed (default: all three). SEED=N (default 0) draws another plan of requests (other
+# prompts, arrivals and long documents) into <part>-seedN/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=experiments/serve_vs_transformers
 PARTS=("${@:-single16k sharegpt mixed}")
 read -r -a PARTS <<< "${PARTS[*]}"
 KVR_PORT=8123; HF_PORT=8124
+SEED=${SEED:-0}
+SUFFIX=$([ "$SEED" = 0 ] && echo "" || echo "-seed$SEED")
 
 # transformers serve reads the model directory as it is: a copy of the converted SmolLM2 whose config carries the
 # YaRN x2 rope parameters kvr-serve applies beyond 8192 positions (kvr-serve applies them to those prompts only).
@@ -51,7 +54,7 @@ bench() {  # $1 kvr|hf, $2 part, extra args...
   trap "stop_server $pid" EXIT
   wait_up "$port" "$pid"
   kvr-serve-bench --base-url "http://127.0.0.1:$port/v1" --label "$who" --out "$OUT/$part/$who" --resume \
-    --tokenizer smollm2-135m --seed 0 "$@"
+    --tokenizer smollm2-135m --seed "$SEED" "$@"
   stop_server "$pid"; trap - EXIT
 }
 
@@ -70,12 +73,12 @@ for part in "${PARTS[@]}"; do
       done ;;
     sharegpt)
       for rate in 0.25 0.5; do for who in kvr hf; do
-        bench "$who" "sharegpt/rate$rate" --rate "$rate" --requests 30 --duration 150 --long-share 0 \
+        bench "$who" "sharegpt$SUFFIX/rate$rate" --rate "$rate" --requests 30 --duration 150 --long-share 0 \
           --max-tokens-cap 64 --timeout 300
       done; done ;;
     mixed)
       for rate in 0.25 0.5; do for who in kvr hf; do
-        bench "$who" "mixed/rate$rate" --rate "$rate" --requests 80 --duration 320 --long-share 0.05 \
+        bench "$who" "mixed$SUFFIX/rate$rate" --rate "$rate" --requests 80 --duration 320 --long-share 0.05 \
           --long-tokens 8k-16k --long-max-tokens 16 --max-tokens-cap 64 --timeout 600
       done; done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

@@ -8,12 +8,14 @@ reason is returned with the choice and reported per request (``RequestFigures.de
 
 A prompt on one rank runs while the other ranks of the node idle, so the front takes their cores
 (``solo_threads``, see serve/executor.py): the degree-1 side is priced at those threads, the chain at ``threads``
-per rank.
+per rank and at the partition the engine will run (``partition_of``: the table's where one covers the length),
+not at the cost model's own optimum, which the served partition may miss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -65,8 +67,10 @@ class DegreePolicy:
     """The degree per prompt length, decided once per length and remembered."""
 
     def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
-                 threads: int, degree: str = "auto", solo_threads: int | None = None) -> None:
+                 threads: int, degree: str = "auto", solo_threads: int | None = None,
+                 partition_of: Callable[[int], tuple[int, ...]] | None = None) -> None:
         self.cfg, self.config, self.p = cfg, config, world_size
+        self.partition_of = partition_of  # the chain's boundaries for n tokens; None: the cost model's optimum
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
         self.solo_threads = solo_threads or threads
         self.forced = parse_degree(degree, world_size)
@@ -113,8 +117,11 @@ class DegreePolicy:
         if solo is None:  # no profile at the front's solo threads: one rank priced at the chain's threads (slower)
             solo, solo_which = cost, f"{which}, at {self.threads} thread(s): none for {self.solo_threads}"
         one = simulate(solo, "kvr", n, 1, None, self.attention).ttft_s
-        stride = max(1, min(64, n // (8 * self.p)))
-        chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
+        if self.partition_of is not None:
+            chain = simulate(cost, "kvr", n, self.p, tuple(self.partition_of(n)), self.attention).ttft_s
+        else:
+            stride = max(1, min(64, n // (8 * self.p)))
+            chain = search_partition(cost, n, self.p, self.attention, min_stride=stride).ttft_s
         degree = 1 if one <= chain else self.p
         return DegreeChoice(degree, f"cost model: predicted {one:.3f} s on 1 rank of {self.solo_threads} "
                                     f"thread(s) ({solo_which}), {chain:.3f} s on {self.p} ranks of {self.threads} "

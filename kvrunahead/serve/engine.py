@@ -82,7 +82,7 @@ class Engine:
                                load=lambda rope: loaded_model(cfg.model, dtype, device, cfg.seed, rope),
                                threads=threads, solo_threads=solo)
         self.degrees = DegreePolicy(cfg, model_config, world.world_size, world.local_world_size, self.attention,
-                                    threads, config.degree, solo)
+                                    threads, config.degree, solo, lambda n: self._partition(n)[0].boundaries)
         self.model_config = model_config
         self.threads = threads
         self.scheduler = Scheduler(config.max_queue)
