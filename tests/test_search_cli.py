@@ -66,6 +66,7 @@ def test_the_table_records_its_attention_and_kvr_prefill_refuses_it_for_the_othe
     (["--threads", "0"], "--threads must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--min-stride", "0"], "--min-stride must be at least 1"),
+    (["--criterion", "balance", "--confirm-rounds", "0"], "--confirm-rounds must be at least 1"),
     (["--ctx", "16"], "too short for 2 ranks at --min-stride 16"),
     (["--ctx", "lots"], "cannot parse token count"),
     (["--nproc", "1"], "at least 2 ranks"),

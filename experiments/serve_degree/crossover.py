@@ -14,8 +14,8 @@ import time
 import httpx
 
 from kvrunahead.bench.serve_bench import long_document
-from kvrunahead.prompt import shipped_text
 from kvrunahead.model.load import load_tokenizer
+from kvrunahead.prompt import shipped_text
 from kvrunahead.provenance import environment
 
 

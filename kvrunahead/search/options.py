@@ -87,7 +87,7 @@ def check_inputs(opts: SearchOptions, world_size: int) -> Path:
 
     for flag, value, least in (("--threads", opts.threads, 1), ("--repeats", opts.repeats, 1),
                                ("--warmup", opts.warmup_runs, 0), ("--min-stride", opts.min_stride_tokens, 1),
-                               ("--window", opts.window_tokens, 1)):
+                               ("--window", opts.window_tokens, 1), ("--confirm-rounds", opts.confirm_rounds, 1)):
         if value < least:
             raise InputError(f"{flag} must be at least {least}, got {value}")
     if world_size < 2:
