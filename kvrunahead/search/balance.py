@@ -65,7 +65,7 @@ def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Wor
         rates.append(busy[i] / w if w > 0 else 0.0)
     if min(rates) <= 0:
         raise ValueError(f"a rank reported no busy time: {list(busy)}")
-    sizes = _equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
+    sizes = equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
     cuts, prefix = [0], 0.0
     for s in sizes[:-1]:
         prefix += s
@@ -76,8 +76,9 @@ def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Wor
     return tuple(cuts)
 
 
-def _equal_level_sizes(works: list[Work], n: int) -> list[float]:
-    """Continuous part sizes, summing to ``n``, at which every rank's ``works[i](prefix, size)`` is equal."""
+def equal_level_sizes(works: list[Work], n: int) -> list[float]:
+    """Continuous part sizes, summing to ``n``, at which every rank's ``works[i](prefix, size)`` is equal (each work
+    increasing in both): bisection on the common level, each part the most tokens within it."""
 
     def within(i: int, prefix: float, level: float) -> float:
         lo, hi = 0.0, float(n)
@@ -93,7 +94,7 @@ def _equal_level_sizes(works: list[Work], n: int) -> list[float]:
             prefix += sizes[-1]
         return sizes
 
-    lo, hi = 0.0, max(w(0.0, float(n)) for w in works) * len(works)
+    lo, hi = 0.0, max(w(0.0, float(n)) for w in works)  # at that level rank 0 alone covers everything
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)

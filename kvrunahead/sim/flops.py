@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrunahead.partition import Partition
+from kvrunahead.search.balance import equal_level_sizes
 from kvrunahead.search.tables import config_hash
 from kvrunahead.sim.shape import shape_from_config
 
@@ -72,34 +73,8 @@ def _count_layer_cost(config) -> LayerCost:
 
 def equal_work_sizes(work, context_len: int, world_size: int) -> list[float]:
     """Part sizes (continuous, summing to the context) that give every rank the same ``work(prefix, tokens)``,
-    for any work increasing in both: bisection on the common level, each part the most tokens within it."""
-
-    def tokens_within(prefix: float, level: float) -> float:
-        lo, hi = 0.0, float(context_len)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if work(prefix, mid) <= level:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def covered(level: float) -> list[float]:
-        prefix, sizes = 0.0, []
-        for _ in range(world_size):
-            sizes.append(tokens_within(prefix, level))
-            prefix += sizes[-1]
-        return sizes
-
-    lo, hi = 0.0, work(0.0, float(context_len))
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(covered(mid)) < context_len:
-            lo = mid
-        else:
-            hi = mid
-    sizes = covered(hi)
-    return [x * context_len / sum(sizes) for x in sizes]
+    for any work increasing in both (search.balance's bisection, one work for every rank)."""
+    return equal_level_sizes([work] * world_size, context_len)
 
 
 def balanced_partition(cost: LayerCost, context_len: int, world_size: int, attention: str) -> Partition:
