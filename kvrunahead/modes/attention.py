@@ -3,10 +3,10 @@ merge of partial blocks."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+
+from kvrunahead.model.attention import expand_kv
 
 
 def causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, device, window: int | None = None) -> torch.Tensor:
@@ -23,29 +23,63 @@ def attend(q, k, v, mask, scale) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output and its per-row log-sum-exp (float32), for exact merging of partial blocks.
+def lse_kernel(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """The fused kernel that returns attention with its log-sum-exp on a device: never a materialised score matrix.
 
-    ``causal`` is top-left aligned, which is right for a diagonal block (queries and keys of one chunk).
-    On CPU this is the same flash kernel that ``scaled_dot_product_attention`` dispatches to.
+    CPU: the flash kernel SDPA dispatches to. CUDA: flash attention for half precisions and head sizes it takes,
+    else the memory-efficient kernel (float32, odd head sizes), which computes the log-sum-exp when asked.
     """
-    if q.device.type == "cpu":
+    if device_type == "cpu":
+        return "cpu-flash"
+    if device_type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0:
+            return "flash"
+        return "efficient"
+    raise NotImplementedError(f"no fused attention with log-sum-exp on {device_type!r}; the split and ring "
+                              "attentions run on cpu and cuda")
+
+
+def _fused_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused kernel call; ``k``/``v`` have as many heads as ``q``."""
+    kernel = lse_kernel(q.device.type, q.dtype, q.shape[-1])
+    if kernel == "cpu-flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out.float(), lse.float()
-    scores = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-    if causal:
-        n = q.shape[-2]
-        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v.float(), lse
+    elif kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        lse = lse[..., : q.shape[-2]]  # the kernel pads its log-sum-exp rows to a multiple of 32
+    return out.float(), lse.float()
+
+
+def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (float32) and its per-row log-sum-exp (float32), for exact merging of partial blocks.
+
+    ``k``/``v`` may have fewer heads than ``q`` (GQA, MQA). ``causal`` is top-left aligned, which is right for a
+    diagonal block (queries and keys of one chunk); only such a block has its K,V repeated to the query heads. A
+    block every query sees in full runs the query heads of one K,V head as one longer query sequence instead, so
+    the (long) prefix K,V is never copied per query head.
+    """
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    if causal or kv_heads == heads:
+        return _fused_with_lse(q, expand_kv(k, heads), expand_kv(v, heads), causal, scale)
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d)
+    out, lse = _fused_with_lse(grouped, k, v, False, scale)
+    return out.view(b, heads, n, d), lse.reshape(b, heads, n)  # the log-sum-exp is small: a copy is no cost
 
 
 def merge_lse(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Combine two softmax-normalised partial results over disjoint key sets (ring attention's merge)."""
+    """Combine two softmax-normalised partial results over disjoint key sets (ring attention's merge).
+
+    In place: ``out`` and ``block_out`` are the kernels' own float32 buffers, so the merge allocates nothing of the
+    size of an output."""
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None]
+    block_out.mul_(torch.exp(block_lse - new_lse)[..., None])
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out)
     return out, new_lse
 
 

@@ -185,12 +185,15 @@ def split_attention(module, query, key, value, attention_mask, scaling=None, dro
     refuse_softcap(kwargs, "kvr --kvr-attention split")
     n, heads = query.shape[2], query.shape[1]
     start = key.shape[2] - n
-    k, v = expand_kv(key, heads), expand_kv(value, heads)
     if kwargs.get("sliding_window"):
+        k, v = expand_kv(key, heads), expand_kv(value, heads)
         return window_attention(query, k, v, start, kwargs["sliding_window"], scaling), None
-    out, lse = attend_with_lse(query, k[:, :, start:], v[:, :, start:], causal=True, scale=scaling)
+    # Peak memory is that of one block at a time: the diagonal block's K,V repeated to the query heads die with
+    # its call, before the prefix block (attended per K,V head, never repeated) adds its output to be merged.
+    out, lse = attend_with_lse(query, key[:, :, start:], value[:, :, start:], causal=True, scale=scaling)
     if start > 0:
-        prefix_out, prefix_lse = attend_with_lse(query, k[:, :, :start], v[:, :, :start], causal=False, scale=scaling)
+        prefix_out, prefix_lse = attend_with_lse(query, key[:, :, :start], value[:, :, :start], causal=False,
+                                                 scale=scaling)
         out, lse = merge_lse(out, lse, prefix_out, prefix_lse)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

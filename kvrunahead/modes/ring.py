@@ -61,7 +61,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
             n = sum(e - a for a, e in ranges[nxt])
             buf = block.new_empty((*block.shape[:-2], n, block.shape[-1]))
             req = t.exchange(block, (rank + 1) % p, buf, (rank - 1) % p, tag=tag_base + step)
-        k, v = expand_kv(block[0], heads), expand_kv(block[1], heads)
+        k, v = block[0], block[1]  # K,V heads as the model has them: attend_with_lse repeats where it must
         offset = 0
         for i, (a, e) in enumerate(mine):
             q = query[:, :, offset : offset + e - a]

@@ -1,0 +1,48 @@
+"""Peak host memory of one split-attention call, in a process of its own (ru_maxrss is a process's high-water mark).
+
+Usage: python tests/attention_memory_probe.py CONTEXT PART  ->  prints JSON {"peak_extra_bytes", "need_bytes"}
+The shapes are SmolLM2-135M's (9 query heads, 3 K,V heads of 64), float32, two threads: the last rank's layer when
+``PART`` of ``CONTEXT`` tokens are its own and the rest its prefix.
+"""
+
+import json
+import resource
+import sys
+
+import torch
+
+from kvrunahead.modes.kvr import split_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def rss_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+
+
+def inputs(context: int, part: int):
+    # The layout the model hands over: queries [1, part, heads, dim] transposed to heads first.
+    q = torch.randn(1, part, HEADS, HEAD_DIM).transpose(1, 2)
+    return q, torch.randn(1, KV_HEADS, context, HEAD_DIM), torch.randn(1, KV_HEADS, context, HEAD_DIM)
+
+
+def need_bytes(part: int) -> int:
+    """What the blocks need at once, float32: the diagonal block's K,V repeated to the query heads and its output
+    (3 outputs' worth), then the prefix block's grouped queries and output beside the diagonal output it merges
+    into (3 again), with two log-sum-exp rows."""
+    return (3 * part * HEADS * HEAD_DIM + 2 * part * HEADS) * 4
+
+
+def main() -> None:
+    context, part = int(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(2)
+    split_attention(None, *inputs(64, 16), None, scaling=HEAD_DIM**-0.5)  # the kernels' code pages, loaded once
+    q, k, v = inputs(context, part)
+    base = rss_bytes()
+    split_attention(None, q, k, v, None, scaling=HEAD_DIM**-0.5)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"peak_extra_bytes": peak - base, "need_bytes": need_bytes(part)}))
+
+
+if __name__ == "__main__":
+    main()
