@@ -64,8 +64,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_world(launcher: str, backend: str, timeout_s: float) -> World:
-    """Join the process group (no-op for a single process)."""
+def init_world(launcher: str, backend: str, timeout_s: float, device: torch.device | None = None) -> World:
+    """Join the process group (no-op for a single process). With NCCL, ``device`` (this rank's GPU) binds the group
+    to it, which makes its communicator at once rather than inside the first timed operation."""
     if launcher == "single":
         return World(0, 1, 0, 1, "single")
     if launcher == "mpi":
@@ -94,6 +95,7 @@ def init_world(launcher: str, backend: str, timeout_s: float) -> World:
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
     )
     # Every world beats: the waits for another rank's whole prefill are bounded by the heartbeats (net/liveness.py).
     liveness.start_heartbeat(timeout_s)

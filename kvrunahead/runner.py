@@ -128,7 +128,7 @@ def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunRes
     if cfg.transport == "mpi" and launcher != "mpi" and world_size > 1:
         raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
-    world = init_world(launcher, pick_backend(device), cfg.timeout_s)
+    world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
     try:
         result = (on_world or run_on_world)(cfg, world)
         # rank 0 hosts the rendezvous store: a rank that left while the last one still decodes or verifies would
@@ -159,7 +159,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     layout = probe_kv_layout(lm.model)
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
-    transport = cached_transport(cfg.transport, rank, p, pick_backend(device), cfg.timeout_s, cfg.allgather)
+    transport = cached_transport(cfg.transport, rank, p, device, cfg.timeout_s, cfg.allgather)
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
@@ -291,12 +291,14 @@ def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
     return _MODELS[key]
 
 
-def cached_transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float,
+def cached_transport(name: str, rank: int, world_size: int, device: torch.device, timeout_s: float,
                      allgather: str) -> Transport:
-    """One transport (and its process groups) per process and kind, reused across runs."""
+    """One transport (and its process groups and communicators, made here, before anything is timed) per process
+    and kind, reused across runs."""
+    backend = pick_backend(device)
     key = (name, rank, world_size, backend)
     if key not in _TRANSPORTS:
-        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather)
+        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather, device)
     transport = _TRANSPORTS[key]
     transport.timeout_s = timeout_s
     transport.set_allgather(allgather)

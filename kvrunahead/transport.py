@@ -41,6 +41,8 @@ class LinkStats:
 
 
 class Request(Protocol):
+    def is_completed(self) -> bool: ...
+
     def wait(self, timeout: datetime.timedelta | None = None) -> bool: ...
 
 
@@ -53,6 +55,8 @@ class Transport:
 
     name = "none"
     native_allgather_fair = False  # whether the library's all-gather is as fast per byte as point-to-point
+    polls = False  # whether waits poll ``is_completed`` against the deadline (the library's wait cannot time out)
+    poll_pause_s = 1e-3  # the longest sleep between polls
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
         self.rank, self.world_size = rank, world_size
@@ -91,9 +95,14 @@ class Transport:
 
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int) -> Request:
         """Send ``send`` to ``dst`` and receive ``recv`` from ``src`` at once (a ring step); returns the receive."""
-        req = self.irecv(recv, src, tag)
-        self.isend(send, dst, tag)
-        return req
+        start = time.perf_counter()
+        recv_req, send_req = self._post_exchange(send, dst, recv, src, tag)
+        self.stats.send_s += time.perf_counter() - start
+        self.stats.bytes_sent += nbytes(send)
+        self.stats.bytes_received += nbytes(recv)
+        self.stats.messages_sent += 1
+        self._sends.append((send_req, send, f"its send to rank {dst} (tag {tag})"))
+        return recv_req
 
     def wait(self, req: Request, what: str = "data from another rank") -> None:
         start = time.perf_counter()
@@ -101,15 +110,30 @@ class Transport:
         self.stats.wait_s += time.perf_counter() - start
 
     def _bounded_wait(self, req: Request, what: str) -> None:
-        """Wait at most ``timeout_s``; then one line naming this rank and what it waited for. (gloo and NCCL time
-        a wait themselves; without a bound, a receive from a stopped peer waits forever.)"""
-        try:
-            req.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            if "imed out" not in str(e) and "imeout" not in str(e):
-                raise
-            raise PeerTimeout(f"rank {self.rank}: no progress for {self.timeout_s:g} s waiting for {what} (the peer "
-                              "is stopped, gone, or its link is down or starved)") from None
+        """Wait at most ``timeout_s``; then one line naming this rank and what it waited for. (Without a bound, a
+        receive from a stopped peer waits forever.)"""
+        if not self.polls:  # gloo bounds a wait itself
+            try:
+                req.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                if "imed out" not in str(e) and "imeout" not in str(e):
+                    raise
+                self._timed_out(what)
+            return
+        # NCCL's wait only orders the caller's stream after the operation (it returns at once unless blocking wait
+        # is on) and MPI has no timed wait: both are polled against a deadline, which also makes wait_s real.
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-6
+        while not req.is_completed():
+            if time.monotonic() > deadline:
+                self._timed_out(what)
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll_pause_s)
+        req.wait()
+
+    def _timed_out(self, what: str):
+        raise PeerTimeout(f"rank {self.rank}: no progress for {self.timeout_s:g} s waiting for {what} (the peer "
+                          "is stopped, gone, or its link is down or starved)") from None
 
     def all_gather(self, inp: torch.Tensor) -> torch.Tensor:
         """``[world_size, *inp.shape]``: every rank's ``inp``, in rank order."""
@@ -136,11 +160,15 @@ class Transport:
         blocks[r].copy_(inp)
         for step in range(p - 1):
             src_block, dst_block = (r - step) % p, (r - step - 1) % p
-            tag = 1_000_000 + step
-            recv = self._irecv(blocks[dst_block], (r - 1) % p, tag)
-            send = self._isend(blocks[src_block], (r + 1) % p, tag)
+            recv, send = self._post_exchange(blocks[src_block], (r + 1) % p, blocks[dst_block], (r - 1) % p,
+                                             1_000_000 + step)
             self._bounded_wait(recv, f"all-gather step {step} from rank {(r - 1) % p}")
             self._bounded_wait(send, f"all-gather step {step} to rank {(r + 1) % p}")
+
+    def _post_exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                       tag: int) -> tuple[Request, Request]:
+        """Post a receive from ``src`` and a send to ``dst``; returns (receive, send) requests."""
+        return self._irecv(recv, src, tag), self._isend(send, dst, tag)
 
     def drain(self) -> None:
         """Wait for this rank's sends still in flight."""
@@ -160,15 +188,28 @@ class TorchTransport(Transport):
     Point-to-point ops go through one process group per neighbouring pair: with NCCL every op of one
     communicator runs in order on one stream, so a pending receive from rank i-1 would otherwise hold
     back the send to rank i+1. (gloo's ``batch_isend_irecv`` can hang; plain isend/irecv are used.)
+
+    The NCCL orderings, which tests/test_nccl_orderings.py replays against NCCL's rules for p = 2-5:
+    - the chain: each pair's communicator carries one direction only (rank i sends layer after layer, rank i+1
+      receives them in the same order), so it completes whatever the partition;
+    - a ring step (ring attention, the point-to-point all-gather): at p = 2 both neighbours are one pair group,
+      where a receive queued before the matching send deadlocks, so the receive and the send are one batched
+      group call; at p > 2 they are on two different pair groups, which one batch may not mix, so each is posted
+      on its own pair's communicator, where this step's traffic again goes one way;
+    - every communicator is made before anything is timed (``connect``): the first batched call on a group must
+      include every rank of it, and a communicator made lazily by the first send would be timed.
     """
 
     name = "torch"
 
     def __init__(self, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
-                 allgather: str = "auto") -> None:
+                 allgather: str = "auto", device: torch.device | None = None) -> None:
         self.backend = backend
-        self.native_allgather_fair = backend == "nccl"
+        self.native_allgather_fair = self.polls = backend == "nccl"
+        self.poll_pause_s = 1e-4 if self.polls else self.poll_pause_s  # a GPU's waits are short: poll closely
         super().__init__(rank, world_size, timeout_s, allgather)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.polls
+                                 else torch.device("cpu"))
         self._pairs: dict[frozenset[int], object] = {}
         if world_size > 1:
             # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around.
@@ -177,9 +218,32 @@ class TorchTransport(Transport):
                 key = frozenset((i, j))
                 if key not in self._pairs:
                     self._pairs[key] = dist.new_group(sorted(key), backend=backend)
+            if self.polls:
+                self.connect()
 
     def _group(self, a: int, b: int):
         return self._pairs[frozenset((a, b))]
+
+    def connect(self) -> None:
+        """Make every NCCL communicator this rank will use, before any timed region: a batched exchange with each
+        neighbour (the first batched call on a group, with every rank of it), one plain message each way (plain
+        point-to-point may get a communicator of its own), and one all-gather of the world."""
+        one = torch.zeros(1, device=self.device)
+        for key, group in self._pairs.items():
+            if self.rank not in key:
+                continue
+            (peer,) = key - {self.rank}
+            got = torch.empty(1, device=self.device)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, peer, group=group),
+                                            dist.P2POp(dist.isend, one, peer, group=group)])
+            for work in works:
+                self._bounded_wait(work, f"connecting to rank {peer}")
+            # The lower rank sends first: each side's two plain operations meet in the same order.
+            sends_first = self.rank < peer
+            for sending in (sends_first, not sends_first):
+                work = self._isend(one, peer, 0) if sending else self._irecv(got, peer, 0)
+                self._bounded_wait(work, f"connecting to rank {peer}")
+        self._all_gather(torch.empty(self.world_size, device=self.device), one)
 
     def _isend(self, t, dst, tag):
         return dist.isend(t, dst=dst, group=self._group(self.rank, dst), tag=tag)
@@ -190,27 +254,28 @@ class TorchTransport(Transport):
     def _all_gather(self, out, inp):
         self._bounded_wait(_all_gather_single(out, inp, async_op=True), "the all-gather of every rank's K,V")
 
-    def exchange(self, send, dst, recv, src, tag):
-        if self.backend != "nccl":
-            return super().exchange(send, dst, recv, src, tag)
-        # NCCL runs one communicator's ops in order: with two ranks both neighbours share one pair group,
-        # and a receive queued before the matching send would deadlock. A batched pair is one group call.
-        start = time.perf_counter()
-        ops = [dist.P2POp(dist.irecv, recv, src, group=self._group(self.rank, src)),
-               dist.P2POp(dist.isend, send, dst, group=self._group(self.rank, dst))]
-        works = dist.batch_isend_irecv(ops)
-        self.stats.send_s += time.perf_counter() - start
-        self.stats.bytes_sent += nbytes(send)
-        self.stats.bytes_received += nbytes(recv)
-        self.stats.messages_sent += 1
-        self._sends.append((works[1], send, f"its send to rank {dst}"))
-        return works[0]
+    def _post_exchange(self, send, dst, recv, src, tag):
+        group = self._group(self.rank, src)
+        if self.backend != "nccl" or group is not self._group(self.rank, dst):
+            return super()._post_exchange(send, dst, recv, src, tag)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, src, group=group, tag=tag),
+                                        dist.P2POp(dist.isend, send, dst, group=group, tag=tag)])
+        # NCCL coalesces a batch into one request; other backends return one per operation.
+        return works[0], works[-1]
+
+    def _timed_out(self, what: str):
+        if self.polls:
+            # A communicator with an operation that will never complete blocks its own destruction: abort them all,
+            # so that the rank exits with its one line instead of hanging on the way out.
+            dist.distributed_c10d._abort_process_group()
+        super()._timed_out(what)
 
 
 class MpiTransport(Transport):
     """mpi4py on host buffers: Isend/Irecv for the chain and the ring, Allgather for the gathers."""
 
     name = "mpi"
+    polls = True  # MPI has no timed wait; the chain's waits are milliseconds to seconds
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
         super().__init__(rank, world_size, timeout_s, allgather)
@@ -240,18 +305,11 @@ class MpiTransport(Transport):
 class _MpiRequest:
     req: object
 
+    def is_completed(self) -> bool:
+        return self.req.Test()
+
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is None:
-            self.req.Wait()
-            return True
-        # MPI has no timed wait: poll, backing off to 1 ms (the chain's waits are milliseconds to seconds).
-        deadline = time.monotonic() + timeout.total_seconds()
-        pause = 1e-5
-        while not self.req.Test():
-            if time.monotonic() > deadline:
-                raise RuntimeError("timed out")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+        self.req.Wait()
         return True
 
 
@@ -268,11 +326,11 @@ class LocalTransport(Transport):
 
 
 def make_transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
-                   allgather: str = "auto") -> Transport:
+                   allgather: str = "auto", device: torch.device | None = None) -> Transport:
     if world_size == 1:
         return LocalTransport()
     if name == "torch":
-        return TorchTransport(rank, world_size, backend, timeout_s, allgather)
+        return TorchTransport(rank, world_size, backend, timeout_s, allgather, device)
     if name == "mpi":
         return MpiTransport(rank, world_size, timeout_s, allgather)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")

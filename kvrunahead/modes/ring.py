@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register
+from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.forward import forward_part
 from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
 from kvrunahead.modes.tsp import positions
@@ -48,7 +48,7 @@ def ring_attention(module, query, key, value, attention_mask, scaling=None, drop
     refuse_softcap(kwargs, "ring")
     state: _State = current_state()
     t, ranges = state.transport, state.ranges
-    p, rank, heads = t.world_size, t.rank, query.shape[1]
+    p, rank = t.world_size, t.rank
     tag_base = module.layer_idx * p
     block = torch.stack((key, value)).contiguous()
     mine = ranges[rank]

@@ -41,7 +41,7 @@ def run_search(opts: SearchOptions) -> None:
     launcher = detect_launcher()
     out = check_inputs(opts, world_size_hint(launcher, 1))
     device = resolve_device(opts.device, 0)
-    world = init_world(launcher, pick_backend(device), opts.timeout_s)
+    world = init_world(launcher, pick_backend(device), opts.timeout_s, device)
     p = world.world_size
     lead = world.rank == 0
     key = table_key(opts, p, world.local_world_size)

@@ -117,7 +117,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 
     config = _engine_config(options)
     device = resolve_device(config.run.device, local_rank_hint())
-    world = init_world(launcher, pick_backend(device), config.run.timeout_s)
+    world = init_world(launcher, pick_backend(device), config.run.timeout_s, device)
     front = world.rank == world.world_size - 1
     if not front:
         _ignore_stop_signals()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World, pick_backend
+from kvrunahead.launcher import World
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
@@ -74,8 +74,8 @@ class Engine:
         torch.set_num_threads(threads)
         dtype = resolve_dtype(cfg, device)
         lm = loaded_model(cfg.model, dtype, device, cfg.seed)
-        transport = cached_transport(cfg.transport, world.rank, world.world_size, pick_backend(device),
-                                     cfg.timeout_s, cfg.allgather)
+        transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s,
+                                     cfg.allgather)
         layout = probe_kv_layout(lm.model)
         solo = executor.solo_threads(threads, world.local_world_size) if device.type == "cpu" else threads
         self.ctx = RankContext(lm, layout, transport, device, world.rank, world.world_size,
