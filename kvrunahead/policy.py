@@ -55,12 +55,23 @@ class RunConfig:
     allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers
 
 
+def check_device(spec: str) -> None:
+    """One line when ``--device cuda`` cannot be had, before anything is loaded or any rank starts."""
+    if spec != "cuda" or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        why = f"this torch ({torch.__version__}) is built without CUDA"
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = "no CUDA device is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    raise InputError(f"--device cuda asked for, but {why}; run on a machine with a GPU, or give --device cpu")
+
+
 def resolve_device(spec: str, local_rank: int) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError("--device cuda asked for but CUDA is not available")
+        check_device(spec)
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -179,6 +190,7 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
 
 def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> Prepared:
     """Validate the input and build the prompt and partition; raises InputError with one line."""
+    check_device(cfg.device)
     if cfg.mode not in MODES:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
     if cfg.mode == "single" and world_size != 1:

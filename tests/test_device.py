@@ -1,5 +1,7 @@
 """Device, dtype and backend choice of a rank, with CUDA present (mocked: CI has no GPU) and absent."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -24,5 +26,21 @@ def test_without_cuda_ranks_run_on_cpu_in_float32_over_gloo(monkeypatch):
     device = resolve_device("auto", 3)
     assert device == torch.device("cpu") and pick_backend(device) == "gloo"
     assert resolve_dtype(RunConfig(), device) == torch.float32
-    with pytest.raises(InputError, match="CUDA is not available"):
+    with pytest.raises(InputError, match="--device cuda asked for, but"):
         resolve_device("cuda", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("argv", [
+    ["kvr-prefill", "--device", "cuda", "--ctx", "1k"],
+    ["kvr-prefill", "--device", "cuda", "--ctx", "1k", "--nproc", "2"],
+    ["kvr-serve", "--device", "cuda", "--nproc", "2"],
+    ["kvr-search", "--device", "cuda", "--nproc", "2", "--ctx", "2k", "--out", "unused.json"],
+])
+def test_asking_for_cuda_without_a_gpu_is_one_line_and_exit_2_before_any_rank_starts(argv, tmp_path):
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"{argv[0]}: error: --device cuda asked for, but ")
+    assert not (tmp_path / "unused.json").exists()

@@ -34,7 +34,7 @@ def partitions(p: int) -> dict[str, str]:
 
 def _config(model: str, dtype: str, **kw) -> dict:
     return dict(model=model, context_len=CONTEXT, dtype=dtype, device="cpu", max_new_tokens=NEW_TOKENS,
-                verify=True, threads=1, atol=1e-4 if dtype == "float32" else 1e9, **kw)
+                verify=True, threads=1, atol=1e-4 if dtype == "float32" else None, **kw)
 
 
 def _cases(p: int) -> list[dict]:
@@ -91,10 +91,11 @@ def test_kvr_float32_logits_match_single_process(world, model, pname):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
-def test_kvr_bfloat16_first_token_matches_single_process(world, model, pname):
+def test_kvr_bfloat16_matches_single_process_within_its_rounding(world, model, pname):
+    """First token, greedy continuation, and logits within the tolerance derived from bfloat16's rounding."""
     _, results = world
     v = results[f"{model}/{pname}/bfloat16"]["verification"]
-    assert v["first_token_match"], v
+    assert v["ok"], v
 
 
 @pytest.mark.parametrize("pname", ["even", "skewed", "one-token-head", "one-token-tail"])
@@ -117,7 +118,7 @@ def test_baseline_modes_match_single_process(world, mode, model):
     assert sum(r["tokens"]) == CONTEXT and len(r["tokens"]) == p
     assert v["max_abs_logit_diff"] <= 1e-4, v
     assert v["first_token_match"] and v["generated_match"], v
-    assert results[f"{mode}/{model}/bfloat16"]["verification"]["first_token_match"]
+    assert results[f"{mode}/{model}/bfloat16"]["verification"]["ok"]
 
 
 def _layout_tokens(mode: str, p: int) -> list[int]:

@@ -84,6 +84,7 @@ def table_key(opts: SearchOptions, world_size: int, local_world_size: int | None
 def check_inputs(opts: SearchOptions, world_size: int) -> Path:
     """One-line errors before any rank starts; returns the table path."""
     from kvrunahead.model.load import ModelError, resolve_config
+    from kvrunahead.policy import check_device
 
     for flag, value, least in (("--threads", opts.threads, 1), ("--repeats", opts.repeats, 1),
                                ("--warmup", opts.warmup_runs, 0), ("--min-stride", opts.min_stride_tokens, 1),
@@ -92,6 +93,7 @@ def check_inputs(opts: SearchOptions, world_size: int) -> Path:
             raise InputError(f"{flag} must be at least {least}, got {value}")
     if world_size < 2:
         raise InputError(f"a partition search needs at least 2 ranks, got {world_size}")
+    check_device(opts.device)
     if not opts.context_lens:
         raise InputError("--ctx names no context length")
     try:

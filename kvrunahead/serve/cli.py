@@ -41,11 +41,13 @@ def _check(options: dict, world_size: int) -> None:
     """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
     from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.model.rope import ContextError
+    from kvrunahead.policy import check_device
     from kvrunahead.serve.degree import parse_degree
     from kvrunahead.serve.engine import model_len_limit
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
+    check_device(options["device"])
     try:
         parse_degree(options["degree"], world_size)
         config = _engine_config(options)
