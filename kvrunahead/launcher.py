@@ -67,6 +67,8 @@ def free_port() -> int:
 def init_world(launcher: str, backend: str, timeout_s: float, device: torch.device | None = None) -> World:
     """Join the process group (no-op for a single process). With NCCL, ``device`` (this rank's GPU) binds the group
     to it, which makes its communicator at once rather than inside the first timed operation."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # before any NCCL call: a batched send/receive on another device hangs
     if launcher == "single":
         return World(0, 1, 0, 1, "single")
     if launcher == "mpi":

@@ -4,6 +4,7 @@ between runs, and resume an interrupted search without running again what it ran
 
 import itertools
 import random
+import statistics
 
 import pytest
 
@@ -105,3 +106,14 @@ def test_balanced_boundaries_are_rounded_ordered_and_cover_the_context(p):
     assert all(x % 8 == 0 for x in new[1:-1]) and sizes[0] > sizes[-1]
     with pytest.raises(ValueError, match="no busy time"):
         balanced_boundaries(b, [0.0] * p, model_work)
+
+
+def test_the_entrys_balance_is_the_median_over_every_run_of_the_chosen_partition():
+    """One run's balance reading is noisy (about 5% on the CPU ranks): the entry records the median of them all."""
+    chain = Chain((1.0, 1.1), noise=0.05, seed=2)
+    seen: dict[tuple, list[float]] = {}
+    result = balance_search(chain, (0, 4096, 8192), model_work, stride=64, confirm_rounds=5,
+                            on_measure=lambda phase, b, m: seen.setdefault(tuple(b), []).append(m.balance))
+    runs = seen[tuple(result.boundaries)]
+    assert len(runs) >= 5
+    assert result.balance == statistics.median(runs)

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from kvrunahead.bench.plan import Job, WorldPlan, job_groups, run_key
 from kvrunahead.cli import common
-from kvrunahead.launcher import World, detect_launcher, init_world
+from kvrunahead.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
 from kvrunahead.net import liveness
 from kvrunahead.net.noise import switch
 from kvrunahead.net.spec import parse_net
-from kvrunahead.policy import RunConfig
+from kvrunahead.policy import RunConfig, resolve_device
 from kvrunahead.runner import RunResult, leave_world, run_on_world
 
 
@@ -123,7 +123,9 @@ class BenchRank:
 def worker(plan_file: str, out_prefix: str) -> None:
     """Run the plan in ``plan_file`` on this rank, appending rows to ``{out_prefix}.{rank}.jsonl``."""
     plan = WorldPlan.from_json(Path(plan_file).read_text())
-    world = init_world(detect_launcher(), "gloo", timeout_s=plan.timeout_s)
+    # The runs resolve their device as any run does (a GPU where there is one): the world's backend follows it.
+    device = resolve_device(plan.config.get("device", "auto"), local_rank_hint())
+    world = init_world(detect_launcher(), pick_backend(device), timeout_s=plan.timeout_s, device=device)
     if world.world_size > 1:
         liveness.patient_barrier()  # the group singles wait in, made by every rank before any other
     # Runs recorded by an interrupted sweep (--resume): every rank skips the same ones.

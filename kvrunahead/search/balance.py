@@ -42,7 +42,7 @@ class Measurement:
 class BalanceResult:
     boundaries: Boundaries
     ttft_s: float  # the median of its confirmation runs
-    balance: float  # of the chosen candidate, from its balancing run (or its first confirmation run)
+    balance: float  # of the chosen candidate: the median over all its runs (one run's reading varies by ~5%)
     candidates: int  # distinct partitions measured
     runs: int  # prefills run (balancing steps and confirmation runs)
     search_s: float
@@ -156,9 +156,11 @@ def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundarie
     t0 = time.perf_counter()
     log = _Log(checkpoint, list(preload or []))
     b, steps, seen = tuple(seed), [], {}
+    balances: dict[Boundaries, list[float]] = {}
     for _ in range(max_steps):
         m = log.run("balance", b, measure, on_measure)
         seen[b] = m
+        balances.setdefault(b, []).append(m.balance)
         steps.append({"boundaries": list(b), "ttft_s": m.ttft_s, "busy_s": list(m.busy_s), "balance": m.balance})
         if m.balance <= 1 + tolerance:
             break
@@ -169,13 +171,12 @@ def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundarie
     best = min(seen, key=lambda c: seen[c].balance)
     pool = [best, *neighbours(best, stride)]
     confirmation: dict[str, list[float]] = {_key(c): [] for c in pool}
-    first: dict[Boundaries, Measurement] = {}
     for _ in range(confirm_rounds):
         for c in pool:
             m = log.run("confirm", c, measure, on_measure)
             confirmation[_key(c)].append(m.ttft_s)
-            first.setdefault(c, m)
+            balances.setdefault(c, []).append(m.balance)
     chosen = min(pool, key=lambda c: (statistics.median(confirmation[_key(c)]), c != best))
-    balance = seen[chosen].balance if chosen in seen else first[chosen].balance
+    balance = statistics.median(balances[chosen])
     return BalanceResult(chosen, statistics.median(confirmation[_key(chosen)]), balance,
                          len(set(seen) | set(pool)), log.calls, time.perf_counter() - t0, steps, confirmation)

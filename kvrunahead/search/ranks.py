@@ -34,13 +34,13 @@ def run_search(opts: SearchOptions) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world, pick_backend, world_size_hint
+    from kvrunahead.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
     from kvrunahead.policy import resolve_device
     from kvrunahead.runner import leave_world
 
     launcher = detect_launcher()
     out = check_inputs(opts, world_size_hint(launcher, 1))
-    device = resolve_device(opts.device, 0)
+    device = resolve_device(opts.device, local_rank_hint())  # each local rank its own GPU
     world = init_world(launcher, pick_backend(device), opts.timeout_s, device)
     p = world.world_size
     lead = world.rank == 0

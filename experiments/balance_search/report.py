@@ -1,0 +1,91 @@
+"""summary.md of the balance-guided re-search: the tables (balance, candidates against the old search's) and the
+interleaved benchmark (medians, and per-round ratios of the default KVR against every other row).
+
+Usage: python experiments/balance_search/report.py   (reads tables/, old_tables/, bench*/runs.jsonl)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def entries(path: Path) -> dict[int, dict]:
+    if not path.exists():
+        return {}
+    return {e["context_len"]: e for e in json.loads(path.read_text())["entries"]}
+
+
+def timed_rows() -> list[dict]:
+    rows = []
+    for runs in sorted(HERE.glob("bench*/runs.jsonl")):
+        rows += [r for r in map(json.loads, runs.read_text().splitlines()) if r.get("kind") == "timed"]
+    return rows
+
+
+def balance(row: dict) -> float:
+    """max / min of the ranks' busy time (compute without waits and blocked sends) in one run."""
+    busy = [r["compute_s"] for r in row["ranks"]]
+    return max(busy) / max(min(busy), 1e-9)
+
+
+def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int, dict]) -> list[str]:
+    lines = ["## Tables", "",
+             "| context | re-searched partition | balance (median of its runs) | candidates (runs) | old partition "
+             "| old candidates | candidates new / old |",
+             "|---|---|---|---|---|---|---|"]
+    for ctx in sorted(set(new) | set(heldout)):
+        e = new.get(ctx) or heldout[ctx]
+        o = old.get(ctx)
+        ratio = f"{e['evaluations'] / o['evaluations']:.2f}" if o else "(no old entry: held out)"
+        lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
+                     f"| {','.join(map(str, o['boundaries'])) if o else '-'} | {o['evaluations'] if o else '-'} "
+                     f"| {ratio} |")
+    both = [c for c in new if c in old]
+    if both:
+        total_new, total_old = sum(new[c]["evaluations"] for c in both), sum(old[c]["evaluations"] for c in both)
+        lines += ["", f"Candidates over the lengths both searched: {total_new} against {total_old} "
+                  f"({total_new / total_old:.2f} of the old search's; target at most 0.33). Entries within 2% "
+                  f"balance: {sum(new[c]['balance'] <= 1.02 for c in new)} of {len(new)}."]
+    return lines
+
+
+def bench_section(rows: list[dict]) -> list[str]:
+    by = defaultdict(list)  # (ctx, label) -> rows in order
+    for r in rows:
+        by[(r["context_len"], r["label"])].append(r)
+    lines = ["## Benchmark (interleaved: one run of every row per round)", "",
+             "| context | row | partition | runs | median TTFT s | median per-round ratio kvr-default / row "
+             "| median balance |", "|---|---|---|---|---|---|---|"]
+    for ctx in sorted({c for c, _ in by}):
+        default = {r["index"]: r["ttft_s"] for r in by.get((ctx, "kvr-default"), [])}
+        for (c, label), rs in sorted(by.items()):
+            if c != ctx:
+                continue
+            own = {r["index"]: r["ttft_s"] for r in rs}
+            ratios = [default[i] / own[i] for i in own if i in default]
+            ratio = f"{statistics.median(ratios):.3f} ({len(ratios)} rounds)" if label != "kvr-default" else "-"
+            bal = f"{statistics.median(balance(r) for r in rs):.3f}" if label.startswith("kvr") else "-"
+            part = ",".join(map(str, rs[0]["boundaries"]))
+            lines.append(f"| {ctx} | {label} | {part} | {len(rs)} | {statistics.median(own.values()):.2f} | {ratio} "
+                         f"| {bal} |")
+    return lines
+
+
+def main() -> None:
+    new, old = entries(HERE / "tables/loopback.json"), entries(HERE / "old_tables/loopback.json")
+    heldout = entries(HERE / "tables/loopback-14k.json")
+    rows = timed_rows()
+    text = ["# Balance-guided re-search (loopback, 2 ranks of 1 thread, SmolLM2-135M, split attention)", "",
+            "Made by `python experiments/balance_search/report.py` from the files beside it.", "",
+            *table_section(new, old, heldout), "", *bench_section(rows), ""]
+    (HERE / "summary.md").write_text("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The balance-guided re-search of the shipped SmolLM2 split table (loopback, 2 ranks of 1 thread) and the
+# benchmark of what it ships against the table before it and the peers. Every stage resumes where it stopped.
+#   1. search: kvr-search --criterion balance, seeded by the cost model (--backend model --refine), at CTX, into
+#      tables/loopback.json (its checkpoints in tables/loopback.search/);
+#   2. held out: the same search at 14k alone (KVR-S, tables/loopback-14k.json), while the shipped table has no
+#      14k entry (KVR-P interpolates it);
+#   3. ship: the re-searched table replaces partition_tables/smollm2-135m_p2_float32_cpu_split.json (the table it
+#      replaces is kept in old_tables/ first);
+#   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
+#      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
+#      runs each, one run of every mode per round.
+# Usage: bash experiments/balance_search/run.sh   (env: CTX, MODES, ROUNDS, STAGES)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=experiments/balance_search
+CTX=${CTX:-1k,2k,4k,8k,12k,16k}
+MODES=${MODES:-kvr-default,ring,cp-allgather}
+ROUNDS=${ROUNDS:-5}
+STAGES=${STAGES:-search heldout ship bench}
+SHIPPED=partition_tables/smollm2-135m_p2_float32_cpu_split.json
+export OMP_NUM_THREADS=1
+mkdir -p "$OUT/tables" "$OUT/old_tables"
+
+for stage in $STAGES; do
+  case $stage in
+    search)
+      kvr-search --nproc 2 --ctx "$CTX" --kvr-attention split --criterion balance --backend model --refine \
+        --out "$OUT/tables/loopback.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
+    heldout)
+      kvr-search --nproc 2 --ctx 14k --kvr-attention split --criterion balance --backend model --refine \
+        --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
+    ship)
+      [ -f "$OUT/old_tables/loopback.json" ] || git show 2d6a55e:"$SHIPPED" > "$OUT/old_tables/loopback.json"
+      cp "$OUT/tables/loopback.json" "$SHIPPED" ;;
+    bench)
+      bench() {  # $1 lengths, $2 out, then --table arguments
+        local ctx=$1 out=$2; shift 2
+        kvr-bench --nproc 2 --ctx "$ctx" --modes "$MODES" --kvr-attention split --interleave --repeats "$ROUNDS" \
+          --warmup 0 --table "old=$OUT/old_tables/loopback.json" "$@" --out "$out" --resume 2>&1 | tee -a "$OUT/bench.log"
+      }
+      bench 12k,16k "$OUT/bench"
+      bench 14k "$OUT/bench-14k" --table "s14=$OUT/tables/loopback-14k.json" ;;
+  esac
+done
