@@ -67,3 +67,22 @@ def build_prompt(tokenizer, context_len: int | None, text: str | None = None, ch
     if context_len <= len(specials):
         return specials[:context_len]
     return specials + _fill(doc_ids, context_len - len(specials))
+
+
+def question_prompts(tokenizer, context: str, questions: list[str], chat: bool = True) -> tuple[list[int],
+                                                                                              list[list[int]]]:
+    """Token ids of a shared context and of each question after it, so that ``context + question`` is that
+    question's whole standalone prompt. With a chat model both sit in one user turn (the context, a blank line,
+    the question) followed by the assistant's turn, whose opening ends every question's ids."""
+    template = getattr(tokenizer, "chat_template", None)
+    if chat and template:
+        marker = "\x00CONTEXT\x00"
+        head, tail = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                                   add_generation_prompt=True, tokenize=False).split(marker)
+        context_ids = tokenizer.encode(head + context, add_special_tokens=False)
+        return context_ids, [tokenizer.encode(f"\n\n{q}{tail}", add_special_tokens=False) for q in questions]
+    try:
+        context_ids = tokenizer.encode(context)
+        return context_ids, [tokenizer.encode(f"\n\n{q}", add_special_tokens=False) for q in questions]
+    except TypeError:  # a tokenizer without special tokens (the synthetic models' bytes)
+        return tokenizer.encode(context), [tokenizer.encode(f"\n\n{q}") for q in questions]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -127,12 +128,16 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
 register(IMPLEMENTATION, shared_prefix_attention)
 
 
+def require_full_attention(config) -> None:
+    if any(w is not None for w in layer_windows(config)):
+        raise NotImplementedError("shared-context questions run on full-attention models only; this model has "
+                                  "sliding-window layers")
+
+
 @torch.no_grad()
 def context_prefixes(model: torch.nn.Module, context_ids: list[int]) -> list[torch.Tensor]:
     """The context's K,V, ``[2, 1, kv_heads, P, head_dim]`` per layer, from one prefill."""
-    if any(w is not None for w in layer_windows(model.config)):
-        raise NotImplementedError("shared-context questions run on full-attention models only; this model has "
-                                  "sliding-window layers")
+    require_full_attention(model.config)
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     model.base_model(input_ids=torch.tensor([context_ids], device=device), past_key_values=cache, use_cache=True)
@@ -147,9 +152,10 @@ class Answer:
 
 @torch.no_grad()
 def answer(model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list[list[int]], max_new_tokens: int,
-           eos_token_ids: set[int]) -> list[Answer]:
+           eos_token_ids: set[int], on_first_tokens: Callable[[], None] | None = None) -> list[Answer]:
     """Greedy answers of every question after the context whose K,V are ``prefixes``: one packed prefill of the
-    questions, then one decode step per token for all unfinished questions at once."""
+    questions, then one decode step per token for all unfinished questions at once. ``on_first_tokens`` is
+    called when every question's first token is chosen (its time to first token)."""
     if not questions or any(not q for q in questions):
         raise ValueError("every question needs at least one token")
     device = next(model.parameters()).device
@@ -163,6 +169,8 @@ def answer(model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list
         logits = model(input_ids=packed, position_ids=positions, past_key_values=cache, use_cache=True,
                        logits_to_keep=last).logits[0]
         answers = [Answer(first_logits=row.float().cpu()) for row in logits]
+        if on_first_tokens is not None:
+            on_first_tokens()
         cache.packing = False
         rows = list(range(len(questions)))
         while True:

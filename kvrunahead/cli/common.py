@@ -120,3 +120,15 @@ def rank_ending(prog: str) -> Iterator[None]:
         yield
     except Exception as e:
         _end_rank(prog, e, "rank")
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of a prompt file; one-line errors for an empty file or one that is not UTF-8 text."""
+    data = open(path, "rb").read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+    if not text.strip():
+        raise InputError(f"{path} is empty (or only whitespace): nothing to prefill")
+    return text

@@ -78,18 +78,6 @@ def format_result(r: RunResult) -> str:
     return "\n".join(lines)
 
 
-def read_prompt_file(path: str) -> str:
-    """The text of a prompt file; one-line errors for an empty file or one that is not UTF-8 text."""
-    data = open(path, "rb").read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
-    if not text.strip():
-        raise InputError(f"{path} is empty (or only whitespace): nothing to prefill")
-    return text
-
-
 @click.command(context_settings=common.SETTINGS)
 @common.model_option(help=f"A preset ({', '.join(MODEL_CHOICES)}) or a local transformers model directory.")
 @click.option("--mode", type=click.Choice(list(MODES)), default="kvr", show_default=True,
@@ -173,7 +161,7 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
             raise InputError("--max-new-tokens must be at least 1")
         if nproc < 1:
             raise InputError("--nproc must be at least 1")
-        text = read_prompt_file(prompt_file) if prompt_file else None
+        text = common.read_prompt_file(prompt_file) if prompt_file else None
         try:
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
         except PromptError as e:
