@@ -1,0 +1,124 @@
+"""Answers per second for many questions on one context: kvr-ask's path (the context prefilled once, the questions
+packed with virtual positions, the prefix read once per decode step) against transformers' generate one question
+at a time, and against one batched generate of the full prompts (left-padded). SmolLM2-135M-Instruct, the
+shipped text (2051 tokens in its chat turn) and the 16 shipped questions, 32 new tokens each, greedy, float32,
+one process on both cores (2 threads). Rounds run the three in turn (the order rotating), so drift hits all
+alike; every round's answers of the first two are compared token for token.
+
+Usage: python experiments/shared_context/run.py [--rounds 2] [--questions N] [--out experiments/shared_context]
+Resumable: a round already in rows.jsonl is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from kvrunahead.model.load import load_model
+from kvrunahead.prompt import question_prompts, shipped_text
+from kvrunahead.provenance import environment
+from kvrunahead.questions import answer, context_prefixes
+
+NEW_TOKENS = 32
+
+
+def ours(model, context, questions, eos) -> list[list[int]]:
+    return [a.tokens for a in answer(model, context_prefixes(model, context), questions, NEW_TOKENS, eos)]
+
+
+def one_at_a_time(model, context, questions, eos) -> list[list[int]]:
+    out = []
+    for q in questions:
+        ids = torch.tensor([context + q])
+        gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=sorted(eos),
+                             pad_token_id=sorted(eos)[0])
+        out.append(_cut(gen[0, ids.shape[1]:].tolist(), eos))
+    return out
+
+
+def batched(model, context, questions, eos) -> list[list[int]]:
+    width = max(len(q) for q in questions)
+    pad = sorted(eos)[0]
+    ids = torch.tensor([[pad] * (width - len(q)) + context + q for q in questions])
+    mask = torch.tensor([[0] * (width - len(q)) + [1] * (len(context) + len(q)) for q in questions])
+    gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=sorted(eos), pad_token_id=pad)
+    return [_cut(row[ids.shape[1]:].tolist(), eos) for row in gen]
+
+
+def _cut(tokens: list[int], eos: set[int]) -> list[int]:
+    """Up to and including the first end-of-sequence token (generate pads finished rows after it)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+METHODS = {"kvr-ask": ours, "generate-one-at-a-time": one_at_a_time, "generate-batched": batched}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--questions", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    lm = load_model("smollm2-135m", torch.float32, torch.device("cpu"))
+    lines = resources.files("kvrunahead.data").joinpath("declaration_questions.txt").read_text().splitlines()
+    texts = [line for line in lines if line.strip()][: args.questions]
+    context, questions = question_prompts(lm.tokenizer, shipped_text(), texts)
+    env = environment("smollm2-135m", "local", 2, "none")
+    rows_file = args.out / "rows.jsonl"
+    rows = [json.loads(x) for x in rows_file.read_text().splitlines()] if rows_file.exists() else []
+    done = {(r["round"], r["method"]) for r in rows if r["questions"] == len(questions)}
+    names = list(METHODS)
+    with torch.no_grad():
+        for rnd in range(args.rounds):
+            answers = {}
+            for name in names[rnd % 3:] + names[: rnd % 3]:
+                if (rnd, name) in done:
+                    continue
+                t0 = time.perf_counter()
+                answers[name] = METHODS[name](lm.model, context, questions, lm.eos_token_ids)
+                seconds = time.perf_counter() - t0
+                row = {**env, "round": rnd, "method": name, "questions": len(questions), "context": len(context),
+                       "new_tokens": NEW_TOKENS, "seconds": seconds, "answers_per_s": len(questions) / seconds,
+                       "answers": answers[name]}
+                print(f"round {rnd} {name:<24} {seconds:8.1f} s  {row['answers_per_s']:.3f} answers/s", flush=True)
+                with rows_file.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    summary(rows_file, len(questions))
+
+
+def summary(rows_file: Path, n: int) -> None:
+    """Median seconds per method, kvr-ask's speed-up over each (per round, then the median), and how many answers
+    of each method equal kvr-ask's in the same round."""
+    rows = [r for r in map(json.loads, rows_file.read_text().splitlines()) if r["questions"] == n]
+    by = {(r["round"], r["method"]): r for r in rows}
+    lines = [f"# {n} questions, {rows[0]['context']}-token context, {NEW_TOKENS} new tokens", "",
+             "| method | rounds | median s | answers/s | kvr-ask's speed-up (median of rounds) | answers equal to "
+             "kvr-ask's |", "|---|---|---|---|---|---|"]
+    for name in METHODS:
+        mine = sorted((r for (rnd, m), r in by.items() if m == name), key=lambda r: r["round"])
+        if not mine:
+            continue
+        ups = [by[(r["round"], "kvr-ask")]["answers_per_s"] / r["answers_per_s"] for r in mine
+               if (r["round"], "kvr-ask") in by]
+        same = [sum(a == b for a, b in zip(r["answers"], by[(r["round"], "kvr-ask")]["answers"])) for r in mine
+                if (r["round"], "kvr-ask") in by]
+        lines.append(f"| {name} | {len(mine)} | {statistics.median(r['seconds'] for r in mine):.1f} | "
+                     f"{statistics.median(r['answers_per_s'] for r in mine):.3f} | "
+                     f"{statistics.median(ups):.2f}x | {', '.join(f'{s}/{n}' for s in same)} |")
+    (rows_file.parent / f"summary_{n}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
