@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
@@ -85,12 +84,9 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
     """
     common.quiet(verbose)
     launcher = detect_launcher()
-    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    with common.failure_ending(PROG, rank=rank, reraise=verbose):
+    with common.failure_ending(PROG, rank=common.env_rank(), reraise=verbose):
         if max_new_tokens < 1:
             raise InputError("--max-new-tokens must be at least 1")
-        if nproc < 1:
-            raise InputError("--nproc must be at least 1")
         context, questions = common.read_prompt_file(context_file), read_questions(questions_file)
         from kvrunahead.ask import AskJob, ask_on_world
         from kvrunahead.model.load import load_tokenizer, resolve_config
@@ -104,8 +100,7 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
                                                      chat=not no_chat)
         cfg = RunConfig(context_len=len(context_ids), **options)
         world_size = world_size_hint(launcher, nproc)
-        if launcher != "single" and nproc not in (1, world_size):
-            raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
+        common.check_nproc(nproc, launcher, world_size)
         try:
             require_full_attention(resolve_config(options["model"]))
         except NotImplementedError as e:

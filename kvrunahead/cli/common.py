@@ -132,3 +132,16 @@ def read_prompt_file(path: str) -> str:
     if not text.strip():
         raise InputError(f"{path} is empty (or only whitespace): nothing to prefill")
     return text
+
+
+def env_rank() -> str:
+    """This process's rank as its launcher set it (torchrun, mpirun), known before any process group; "0" alone."""
+    return os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+
+
+def check_nproc(nproc: int, launcher: str, world_size: int) -> None:
+    """``--nproc`` against the launcher: at least 1, and under torchrun or mpirun 1 or the world they started."""
+    if nproc < 1:
+        raise InputError("--nproc must be at least 1")
+    if launcher != "single" and nproc not in (1, world_size):
+        raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")

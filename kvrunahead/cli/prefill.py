@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 
 import click
@@ -155,12 +154,9 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
     """
     common.quiet(verbose)
     launcher = detect_launcher()
-    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    with common.failure_ending("kvr-prefill", rank=rank, reraise=verbose):
+    with common.failure_ending("kvr-prefill", rank=common.env_rank(), reraise=verbose):
         if options["max_new_tokens"] < 1:
             raise InputError("--max-new-tokens must be at least 1")
-        if nproc < 1:
-            raise InputError("--nproc must be at least 1")
         text = common.read_prompt_file(prompt_file) if prompt_file else None
         try:
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
@@ -168,8 +164,7 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
             raise InputError(str(e)) from None
         cfg = RunConfig(context_len=context_len, prompt_text=text, chat=not no_chat, **options)
         world_size = world_size_hint(launcher, nproc)
-        if launcher != "single" and nproc not in (1, world_size):
-            raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
+        common.check_nproc(nproc, launcher, world_size)
         if launcher == "single" and nproc > 1:
             prepare(cfg, nproc)  # one clear error here rather than one per rank
             sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))

@@ -9,7 +9,6 @@ flight with an error and the server exits 1, for a supervisor to restart it.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
@@ -178,15 +177,11 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
     from kvrunahead.policy import RunConfig, network_spec
 
     launcher = detect_launcher()
-    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    with common.failure_ending(PROG, rank=rank, reraise=verbose):
-        if nproc < 1:
-            raise InputError("--nproc must be at least 1")
+    with common.failure_ending(PROG, rank=common.env_rank(), reraise=verbose):
         if grace_s < 0:
             raise InputError(f"--grace must be >= 0, got {grace_s}")
         world_size = world_size_hint(launcher, nproc)
-        if launcher != "single" and nproc not in (1, world_size):
-            raise InputError(f"--nproc {nproc} given, but the launcher started {world_size} ranks")
+        common.check_nproc(nproc, launcher, world_size)
         net = network_spec(RunConfig(net=options["net"]))
         if launcher == "single":
             _check_listen(host, port)
