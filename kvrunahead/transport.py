@@ -84,7 +84,11 @@ class Transport:
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
         """Send in the background; the tensor is kept alive until ``drain``."""
         start = time.perf_counter()
-        self._sends.append((self._isend(t, dst, tag), t, f"its send to rank {dst} (tag {tag})"))
+        self._keep_send(self._isend(t, dst, tag), t, dst, tag, start)
+
+    def _keep_send(self, req: Request, t: torch.Tensor, dst: int, tag: int, start: float) -> None:
+        """Count a send posted since ``start`` and keep it (and its tensor) until ``drain``."""
+        self._sends.append((req, t, f"its send to rank {dst} (tag {tag})"))
         self.stats.send_s += time.perf_counter() - start
         self.stats.bytes_sent += nbytes(t)
         self.stats.messages_sent += 1
@@ -97,11 +101,8 @@ class Transport:
         """Send ``send`` to ``dst`` and receive ``recv`` from ``src`` at once (a ring step); returns the receive."""
         start = time.perf_counter()
         recv_req, send_req = self._post_exchange(send, dst, recv, src, tag)
-        self.stats.send_s += time.perf_counter() - start
-        self.stats.bytes_sent += nbytes(send)
+        self._keep_send(send_req, send, dst, tag, start)
         self.stats.bytes_received += nbytes(recv)
-        self.stats.messages_sent += 1
-        self._sends.append((send_req, send, f"its send to rank {dst} (tag {tag})"))
         return recv_req
 
     def wait(self, req: Request, what: str = "data from another rank") -> None:
@@ -206,7 +207,8 @@ class TorchTransport(Transport):
                  allgather: str = "auto", device: torch.device | None = None) -> None:
         self.backend = backend
         self.native_allgather_fair = self.polls = backend == "nccl"
-        self.poll_pause_s = 1e-4 if self.polls else self.poll_pause_s  # a GPU's waits are short: poll closely
+        if self.polls:
+            self.poll_pause_s = 1e-4  # a GPU's waits are short: poll closely
         super().__init__(rank, world_size, timeout_s, allgather)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.polls
                                  else torch.device("cpu"))

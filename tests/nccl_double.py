@@ -332,7 +332,7 @@ def replay(programs: dict[int, list], world_size: int) -> list[str]:
     return problems
 
 
-def setup_problems(programs: dict[int, list], groups: list[Group], world_size: int) -> list[str]:
+def setup_problems(programs: dict[int, list], world_size: int) -> list[str]:
     """The set-up rules: a group whose first call is a batch has every rank of it in that batch (torch's rule for
     NCCL), and every communicator the timed region uses (a group and a style) was used before the timer started."""
     problems = []

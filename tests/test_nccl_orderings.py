@@ -79,7 +79,7 @@ def test_every_mode_keeps_to_nccls_rules_and_matches_the_single_process(models, 
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors
     assert replay(nccl.programs, p) == []
-    assert setup_problems(nccl.programs, nccl.groups, p) == []
+    assert setup_problems(nccl.programs, p) == []
     (logits,) = [r for r in results if r is not None]
     assert torch.allclose(logits, reference, atol=1e-4)
 
@@ -104,7 +104,7 @@ def test_the_setup_check_finds_a_communicator_made_inside_the_timed_region():
     nccl.local.rank = 0
     nccl.record(0, ("mark", "timer starts"))
     nccl.isend(torch.zeros(4), dst=1, group=pair)
-    (problem,) = setup_problems(nccl.programs, nccl.groups, 2)
+    (problem,) = setup_problems(nccl.programs, 2)
     assert "after the timer started" in problem
 
 
