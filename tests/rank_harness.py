@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvrunahead.launcher import init_world
+from kvrunahead.pack.batch import run_batch_on_world
 from kvrunahead.policy import RunConfig
 from kvrunahead.runner import run_on_world
 
@@ -17,6 +18,11 @@ def main() -> None:
     world = init_world("torchrun", "gloo", timeout_s=60)
     results = {}
     for case in cases:
+        if "prompts" in case:  # a batch of prompts (kvrunahead/pack)
+            batch = run_batch_on_world(RunConfig(**case["config"]), world, case["prompts"], **case["batch"])
+            if batch is not None:
+                results[case["name"]] = batch.to_dict()
+            continue
         result = run_on_world(RunConfig(**case["config"]), world)
         if result is not None:
             d = result.to_dict()

@@ -79,12 +79,16 @@ class ChainLink:
         result, return the result."""
         kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
         if self.has_next:
-            end = self.prefix_len + local_kv.shape[-2]
-            out = kv[..., kv.shape[-2] - self.layout.kept(layer, end):, :].contiguous()
+            out = kv[..., kv.shape[-2] - self.layout.kept(layer, self.handed_on(local_kv.shape[-2])):, :]
+            out = out.contiguous()
             self.transport.isend(out, self.rank + 1, tag=layer)
             kind = self.layout.kind(layer)
             self.bytes_sent_by_kind[kind] = self.bytes_sent_by_kind.get(kind, 0) + nbytes(out)
         return kv
+
+    def handed_on(self, local_tokens: int) -> int:
+        """Positions of the successor's prefix that end this rank's K,V: the whole [0, end)."""
+        return self.prefix_len + local_tokens
 
     def finish(self) -> None:
         """Wait for the sends still in flight (their buffers must outlive them)."""
@@ -183,19 +187,24 @@ def split_attention(module, query, key, value, attention_mask, scaling=None, dro
     prefix block is attended in full, the rank's own diagonal block causally, merged by log-sum-exp. A
     sliding-window layer attends band by band, each block of queries to the keys its window reaches."""
     refuse_softcap(kwargs, "kvr --kvr-attention split")
+    return split_block(query, key, value, scaling, kwargs.get("sliding_window")), None
+
+
+def split_block(query, key, value, scale, window: int | None = None) -> torch.Tensor:
+    """Queries that are the last ``n`` of the keys' positions, attended causally without scoring a masked pair;
+    returns ``[batch, n, heads, head_dim]``."""
     n, heads = query.shape[2], query.shape[1]
     start = key.shape[2] - n
-    if kwargs.get("sliding_window"):
-        k, v = expand_kv(key, heads), expand_kv(value, heads)
-        return window_attention(query, k, v, start, kwargs["sliding_window"], scaling), None
+    if window:
+        return window_attention(query, expand_kv(key, heads), expand_kv(value, heads), start, window, scale)
     # Peak memory is that of one block at a time: the diagonal block's K,V repeated to the query heads die with
     # its call, before the prefix block (attended per K,V head, never repeated) adds its output to be merged.
-    out, lse = attend_with_lse(query, key[:, :, start:], value[:, :, start:], causal=True, scale=scaling)
+    out, lse = attend_with_lse(query, key[:, :, start:], value[:, :, start:], causal=True, scale=scale)
     if start > 0:
         prefix_out, prefix_lse = attend_with_lse(query, key[:, :, :start], value[:, :, :start], causal=False,
-                                                 scale=scaling)
+                                                 scale=scale)
         out, lse = merge_lse(out, lse, prefix_out, prefix_lse)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def window_attention(query, key, value, start: int, window: int, scale) -> torch.Tensor:

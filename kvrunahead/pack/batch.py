@@ -1,0 +1,221 @@
+"""A batch of prompts on ranks that have joined: packed over the KV chain (Prepacking), one prompt at a time over
+it (sequential), or, in one process, transformers' usual padded batch; each prompt's first token, TTFT and greedy
+continuation, and with ``verify`` each checked against the prompt prefilled alone in one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvrunahead.errors import InputError
+from kvrunahead.launcher import World
+from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.load import resolve_config
+from kvrunahead.model.rope import plan_extension
+from kvrunahead.net import liveness
+from kvrunahead.pack.chain import packed_link, packed_prefill
+from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
+from kvrunahead.policy import RunConfig, default_threads, resolve_device, resolve_dtype
+from kvrunahead.runner import cached_transport, default_atol, loaded_model, peak_memory_bytes
+from kvrunahead.sim.flops import layer_cost
+
+BATCHINGS = ("packed", "sequential", "padded")
+DEFAULT_STEP_TOKENS = 8192  # tokens per packed step: larger batches are bin-packed into several
+
+
+@dataclass
+class PromptResult:
+    index: int
+    prompt_tokens: int
+    step: int  # the packed step that prefilled it
+    rank: int  # the rank that emitted its first token
+    ttft_s: float  # from the batch's start to its first token
+    tokens: list[int]
+    text: str
+    first_logits: torch.Tensor | None = field(default=None, repr=False)
+    matches: bool | None = None  # --verify: first token, greedy tokens and first logits (within atol) equal
+    first_logit_diff: float | None = None
+    reference_text: str | None = None
+
+
+@dataclass
+class StepReport:
+    prompts: list[int]
+    boundaries: list[int]
+    handed_on: list[int]  # tokens each rank but the last hands on (0: its part ends on a prompt edge)
+
+
+@dataclass
+class RankReport:
+    rank: int
+    prefill_s: float  # this rank's packed steps, start to its last K,V sent / first token chosen
+    bytes_sent: int
+    peak_mem_bytes: int
+
+
+@dataclass
+class BatchResult:
+    model: str
+    batching: str
+    world_size: int
+    device: str
+    dtype: str
+    threads_per_rank: int
+    oversubscribed: bool
+    step_tokens: int
+    steps: list[StepReport]
+    ranks: list[RankReport]
+    prompts: list[PromptResult]
+    atol: float | None = None
+
+    @property
+    def prefill_s(self) -> float:
+        """Until every prompt has its first token."""
+        return max(p.ttft_s for p in self.prompts)
+
+    @property
+    def verified(self) -> bool | None:
+        return None if self.atol is None else all(p.matches for p in self.prompts)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for p in d["prompts"]:
+            p.pop("first_logits")
+        return {**d, "prefill_s": self.prefill_s, "verified": self.verified,
+                "mismatches": sum(not p.matches for p in self.prompts) if self.atol is not None else None}
+
+
+def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], batching: str = "packed",
+                       step_tokens: int = DEFAULT_STEP_TOKENS, edge_slack: float = EDGE_SLACK) -> BatchResult | None:
+    """The batch on ranks that have joined; the last rank returns the result, the others None. ``edge_slack``:
+    how much of a part's work a cut may give up to sit on a prompt edge (0: cut where the work balances)."""
+    if batching not in BATCHINGS:
+        raise InputError(f"unknown batching {batching!r}: one of {', '.join(BATCHINGS)}")
+    if not prompts or any(not p for p in prompts):
+        raise InputError("every prompt needs at least one token")
+    rank, p = world.rank, world.world_size
+    if batching == "padded" and p > 1:
+        raise InputError("--batching padded is transformers' batched forward in one process: run it without --nproc")
+    config = resolve_config(cfg.model)
+    rope = plan_extension(config, max(map(len, prompts)) + cfg.max_new_tokens, cfg.allow_long_context, cfg.model)
+    device = resolve_device(cfg.device, world.local_rank)
+    dtype = resolve_dtype(cfg, device)
+    threads = cfg.threads or default_threads(world.local_world_size)
+    torch.set_num_threads(threads)
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope)
+    if batching == "padded":
+        results, steps, sent = _padded(lm, prompts, cfg.max_new_tokens), [], 0
+        prefill_s = results[0].ttft_s
+    else:
+        cost = layer_cost(config)
+
+        def work(t: int) -> float:
+            return cost.rank_flops(0, t, "split")
+
+        lengths = [len(x) for x in prompts]
+        plan = (plan_steps(lengths, p, work, step_tokens, edge_slack) if batching == "packed" else
+                [PackedStep((i,), (n,), packed_cuts([n], p, work)) for i, n in enumerate(lengths)])
+        transport = cached_transport(cfg.transport, rank, p, device, cfg.timeout_s, cfg.allgather)
+        results, prefill_s, sent = _chain(lm, prompts, plan, rank, transport, cfg.max_new_tokens)
+        steps = [StepReport(list(s.prompts), list(s.boundaries), [s.handed_on(b) for b in s.boundaries[1:-1]])
+                 for s in plan]
+    atol = _verify(lm, prompts, results, dtype, cfg.max_new_tokens) if cfg.verify else None
+    mine = (results, RankReport(rank, prefill_s, sent, peak_memory_bytes(device)), atol)
+    everyone = liveness.gather_objects(mine, "the other ranks to finish their prompts") if p > 1 else [mine]
+    if rank != p - 1:
+        return None
+    merged = sorted((r for rs, _, _ in everyone for r in rs), key=lambda r: r.index)
+    atols = [a for _, _, a in everyone if a is not None]
+    return BatchResult(cfg.model, batching, p, str(device), str(dtype).removeprefix("torch."), threads,
+                       threads * world.local_world_size > (os.cpu_count() or 1), step_tokens, steps,
+                       [r for _, r, _ in everyone], merged, max(atols) if cfg.verify and atols else None)
+
+
+def _chain(lm, prompts: list[list[int]], plan: list[PackedStep], rank: int, transport, max_new_tokens: int):
+    """This rank's parts of every step, in order (a rank goes on to its next step while its successor still works
+    on the last one), then the greedy continuation of the prompts whose first token it emitted."""
+    model, device = lm.model, next(lm.model.parameters()).device
+    layout = probe_kv_layout(model)
+    transport.reset_stats()
+    liveness.patient_barrier("the other ranks to start the batch")
+    emitted = []
+    t0 = time.perf_counter()
+    for s, step in enumerate(plan):
+        step_ids = [t for i in step.prompts for t in prompts[i]]
+        out = packed_prefill(model, step, step_ids, packed_link(step, rank, transport, layout, device), rank)
+        now = time.perf_counter() - t0
+        for k, logits in out.logits.items():
+            emitted.append((step.prompts[k], s, now, logits.float().cpu(), out.caches[k]))
+    prefill_s = time.perf_counter() - t0
+    results = []
+    for index, s, ttft_s, logits, cache in emitted:
+        n = len(prompts[index])
+        tokens = greedy_decode(model, int(logits.argmax()), cache, n, max_new_tokens, lm.eos_token_ids)
+        results.append(PromptResult(index, n, s, rank, ttft_s, tokens, lm.decode(tokens), logits))
+    return results, prefill_s, transport.stats.bytes_sent
+
+
+@torch.no_grad()
+def _padded(lm, prompts: list[list[int]], max_new_tokens: int) -> list[PromptResult]:
+    """transformers' usual batched forward: the prompts left-padded to the longest, a padding mask, and the
+    positions counted past the padding; then a batched greedy decode with the same mask grown per step."""
+    model = lm.model
+    device = next(model.parameters()).device
+    longest = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, x in enumerate(prompts):
+        ids[row, longest - len(x):] = torch.tensor(x, device=device)
+        mask[row, longest - len(x):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    t0 = time.perf_counter()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    ttft_s = time.perf_counter() - t0
+    first = logits.float().cpu()
+    tokens = [[int(t)] for t in logits.argmax(-1)]
+    done = [t[0] in lm.eos_token_ids for t in tokens]
+    while not all(done) and len(tokens[0]) < max_new_tokens:
+        step = torch.tensor([[t[-1]] for t in tokens], device=device)
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        positions = positions[:, -1:] + 1
+        nxt = model(input_ids=step, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+        for row, t in enumerate(nxt.tolist()):
+            if not done[row]:
+                tokens[row].append(t)
+                done[row] = t in lm.eos_token_ids
+            else:
+                tokens[row].append(tokens[row][-1])  # a row past its end keeps a place; cut below
+    out = []
+    for row, x in enumerate(prompts):
+        got = tokens[row]
+        end = next((i + 1 for i, t in enumerate(got) if t in lm.eos_token_ids), len(got))
+        out.append(PromptResult(row, len(x), 0, 0, ttft_s, got[:end], lm.decode(got[:end]), first[row]))
+    return out
+
+
+@torch.no_grad()
+def _verify(lm, prompts: list[list[int]], results: list[PromptResult], dtype: torch.dtype,
+            max_new_tokens: int) -> float:
+    """Each prompt this rank emitted, prefilled and decoded alone in one process; returns the largest tolerance."""
+    model = lm.model
+    device = next(model.parameters()).device
+    atols = [0.0]
+    for r in results:
+        ids = prompts[r.index]
+        cache = DynamicCache(config=model.config)
+        logits = last_token_logits(model, torch.tensor([ids], device=device), past_key_values=cache)
+        reference = greedy_decode(model, int(logits.argmax()), cache, len(ids), max_new_tokens, lm.eos_token_ids)
+        atols.append(default_atol(dtype, logits))
+        r.first_logit_diff = float((logits.float().cpu() - r.first_logits).abs().max())
+        r.matches = reference == r.tokens and r.first_logit_diff <= atols[-1]
+        r.reference_text = None if reference == r.tokens else lm.decode(reference)
+    return max(atols)
