@@ -86,3 +86,15 @@ def question_prompts(tokenizer, context: str, questions: list[str], chat: bool =
         return context_ids, [tokenizer.encode(f"\n\n{q}", add_special_tokens=False) for q in questions]
     except TypeError:  # a tokenizer without special tokens (the synthetic models' bytes)
         return tokenizer.encode(context), [tokenizer.encode(f"\n\n{q}") for q in questions]
+
+
+def chat_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text`` as the user's whole turn (with the model's chat template and the assistant's turn
+    opened), or with ``chat=False`` the raw text after the tokenizer's own special tokens."""
+    if not text:
+        raise PromptError("the prompt text is empty")
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+    return tokenizer.encode(text)

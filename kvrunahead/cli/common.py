@@ -7,6 +7,7 @@ Torch-free, so that ``--help`` and the input checks answer before torch is impor
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -132,6 +133,24 @@ def read_prompt_file(path: str) -> str:
     if not text.strip():
         raise InputError(f"{path} is empty (or only whitespace): nothing to prefill")
     return text
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of a JSON-lines file, one ``{"prompt": "..."}`` per line (the completions API's field); blank
+    lines are skipped; one-line errors name the line."""
+    prompts = []
+    for n, line in enumerate(read_prompt_file(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
+        text = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text:
+            raise InputError(f'{path}:{n}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(text)
+    return prompts
 
 
 def env_rank() -> str:

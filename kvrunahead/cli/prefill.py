@@ -87,6 +87,18 @@ def format_result(r: RunResult) -> str:
               help="Prompt length in tokens (2048, 2k, 16K). Default: 2k, or the whole --prompt-file.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
               help="Text to use as the document instead of the shipped English text.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              help='A batch: JSON lines, one {"prompt": "..."} each, every prompt a whole user turn. Prefilled '
+                   "together (see --batching); each prompt's first token, TTFT and continuation are printed.")
+@click.option("--batching", type=click.Choice(["packed", "sequential", "padded"]), default="packed",
+              show_default=True,
+              help="With --prompts. packed: the prompts end to end in one sequence per step, each seeing only "
+                   "itself, cut over the ranks at prompt edges where that keeps the balance (Prepacking); "
+                   "sequential: one prompt after another over the chain; padded: transformers' batched forward, "
+                   "left-padded to the longest (one process).")
+@click.option("--step-tokens", type=int, default=8192, show_default=True,
+              help="With --prompts: most tokens in one packed step; a larger batch is bin-packed (first-fit "
+                   "decreasing) into several.")
 @click.option("--no-chat", is_flag=True, help="Use the raw text, not wrapped in the model's chat template.")
 @click.option("--partition", default="auto", show_default=True,
               help="auto: interpolated from the partition table searched for this model, world size, dtype, "
@@ -139,7 +151,8 @@ def format_result(r: RunResult) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic presets' weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
+def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, as_json, verbose,
+         **options) -> None:
     """Prefill one long prompt with KV-Runahead over several ranks and print the time to first token.
 
     Each rank holds one part of the prompt; layer by layer it receives the K,V of everything before
@@ -151,12 +164,26 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
       kvr-prefill --nproc 2 --ctx 4k
       torchrun --nproc-per-node 2 --no-python kvr-prefill --ctx 4k
       mpirun -n 2 kvr-prefill --ctx 4k
+
+    \b
+    A batch of prompts, packed into one chain prefill and each checked against one process:
+      kvr-prefill --nproc 2 --prompts prompts.jsonl --verify
     """
     common.quiet(verbose)
     launcher = detect_launcher()
     with common.failure_ending("kvr-prefill", rank=common.env_rank(), reraise=verbose):
         if options["max_new_tokens"] < 1:
             raise InputError("--max-new-tokens must be at least 1")
+        if prompts_file:
+            batch = _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, nproc, launcher,
+                               options)
+            if batch is not None:
+                click.echo(json.dumps(batch.to_dict()) if as_json else format_batch(batch))
+                if batch.verified is False:
+                    sys.exit(1)
+            return
+        if batching != "packed" or step_tokens != 8192:
+            raise InputError("--batching and --step-tokens apply to a batch: give --prompts")
         text = common.read_prompt_file(prompt_file) if prompt_file else None
         try:
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
@@ -178,6 +205,56 @@ def main(ctx, prompt_file, no_chat, nproc, as_json, verbose, **options) -> None:
     click.echo(json.dumps(result.to_dict()) if as_json else format_result(result))
     if result.verification is not None and not result.verification.ok:
         sys.exit(1)
+
+
+def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, nproc, launcher, options):
+    from kvrunahead.pack.batch import check_batch, run_batch, tokenize_prompts
+
+    if ctx is not None or prompt_file:
+        raise InputError("--prompts is a batch of whole prompts: --ctx and --prompt-file do not apply")
+    texts = common.read_prompts_file(prompts_file)
+    cfg = RunConfig(context_len=None, chat=not no_chat, **options)
+    world_size = world_size_hint(launcher, nproc)
+    common.check_nproc(nproc, launcher, world_size)
+    check_batch(cfg, batching, world_size)
+    if launcher == "single" and nproc > 1:
+        sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
+    return run_batch(cfg, launcher, world_size, tokenize_prompts(cfg, texts), batching, step_tokens)
+
+
+def format_batch(b) -> str:
+    """The report of a batch: the steps, then one line per prompt."""
+    lines = [
+        f"model        {b.model}",
+        f"batching     {b.batching}   world size {b.world_size}   device {b.device}   dtype {b.dtype}   "
+        f"threads/rank {b.threads_per_rank}" + ("   (OVERSUBSCRIBED)" if b.oversubscribed else ""),
+        f"prompts      {len(b.prompts)}, {sum(p.prompt_tokens for p in b.prompts)} tokens "
+        f"({min(p.prompt_tokens for p in b.prompts)}-{max(p.prompt_tokens for p in b.prompts)} each)",
+    ]
+    for i, s in enumerate(b.steps):
+        cut = [f"{bd}" + (f" (cuts a prompt: {n} tokens handed on)" if n else "")
+               for bd, n in zip(s.boundaries[1:-1], s.handed_on)]
+        lines.append(f"step {i:<6} {len(s.prompts)} prompts, {s.boundaries[-1]} tokens; rank boundaries "
+                     + ", ".join(["0", *cut, str(s.boundaries[-1])]))
+    lines.append(f"prefill      {b.prefill_s * 1e3:.1f} ms until every prompt's first token")
+    for r in b.ranks:
+        lines.append(f"rank {r.rank:<6} {r.prefill_s * 1e3:.1f} ms, sent {_mib(r.bytes_sent)}, "
+                     f"peak mem {_mib(r.peak_mem_bytes)}")
+    lines.append("prompt  tokens  step  rank   TTFT ms  " + ("verify    " if b.atol is not None else "") + "generated")
+    for p in b.prompts:
+        check = "" if p.matches is None else f"{'ok' if p.matches else 'MISMATCH':<10}"
+        lines.append(f"{p.index:>6}  {p.prompt_tokens:>6}  {p.step:>4}  {p.rank:>4}  {p.ttft_s * 1e3:>8.1f}  "
+                     f"{check}{p.text[:60]!r}")
+    if b.atol is not None:
+        bad = [p for p in b.prompts if not p.matches]
+        worst = max(p.first_logit_diff for p in b.prompts)
+        lines.append(f"verify       {'OK' if not bad else 'MISMATCH'}: {len(b.prompts) - len(bad)}/{len(b.prompts)} "
+                     f"prompts equal their single-process prefill and greedy tokens; max |logit diff| {worst:.2e} "
+                     f"(atol {b.atol:g})")
+        for p in bad:
+            lines.append(f"  prompt {p.index}: logit diff {p.first_logit_diff:.2e}; alone it gives "
+                         f"{p.reference_text!r}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,18 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World
+from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.forward import greedy_decode, last_token_logits
-from kvrunahead.model.layout import probe_kv_layout
-from kvrunahead.model.load import resolve_config
+from kvrunahead.model.layout import probe_kv_layout, soft_caps
+from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
-from kvrunahead.policy import RunConfig, default_threads, resolve_device, resolve_dtype
-from kvrunahead.runner import cached_transport, default_atol, loaded_model, peak_memory_bytes
+from kvrunahead.policy import RunConfig, check_device, default_threads, resolve_device, resolve_dtype
+from kvrunahead.prompt import chat_prompt
+from kvrunahead.runner import cached_transport, default_atol, leave_world, loaded_model, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")
@@ -91,17 +93,57 @@ class BatchResult:
                 "mismatches": sum(not p.matches for p in self.prompts) if self.atol is not None else None}
 
 
+def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
+    """One line (InputError) for a batch that cannot run as asked, before any rank starts."""
+    if batching not in BATCHINGS:
+        raise InputError(f"unknown batching {batching!r}: one of {', '.join(BATCHINGS)}")
+    if batching == "padded" and world_size > 1:
+        raise InputError("--batching padded is transformers' batched forward in one process: run it without --nproc")
+    if cfg.mode != "kvr":
+        raise InputError(f"a batch of prompts runs over the KV chain (mode kvr), not {cfg.mode}")
+    if cfg.partition != "auto" or cfg.table is not None:
+        raise InputError("a packed batch is cut step by step over its prompts' work: --partition and --table do "
+                         "not apply to --prompts")
+    check_device(cfg.device)
+    config = resolve_config(cfg.model)
+    if batching != "padded" and soft_caps(config):
+        raise InputError(f"{cfg.model} soft-caps its attention logits, which the packed attention does not do; "
+                         "use --batching padded")
+    if batching != "padded" and not uses_attention_interface(config):
+        raise InputError(f"{cfg.model} computes attention itself, not through transformers' AttentionInterface, "
+                         "which the packed attention needs; use --batching padded")
+
+
+def tokenize_prompts(cfg: RunConfig, texts: list[str]) -> list[list[int]]:
+    """Each text as a whole user turn (the chat template unless ``cfg.chat`` is off)."""
+    tokenizer = load_tokenizer(cfg.model)
+    return [chat_prompt(tokenizer, text, cfg.chat) for text in texts]
+
+
+def run_batch(cfg: RunConfig, launcher: str, world_size: int, prompts: list[list[int]], batching: str = "packed",
+              step_tokens: int = DEFAULT_STEP_TOKENS) -> BatchResult | None:
+    """Join the ranks, run the batch, leave together; the last rank returns the result."""
+    check_batch(cfg, batching, world_size)
+    device = resolve_device(cfg.device, local_rank_hint())
+    world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
+    try:
+        result = run_batch_on_world(cfg, world, prompts, batching, step_tokens)
+        liveness.patient_barrier("the last rank to finish its report")
+        return result
+    finally:
+        leave_world()
+
+
 def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], batching: str = "packed",
                        step_tokens: int = DEFAULT_STEP_TOKENS, edge_slack: float = EDGE_SLACK) -> BatchResult | None:
     """The batch on ranks that have joined; the last rank returns the result, the others None. ``edge_slack``:
     how much of a part's work a cut may give up to sit on a prompt edge (0: cut where the work balances)."""
-    if batching not in BATCHINGS:
-        raise InputError(f"unknown batching {batching!r}: one of {', '.join(BATCHINGS)}")
+    check_batch(cfg, batching, world.world_size)
     if not prompts or any(not p for p in prompts):
         raise InputError("every prompt needs at least one token")
+    if step_tokens < 1:
+        raise InputError("--step-tokens must be at least 1")
     rank, p = world.rank, world.world_size
-    if batching == "padded" and p > 1:
-        raise InputError("--batching padded is transformers' batched forward in one process: run it without --nproc")
     config = resolve_config(cfg.model)
     rope = plan_extension(config, max(map(len, prompts)) + cfg.max_new_tokens, cfg.allow_long_context, cfg.model)
     device = resolve_device(cfg.device, world.local_rank)
