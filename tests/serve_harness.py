@@ -3,7 +3,8 @@ writes what the front saw to JSON.
 
 Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
 Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
-client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end).
+client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
+"packed" (prompts one at a time, then queued together into one packed prefill).
 """
 
 import asyncio
@@ -69,6 +70,35 @@ def serve(scenario: dict, world, out: dict) -> None:
     out["done_s"] = time.monotonic()
 
 
+def packed(scenario: dict, world, out: dict) -> None:
+    """The prompts one at a time through the engine, then all queued at once (one packed prefill over the ranks)."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario.get("degree", "auto")), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    alone = {}
+    for i, ids in enumerate(scenario["prompts"]):
+        events, _ = engine.run_one(Request(f"alone{i}", ids, params))
+        alone[i] = [e.token_id for e in events if not isinstance(e, Finished)]
+    for i, ids in enumerate(scenario["prompts"]):
+        engine.add(Request(f"packed{i}", ids, params))
+    events, finished = [], {}
+    while len(finished) < len(scenario["prompts"]):
+        for e in engine.step():
+            events.append(e)
+            if isinstance(e, Finished):
+                finished[e.request_id] = e
+    engine.shutdown()
+    out["alone"] = [alone[i] for i in range(len(scenario["prompts"]))]
+    out["packed"] = [[e.token_id for e in events if e.request_id == f"packed{i}" and not isinstance(e, Finished)]
+                     for i in range(len(scenario["prompts"]))]
+    figures = [finished[f"packed{i}"].figures for i in range(len(scenario["prompts"]))]
+    out["packed_with"] = [f.packed_with for f in figures]
+    out["boundaries"] = [f.boundaries for f in figures]
+    out["bytes_sent"] = [[r["bytes_sent"] for r in f.ranks] for f in figures]
+
+
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
     client = _front_client(scenario, world)
@@ -86,7 +116,7 @@ def main() -> None:
     out: dict = {}
     code = 0
     try:
-        {"match": match, "serve": serve, "idle": idle}[scenario["name"]](scenario, world, out)
+        {"match": match, "serve": serve, "idle": idle, "packed": packed}[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)
         out["error"] = f"{type(e).__name__}: {e}"

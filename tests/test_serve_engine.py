@@ -75,6 +75,47 @@ def test_greedy_output_alone_equals_output_in_a_batch_joined_at_different_steps(
     assert max(len(engine.decoder.members), len(engine.decoder.own)) == 0  # every cache freed
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_waiting_prompts_are_packed_into_one_prefill_and_answer_as_alone(model):
+    engine = Engine(EngineConfig(run=RunConfig(model=model, threads=1), max_queue=8), World(0, 1, 0, 1, "single"))
+    prompts = [*PROMPTS, [7], list(range(3, 140))]  # a 1-token prompt; one beyond the tiny Gemma's window of 64
+    alone = {}
+    for i, ids in enumerate(prompts):
+        events, _ = engine.run_one(Request(f"alone{i}", ids, SamplingParams(max_tokens=10)))
+        alone[i] = _tokens(events)[f"alone{i}"]
+    for i, ids in enumerate(prompts):
+        engine.add(Request(f"p{i}", ids, SamplingParams(max_tokens=10)))
+    events = _until_finished(engine, {f"p{i}" for i in range(len(prompts))})
+    packed = _tokens(events)
+    assert all(packed[f"p{i}"] == alone[i] for i in range(len(prompts))), (packed, alone)
+    done = [e for e in events if isinstance(e, Finished)]
+    assert {e.figures.packed_with for e in done} == {len(prompts)}
+
+
+def test_packing_stops_at_the_step_size_and_keeps_the_queue_order():
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), max_queue=8, pack_tokens=100),
+                    World(0, 1, 0, 1, "single"))
+    for i, ids in enumerate([list(range(3, 43)), list(range(3, 53)), list(range(3, 23)), list(range(3, 13))]):
+        engine.add(Request(f"q{i}", ids, SamplingParams(max_tokens=2)))
+    events = _until_finished(engine, {f"q{i}" for i in range(4)})
+    sizes = {e.request_id: e.figures.packed_with for e in events if isinstance(e, Finished)}
+    assert sizes == {"q0": 2, "q1": 2, "q2": 2, "q3": 2}  # 40 + 50 fit 100; 20 does not join them; 20 + 10 do
+
+
+@pytest.mark.timeout(300)
+def test_packed_prefill_over_real_ranks_answers_each_prompt_as_alone(tmp_path):
+    prompts = [list(range(3, 120)), [9], list(range(40, 75)), list(range(5, 200)), list(range(60, 66))]
+    scenario = {"name": "packed", "run": {"model": "tiny-gemma3", "threads": 1}, "degree": "2", "prompts": prompts,
+                "max_tokens": 8}
+    procs, out = _start_ranks(scenario, tmp_path)
+    outputs = wait_all(procs, 280)
+    assert [q.returncode for q in procs] == [0, 0], "\n".join(outputs)
+    r = json.loads(Path(f"{out}.1").read_text())
+    assert r["packed"] == r["alone"]
+    assert r["packed_with"] == [len(prompts)] * len(prompts)
+    assert r["bytes_sent"][0][0] > 0  # rank 0 relayed its K,V to the front
+
+
 def test_cancel_frees_the_request_at_the_next_step(engine):
     engine.add(Request("c", PROMPTS[0], SamplingParams(max_tokens=100)))
     engine.step(), engine.step()

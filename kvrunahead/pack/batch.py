@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,12 @@ class BatchResult:
                 "mismatches": sum(not p.matches for p in self.prompts) if self.atol is not None else None}
 
 
+def prompt_work(config) -> Callable[[int], float]:
+    """The FLOP estimate of a prompt's first t tokens (split attention: no masked pair), what packed cuts balance."""
+    cost = layer_cost(config)
+    return lambda t: cost.rank_flops(0, t, "split")
+
+
 def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
     """One line (InputError) for a batch that cannot run as asked, before any rank starts."""
     if batching not in BATCHINGS:
@@ -155,11 +162,7 @@ def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], b
         results, steps, sent = _padded(lm, prompts, cfg.max_new_tokens), [], 0
         prefill_s = results[0].ttft_s
     else:
-        cost = layer_cost(config)
-
-        def work(t: int) -> float:
-            return cost.rank_flops(0, t, "split")
-
+        work = prompt_work(config)
         lengths = [len(x) for x in prompts]
         plan = (plan_steps(lengths, p, work, step_tokens, edge_slack) if batching == "packed" else
                 [PackedStep((i,), (n,), packed_cuts([n], p, work)) for i, n in enumerate(lengths)])

@@ -9,6 +9,7 @@ split attention of ``modes.kvr`` per segment), so no packed C x C mask is built 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,17 @@ class PackedLink(ChainLink):
         return self.send_tokens
 
 
-def packed_link(step: PackedStep, rank: int, transport, layout: KVLayout, device: torch.device) -> PackedLink:
+def packed_link(step: PackedStep, rank: int, transport, layout: KVLayout, device: torch.device,
+                relay: bool = False) -> PackedLink:
+    """This rank's link in ``step``. ``relay``: hand on every prompt's K,V, every layer's in full, as the core
+    chain does, so that the last rank ends with every prompt's cache (the server decodes there); else only the
+    cut prompt's, so each prompt's cache ends on the rank that emits its first token."""
     start, end = step.boundaries[rank], step.boundaries[rank + 1]
-    return PackedLink(transport, step.handed_on(start) if start < end else 0, layout, device,
-                      send_tokens=step.handed_on(end) if start < end else 0)
+    if start == end:
+        return PackedLink(transport, 0, layout, device)
+    if relay:
+        return PackedLink(transport, start, dataclasses.replace(layout, windows=None), device, send_tokens=end)
+    return PackedLink(transport, step.handed_on(start), layout, device, send_tokens=step.handed_on(end))
 
 
 class PackedLayer(DynamicLayer):
@@ -119,8 +127,10 @@ class PartOutput:
 
 @torch.no_grad()
 def packed_prefill(model: torch.nn.Module, step: PackedStep, step_ids: list[int], link: PackedLink,
-                   rank: int) -> PartOutput:
-    """Run this rank's part of a packed step (``step_ids``: the step's packed tokens) over the chain."""
+                   rank: int, every_cache: bool = False) -> PartOutput:
+    """Run this rank's part of a packed step (``step_ids``: the step's packed tokens) over the chain.
+    ``every_cache`` (the last rank of a relaying chain): cut the cache of every prompt of the step, not only of
+    those ending in this part."""
     start, end = step.boundaries[rank], step.boundaries[rank + 1]
     if start == end:
         return PartOutput({}, {})
@@ -141,7 +151,8 @@ def packed_prefill(model: torch.nn.Module, step: PackedStep, step_ids: list[int]
         else:
             model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
     link.finish()
-    caches = {k: prompt_cache(model, cache, link.layout, end - step.edges[k + 1], step.lengths[k]) for k in ending}
+    cached = range(len(step.lengths)) if every_cache else ending
+    caches = {k: prompt_cache(model, cache, link.layout, end - step.edges[k + 1], step.lengths[k]) for k in cached}
     return PartOutput({k: logits[i] for i, k in enumerate(ending)}, caches)
 
 

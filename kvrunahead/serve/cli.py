@@ -46,6 +46,8 @@ def _check(options: dict, world_size: int) -> None:
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
+    if options["pack_tokens"] < 0:
+        raise InputError(f"--pack-tokens must be 0 (no packing) or more, got {options['pack_tokens']}")
     check_device(options["device"])
     try:
         parse_degree(options["degree"], world_size)
@@ -64,7 +66,7 @@ def _engine_config(options: dict):
                     threads=options["threads"], timeout_s=options["timeout_s"], net=options["net"],
                     seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None)
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
-                        degree=options["degree"])
+                        degree=options["degree"], pack_tokens=options["pack_tokens"])
 
 
 def _announce(url: str, model_id: str, world_size: int):
@@ -140,6 +142,10 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for their prefill; more are refused at once with 429 and Retry-After.")
+@click.option("--pack-tokens", type=int, default=8192, show_default=True,
+              help="Prompts waiting together are prefilled as one packed sequence (each seeing only itself; "
+                   "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "
+                   "and /metrics' kvr_packed_requests show it.")
 @click.option("--max-model-len", type=int, default=None,
               help="Most tokens per request, prompt and output together. Default: the longest context the model "
                    "takes, its trained positions times 4 where its rotary embedding can be extended by YaRN. Each "

@@ -16,10 +16,13 @@ import torch
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
-from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.attention import uses_attention_interface
+from kvrunahead.model.layout import probe_kv_layout, soft_caps
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
+from kvrunahead.pack.batch import prompt_work
+from kvrunahead.pack.plan import packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.policy import (
     RunConfig,
@@ -34,9 +37,9 @@ from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillPlan, RankContext, Shutdown
+from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext, Shutdown
 from kvrunahead.serve.sampling import Sampler
-from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Work
+from kvrunahead.serve.scheduler import DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work
 from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the longest context the model takes (RoPE extension included)
     degree: str = "auto"  # auto, 1, or the world size
     heartbeat_s: float = 1.0
+    pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
@@ -85,7 +89,12 @@ class Engine:
                                     threads, config.degree, solo, lambda n: self._partition(n)[0].boundaries)
         self.model_config = model_config
         self.threads = threads
-        self.scheduler = Scheduler(config.max_queue)
+        packable = not soft_caps(model_config) and uses_attention_interface(model_config)
+        if config.pack_tokens and not packable:
+            log.warning("%s cannot run the packed attention (soft-capped logits, or attention outside transformers' "
+                        "interface): prompts are prefilled one at a time", cfg.model)
+        self.scheduler = Scheduler(config.max_queue, config.pack_tokens if packable else 0)
+        self._work = prompt_work(model_config)
         self.decoder = VariantDecoders(self._decoder_for)
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.samplers: dict[str, Sampler] = {}
@@ -148,7 +157,7 @@ class Engine:
                 return events
             outcome = self._execute(work)
         except InputError as e:  # this request's own problem, found before any other rank took part
-            return events + [self._finish(work.seq, "error", str(e), bad_input=True)]
+            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in _seqs(work)]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, work)
         return events + self._postprocess(work, outcome)
@@ -159,6 +168,8 @@ class Engine:
             self.ctx.use_threads(solo=True)
             tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
             return self.decoder.step(tokens, {s.request_id: s.next_position for s in work.seqs})
+        if isinstance(work, PackedPrefillWork):
+            return self._packed(work.seqs)
         seq = work.seq
         seq.prefill_start_s = time.monotonic()
         ids = seq.request.prompt_ids
@@ -177,6 +188,29 @@ class Engine:
                                      list(boundaries), source, choice.source)
         return outcome
 
+    def _packed(self, seqs: list) -> list[PrefillOutcome]:
+        """One packed prefill of several waiting prompts: over the chain, cut by the packed work at prompt edges, or
+        on the front alone where the degree policy puts that many tokens on one rank."""
+        start = time.monotonic()
+        prompts = [s.request.prompt_ids for s in seqs]
+        lengths = [len(x) for x in prompts]
+        choice = self.degrees.choose(sum(lengths))
+        if choice.degree == 1:
+            boundaries, source = (0, sum(lengths)), "one rank"
+            outcomes = executor.packed_front_prefill(self.ctx, prompts)
+        else:
+            boundaries = packed_cuts(lengths, self.ctx.world_size, self._work)
+            source = "packed work, cut at prompt edges where balanced"
+            plan = PackedPlan(tuple(s.request_id for s in seqs), tuple(map(tuple, prompts)), boundaries)
+            executor.send_plan(self.ctx, plan)
+            self.heartbeat.sent()
+            outcomes = executor.packed_chain_prefill(self.ctx, plan)
+        for seq in seqs:
+            seq.prefill_start_s = start
+            seq.figures = RequestFigures(0.0, start - seq.request.arrival_s, choice.degree, list(boundaries), source,
+                                         choice.source, packed_with=len(seqs))
+        return outcomes
+
     def _partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
         decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
@@ -193,6 +227,8 @@ class Engine:
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
             return self._after_prefill(work.seq, outcome)
+        if isinstance(work, PackedPrefillWork):
+            return [e for seq, one in zip(work.seqs, outcome) for e in self._after_prefill(seq, one)]
         events: list[Event] = []
         for seq in work.seqs:
             events += self._advance(seq, self.samplers[seq.request_id](outcome[seq.request_id]))
@@ -249,8 +285,7 @@ class Engine:
         log.log(level, "engine step failed: %s", self.error)
         with self._lock:
             seqs = self.scheduler.drain_all()
-        if isinstance(work, PrefillWork) and work.seq not in seqs:
-            seqs.append(work.seq)
+        seqs += [seq for seq in _seqs(work) if seq not in seqs]
         return [self._finish(seq, "error", self.error) for seq in seqs]
 
     def fail_all(self, why: str, on_purpose: bool = False) -> list[Event]:
@@ -280,3 +315,10 @@ class Engine:
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False
         self.error = self.error or "shut down"
+
+
+def _seqs(work: Work | None) -> list[Sequence]:
+    """The sequences a prefill took out of the queue (a failed decode's are still in the scheduler's lists)."""
+    if isinstance(work, PrefillWork):
+        return [work.seq]
+    return list(work.seqs) if isinstance(work, PackedPrefillWork) else []

@@ -34,6 +34,8 @@ from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.modes import MODES, Step
 from kvrunahead.net import liveness
+from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
+from kvrunahead.pack.plan import PackedStep
 from kvrunahead.partition import Partition
 from kvrunahead.runner import RankStats, rank_stats, timed_prefill
 from kvrunahead.transport import Transport
@@ -51,6 +53,20 @@ class PrefillPlan:
 
 
 @dataclass(frozen=True)
+class PackedPlan:
+    """Several prompts prefilled as one packed sequence cut at ``boundaries`` (kvrunahead/pack), relayed whole to
+    the front, which decodes them all."""
+
+    request_ids: tuple[str, ...]
+    prompts: tuple[tuple[int, ...], ...]
+    boundaries: tuple[int, ...]
+
+    @property
+    def step(self) -> PackedStep:
+        return PackedStep(tuple(range(len(self.prompts))), tuple(map(len, self.prompts)), self.boundaries)
+
+
+@dataclass(frozen=True)
 class Ping:
     """Sent while no prefill runs: proves to the workers that the front is alive and to the front that they are."""
 
@@ -60,7 +76,7 @@ class Shutdown:
     """Ends every worker's loop (the server is stopping)."""
 
 
-Plan = PrefillPlan | Ping | Shutdown
+Plan = PrefillPlan | PackedPlan | Ping | Shutdown
 
 
 @dataclass
@@ -173,6 +189,48 @@ def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None 
     return PrefillOutcome(logits, cache, [stats])
 
 
+def packed_chain_prefill(ctx: RankContext, plan: PackedPlan) -> list[PrefillOutcome] | None:
+    """This rank's part of a packed prefill; every rank hands on all it holds, so the front ends with every prompt's
+    cache, and the first-token logits of the prompts that end on other ranks are gathered to it."""
+    ctx.use_threads(solo=False)
+    ctx.transport.reset_stats()
+    lm, layout = ctx.model(None)
+    step = plan.step
+    front = ctx.rank == ctx.front
+    ids = [t for prompt in plan.prompts for t in prompt]
+    link = packed_link(step, ctx.rank, ctx.transport, layout, ctx.device, relay=True)
+    liveness.patient_barrier("the other ranks to start the packed prefill")
+    t0 = time.perf_counter()
+    out = packed_prefill(lm.model, step, ids, link, ctx.rank, every_cache=front)
+    total_s = time.perf_counter() - t0
+    mine = [(step.boundaries[ctx.rank], step.boundaries[ctx.rank + 1])]
+    stats = rank_stats(ctx.rank, mine, total_s, ctx.transport, None, ctx.device)
+    sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
+    everyone = liveness.gather_objects((stats, sent), "the other ranks to finish the packed prefill")
+    if not front:
+        return None
+    logits = dict(out.logits)
+    for _, theirs in everyone:
+        logits.update(theirs)
+    ranks = [s for s, _ in everyone]
+    return [PrefillOutcome(logits[k], out.caches[k], ranks) for k in range(len(plan.prompts))]
+
+
+def packed_front_prefill(ctx: RankContext, prompts: list[list[int]]) -> list[PrefillOutcome]:
+    """A packed prefill on the front alone (degree 1), the other ranks untouched."""
+    ctx.use_threads(solo=True)
+    lm, layout = ctx.model(None)
+    step = PackedStep(tuple(range(len(prompts))), tuple(map(len, prompts)), (0, sum(map(len, prompts))))
+    t0 = time.perf_counter()
+    out = packed_prefill(lm.model, step, [t for x in prompts for t in x], PackedLink(ctx.transport, 0, layout,
+                                                                                       ctx.device), 0,
+                         every_cache=True)
+    total_s = time.perf_counter() - t0
+    stats = RankStats(rank=ctx.rank, tokens=step.total, total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
+                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
+    return [PrefillOutcome(out.logits[k], out.caches[k], [stats]) for k in range(len(prompts))]
+
+
 def worker_loop(ctx: RankContext) -> None:
     """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone."""
     log.info("rank %d serving as a worker of front rank %d", ctx.rank, ctx.front)
@@ -183,6 +241,8 @@ def worker_loop(ctx: RankContext) -> None:
             return
         if isinstance(plan, PrefillPlan):
             chain_prefill(ctx, plan)
+        elif isinstance(plan, PackedPlan):
+            packed_chain_prefill(ctx, plan)
 
 
 class Heartbeat:

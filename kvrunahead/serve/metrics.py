@@ -40,6 +40,10 @@ class Metrics:
         self.requests = Counter("kvr_requests", "Requests by outcome.", ["outcome"], registry=r)
         self.rank_bytes = Counter("kvr_rank_bytes_sent", "Bytes each rank sent in the requests' prefills.", ["rank"],
                                   registry=r)
+        self.packed = Counter("kvr_packed_requests", "Requests whose prompt was prefilled packed with others' "
+                              "(Prepacking).", registry=r)
+        self.pack_size = Histogram("kvr_packed_with", "Prompts in the packed prefill of each request (1: alone).",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
@@ -52,13 +56,16 @@ class Metrics:
         self.requests.labels(outcome=outcome).inc()
 
     def finished(self, outcome: str, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
-                 completion_tokens: int, rank_bytes: dict[int, int]) -> None:
+                 completion_tokens: int, rank_bytes: dict[int, int], packed_with: int = 1) -> None:
         """One request that was admitted, however it ended."""
         self.requests.labels(outcome=outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+            self.pack_size.observe(packed_with)
+            if packed_with > 1:
+                self.packed.inc()
             if completion_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
         if outcome in ("stop", "length"):

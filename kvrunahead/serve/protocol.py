@@ -163,6 +163,7 @@ class KvrFigures(BaseModel):
     degree_source: str
     partition: Partition
     ranks: list[RankFigures]
+    packed_with: int = 1  # prompts prefilled in one packed sequence with this one (itself included)
 
 
 class CompletionChoice(BaseModel):

@@ -1,6 +1,7 @@
 """What runs next: one prefill, or one batched decode of every running request (torch-free).
 
-TTFT first: a waiting request is prefilled as soon as the engine is free. Decodes are never starved: after a
+TTFT first: a waiting request is prefilled as soon as the engine is free; the requests waiting behind it join its
+prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. Decodes are never starved: after a
 prefill, the next step decodes whenever any request is decoding, so a stream of arrivals still lets every running
 request advance every other step at worst.
 """
@@ -19,16 +20,24 @@ class PrefillWork:
 
 
 @dataclass
+class PackedPrefillWork:
+    """Several waiting requests prefilled together, packed end to end (kvrunahead/pack)."""
+
+    seqs: list[Sequence]
+
+
+@dataclass
 class DecodeWork:
     seqs: list[Sequence]
 
 
-Work = PrefillWork | DecodeWork
+Work = PrefillWork | PackedPrefillWork | DecodeWork
 
 
 class Scheduler:
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, pack_tokens: int = 0) -> None:
         self.max_queue = max_queue
+        self.pack_tokens = pack_tokens  # 0: one prompt per prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
@@ -46,7 +55,15 @@ class Scheduler:
             return DecodeWork(list(self.running))
         if self.waiting:
             self._last_was_prefill = True
-            return PrefillWork(self.waiting.popleft())
+            seqs = [self.waiting.popleft()]
+            total = seqs[0].prompt_len
+            # A prompt whose length needs the RoPE extended runs on another model variant: never packed. The queue
+            # is taken in order, up to the first request that does not fit, so none is overtaken.
+            while (self.pack_tokens and seqs[0].rope is None and self.waiting and self.waiting[0].rope is None
+                   and total + self.waiting[0].prompt_len <= self.pack_tokens):
+                seqs.append(self.waiting.popleft())
+                total += seqs[-1].prompt_len
+            return PrefillWork(seqs[0]) if len(seqs) == 1 else PackedPrefillWork(seqs)
         return None
 
     def start_decoding(self, seq: Sequence) -> None:

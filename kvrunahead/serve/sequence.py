@@ -62,6 +62,7 @@ class RequestFigures:
     partition_source: str
     degree_source: str
     ranks: list[dict] = field(default_factory=list)  # {rank, compute_s, wait_s, bytes_sent}
+    packed_with: int = 1  # prompts prefilled in the same packed sequence, this one included
 
 
 @dataclass
