@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from kvrunahead.prompt import PromptError, build_prompt
+from kvrunahead.prompt import PromptError, build_prompt, question_prompts
 from kvrunahead.serve import protocol as p
 from kvrunahead.serve.metrics import Metrics
 from kvrunahead.serve.sequence import EngineDead, Finished, QueueFull, SamplingParams, TokenEvent, new_request_id
@@ -349,6 +349,42 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
         ids = await run_in_threadpool(_chat_ids, client.tokenizer, req.messages)
         rid = "chat" + new_request_id()
         return await _serve(client, metrics, request, req, ids, req.asked_max_tokens, _Chat(), rid, arrival_s)
+
+    @app.post("/v1/ask")
+    async def ask(request: Request) -> Response:
+        req = await _parse(request, p.AskRequest)
+        _check_model(client, req.model)
+        context_ids, question_ids = await run_in_threadpool(question_prompts, client.tokenizer, req.context,
+                                                            req.questions, req.chat)
+        rid = new_request_id()
+        try:
+            done = await client.ask(context_ids, question_ids, req.max_tokens, rid)
+        except QueueFull:
+            raise _queue_full(client) from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except EngineDead as e:
+            raise _unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
+        if done.error is not None:
+            if done.bad_input:
+                raise ApiError(400, done.error, code="invalid_prompt")
+            raise ApiError(503 if not client.healthy else 500, f"the engine failed the request: {done.error}",
+                           type="server_error", code="engine_error", outcome="error")
+        eos = client.eos_token_ids
+        answers = [p.Answer(index=i, question=q, text=client.decode([t for t in toks if t not in eos]),
+                            finish_reason="stop" if toks and toks[-1] in eos else "length",
+                            completion_tokens=len(toks))
+                   for i, (q, toks) in enumerate(zip(req.questions, done.answers))]
+        prompt = len(context_ids) + sum(map(len, question_ids))
+        completion = sum(a.completion_tokens for a in answers)
+        metrics.asked(len(answers), prompt, completion)
+        f = done.figures
+        return JSONResponse(p.AskResponse(
+            id=rid, model=client.model_id, answers=answers,
+            usage=p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
+            kvrunahead=p.AskFiguresModel(queue_s=f.queue_s, context_s=f.context_s, questions_s=f.questions_s,
+                                         decode_s=f.decode_s, degree=f.degree, boundaries=f.boundaries),
+        ).model_dump(mode="json"))
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sequence import (
+    Answered,
+    AskRequest,
     EngineDead,
     Event,
     Finished,
@@ -39,6 +41,13 @@ class AsyncEngineClient:
         self._loop_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.ctx.lm.eos_token_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.ctx.lm.decode(ids)
 
     @property
     def healthy(self) -> bool:
@@ -77,6 +86,29 @@ class AsyncEngineClient:
             self._queues.pop(request.request_id, None)
             if not finished:
                 self.cancel(request.request_id)
+
+    async def ask(self, context_ids: list[int], question_ids: list[list[int]], max_tokens: int,
+                  request_id: str | None = None) -> Answered:
+        """Many questions on one context, answered together; raises like ``generate`` before anything is queued.
+        Cancelled when the caller stops waiting."""
+        if self.draining:
+            raise EngineDead("the server is draining")
+        if not self.healthy:
+            raise EngineDead(f"the engine has failed: {self.engine.error or self._loop_error}")
+        ask = AskRequest(request_id or new_request_id(), list(context_ids), [list(q) for q in question_ids],
+                         max_tokens)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[ask.request_id] = (asyncio.get_running_loop(), queue)
+        answered = None
+        try:
+            self.engine.add_ask(ask)
+            self._wake.set()
+            answered = await queue.get()
+            return answered
+        finally:
+            self._queues.pop(ask.request_id, None)
+            if answered is None:
+                self.cancel(ask.request_id)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)

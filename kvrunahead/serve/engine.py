@@ -32,6 +32,7 @@ from kvrunahead.policy import (
     resolve_device,
     resolve_dtype,
 )
+from kvrunahead.questions import answer, require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
@@ -39,8 +40,19 @@ from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext, Shutdown
 from kvrunahead.serve.sampling import Sampler
-from kvrunahead.serve.scheduler import DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work
-from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
+from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work
+from kvrunahead.serve.sequence import (
+    Answered,
+    AskFigures,
+    AskRequest,
+    EngineDead,
+    Event,
+    Finished,
+    Request,
+    RequestFigures,
+    Sequence,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +153,30 @@ class Engine:
         with self._lock:
             self.scheduler.add(Sequence(request, rope=rope))
 
+    def add_ask(self, ask: AskRequest) -> None:
+        """Queue a shared-context request; raises QueueFull, EngineDead, or ValueError naming what is wrong."""
+        if not self.healthy:
+            raise EngineDead(f"the engine has failed: {self.error}")
+        try:
+            require_full_attention(self.model_config)
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
+        if ask.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {ask.max_tokens}")
+        if not ask.context_ids or not ask.question_ids or any(not q for q in ask.question_ids):
+            raise ValueError("the context and every question need at least one token")
+        longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
+        cfg = self.config.run
+        try:
+            rope = plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
+        except ContextError as e:
+            raise ValueError(str(e)) from None
+        if rope is not None or longest > self.max_model_len:
+            raise ValueError(f"the context, the longest question and max_tokens come to {longest} tokens; shared-"
+                             f"context requests run within the model's trained positions and --max-model-len")
+        with self._lock:
+            self.scheduler.add_ask(ask)
+
     def cancel(self, request_id: str) -> None:
         """Free the request (waiting or decoding) at the next step; it ends with Finished('cancelled')."""
         with self._lock:
@@ -157,6 +193,8 @@ class Engine:
                 return events
             outcome = self._execute(work)
         except InputError as e:  # this request's own problem, found before any other rank took part
+            if isinstance(work, AskWork):
+                return events + [Answered(work.ask.request_id, [], error=str(e), bad_input=True)]
             return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in _seqs(work)]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, work)
@@ -170,6 +208,8 @@ class Engine:
             return self.decoder.step(tokens, {s.request_id: s.next_position for s in work.seqs})
         if isinstance(work, PackedPrefillWork):
             return self._packed(work.seqs)
+        if isinstance(work, AskWork):
+            return self._ask(work.ask)
         seq = work.seq
         seq.prefill_start_s = time.monotonic()
         ids = seq.request.prompt_ids
@@ -211,6 +251,34 @@ class Engine:
                                          choice.source, packed_with=len(seqs))
         return outcomes
 
+    def _ask(self, ask: AskRequest) -> Answered:
+        """The context prefilled once (over the chain where the degree policy says so), then every question packed
+        after it and decoded with the context read once per step, on the front (kvrunahead/questions.py)."""
+        start = time.monotonic()
+        ids = ask.context_ids
+        choice = self.degrees.choose(len(ids))
+        if choice.degree == 1:
+            boundaries = (0, len(ids))
+            outcome = executor.single_prefill(self.ctx, ids)
+        else:
+            boundaries = self._partition(len(ids))[0].boundaries
+            plan = PrefillPlan(ask.request_id, ids, boundaries, self.attention)
+            executor.send_plan(self.ctx, plan)
+            self.heartbeat.sent()
+            outcome = executor.chain_prefill(self.ctx, plan)
+        context_s = time.monotonic() - start
+        self.heartbeat.maybe_ping()
+        self.ctx.use_threads(solo=True)
+        prefixes = [torch.stack((layer.keys, layer.values)) for layer in outcome.cache.layers]
+        first: list[float] = []
+        t0 = time.monotonic()
+        answers = answer(self.ctx.lm.model, prefixes, ask.question_ids, ask.max_tokens, self.ctx.lm.eos_token_ids,
+                         on_first_tokens=lambda: first.append(time.monotonic()))
+        end = time.monotonic()
+        figures = AskFigures(start - ask.arrival_s, context_s, first[0] - t0, end - first[0], choice.degree,
+                             list(boundaries))
+        return Answered(ask.request_id, [a.tokens for a in answers], figures)
+
     def _partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
         decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
@@ -229,6 +297,8 @@ class Engine:
             return self._after_prefill(work.seq, outcome)
         if isinstance(work, PackedPrefillWork):
             return [e for seq, one in zip(work.seqs, outcome) for e in self._after_prefill(seq, one)]
+        if isinstance(work, AskWork):
+            return [outcome]
         events: list[Event] = []
         for seq in work.seqs:
             events += self._advance(seq, self.samplers[seq.request_id](outcome[seq.request_id]))
@@ -276,7 +346,9 @@ class Engine:
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
             seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
-        return [self._finish(seq, "cancelled") for seq in seqs]
+            asks = [a for a in (self.scheduler.remove_ask(rid) for rid in cancelled) if a is not None]
+        return ([self._finish(seq, "cancelled") for seq in seqs]
+                + [Answered(ask.request_id, [], error="cancelled") for ask in asks])
 
     def _fail(self, e: Exception, work: Work | None, level: int = logging.ERROR) -> list[Event]:
         """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
@@ -285,8 +357,11 @@ class Engine:
         log.log(level, "engine step failed: %s", self.error)
         with self._lock:
             seqs = self.scheduler.drain_all()
+            asks = self.scheduler.drain_asks()
         seqs += [seq for seq in _seqs(work) if seq not in seqs]
-        return [self._finish(seq, "error", self.error) for seq in seqs]
+        asks += [work.ask] if isinstance(work, AskWork) else []
+        return ([self._finish(seq, "error", self.error) for seq in seqs]
+                + [Answered(ask.request_id, [], error=self.error) for ask in asks])
 
     def fail_all(self, why: str, on_purpose: bool = False) -> list[Event]:
         """End every request in flight with an error (the client's loop broke, or it is stopping: ``on_purpose``,

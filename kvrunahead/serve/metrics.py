@@ -44,6 +44,8 @@ class Metrics:
                               "(Prepacking).", registry=r)
         self.pack_size = Histogram("kvr_packed_with", "Prompts in the packed prefill of each request (1: alone).",
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.ask_questions = Counter("kvr_ask_questions", "Questions answered by shared-context requests (/v1/ask).",
+                                     registry=r)
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
@@ -72,6 +74,13 @@ class Metrics:
             self.e2e.observe(e2e_s)
         for rank, n in rank_bytes.items():
             self.rank_bytes.labels(rank=str(rank)).inc(n)
+
+    def asked(self, questions: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """One shared-context request answered."""
+        self.requests.labels(outcome="stop").inc()
+        self.ask_questions.inc(questions)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

@@ -242,6 +242,55 @@ class ModelList(BaseModel):
 
 # --- errors ------------------------------------------------------------------------------------------------------
 
+MAX_QUESTIONS = 256
+
+
+class AskRequest(BaseModel):
+    """``POST /v1/ask`` (this server's own): many questions on one shared context, answered greedily, each as if it
+    were alone after the context (IPPD); the context is prefilled once."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    context: str = Field(min_length=1)
+    questions: list[str] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    max_tokens: int = Field(default=32, ge=1)
+    chat: bool = True  # the context and each question in one user turn of the model's chat template
+
+    @field_validator("questions")
+    @classmethod
+    def _nonempty(cls, value: list[str]) -> list[str]:
+        if any(not q.strip() for q in value):
+            raise ValueError("a question must not be empty")
+        return value
+
+
+class Answer(BaseModel):
+    index: int
+    question: str
+    text: str
+    finish_reason: Literal["stop", "length"]
+    completion_tokens: int
+
+
+class AskFiguresModel(BaseModel):
+    queue_s: float
+    context_s: float
+    questions_s: float
+    decode_s: float
+    degree: int
+    boundaries: list[int]
+
+
+class AskResponse(BaseModel):
+    id: str
+    object: Literal["kvrunahead.ask"] = "kvrunahead.ask"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    answers: list[Answer]
+    usage: Usage  # the context and every question once (prompt), every answer's tokens (completion)
+    kvrunahead: AskFiguresModel
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""

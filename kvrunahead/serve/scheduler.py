@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvrunahead.serve.sequence import QueueFull, Sequence
+from kvrunahead.serve.sequence import AskRequest, QueueFull, Sequence
 
 
 @dataclass
@@ -31,7 +31,14 @@ class DecodeWork:
     seqs: list[Sequence]
 
 
-Work = PrefillWork | PackedPrefillWork | DecodeWork
+@dataclass
+class AskWork:
+    """A shared-context request, run to its answers in one step."""
+
+    ask: AskRequest
+
+
+Work = PrefillWork | PackedPrefillWork | DecodeWork | AskWork
 
 
 class Scheduler:
@@ -39,17 +46,26 @@ class Scheduler:
         self.max_queue = max_queue
         self.pack_tokens = pack_tokens  # 0: one prompt per prefill
         self.waiting: deque[Sequence] = deque()
+        self.asks: deque[AskRequest] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
+        self._check_room()
         self.waiting.append(seq)
+
+    def add_ask(self, ask: AskRequest) -> None:
+        self._check_room()
+        self.asks.append(ask)
+
+    def _check_room(self) -> None:
+        if len(self.waiting) + len(self.asks) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting) + len(self.asks)} requests are waiting (--max-queue "
+                            f"{self.max_queue})")
 
     def schedule(self) -> Work | None:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` here."""
-        decode_due = bool(self.running) and (self._last_was_prefill or not self.waiting)
+        decode_due = bool(self.running) and (self._last_was_prefill or not (self.waiting or self.asks))
         if decode_due:
             self._last_was_prefill = False
             return DecodeWork(list(self.running))
@@ -64,6 +80,9 @@ class Scheduler:
                 seqs.append(self.waiting.popleft())
                 total += seqs[-1].prompt_len
             return PrefillWork(seqs[0]) if len(seqs) == 1 else PackedPrefillWork(seqs)
+        if self.asks:
+            self._last_was_prefill = True
+            return AskWork(self.asks.popleft())
         return None
 
     def start_decoding(self, seq: Sequence) -> None:
@@ -86,6 +105,18 @@ class Scheduler:
                 return seq
         return None
 
+    def remove_ask(self, request_id: str) -> AskRequest | None:
+        for ask in self.asks:
+            if ask.request_id == request_id:
+                self.asks.remove(ask)
+                return ask
+        return None
+
+    def drain_asks(self) -> list[AskRequest]:
+        asks = list(self.asks)
+        self.asks.clear()
+        return asks
+
     def drain_all(self) -> list[Sequence]:
         """Every request in flight, removed (the engine failed)."""
         seqs = [*self.waiting, *self.running]
@@ -95,4 +126,4 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.asks)

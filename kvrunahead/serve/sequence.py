@@ -83,7 +83,38 @@ class Finished:
     bad_input: bool = False  # the error is the request's own (an HTTP 400), not the engine's
 
 
-Event = TokenEvent | Finished
+@dataclass
+class AskRequest:
+    """Many questions on one shared context (IPPD): the context prefilled once, every question answered greedily
+    after it as if it were alone (``question_ids[i]`` continues ``context_ids``)."""
+
+    request_id: str
+    context_ids: list[int]
+    question_ids: list[list[int]]
+    max_tokens: int = 32
+    arrival_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class AskFigures:
+    queue_s: float
+    context_s: float  # the context's prefill (over the chain at degree > 1)
+    questions_s: float  # the questions' packed prefill, up to every first token
+    decode_s: float
+    degree: int
+    boundaries: list[int]
+
+
+@dataclass
+class Answered:
+    request_id: str
+    answers: list[list[int]]  # each question's tokens, its EOS included where it ended so
+    figures: AskFigures | None = None
+    error: str | None = None
+    bad_input: bool = False
+
+
+Event = TokenEvent | Finished | Answered
 
 
 class StopText:
