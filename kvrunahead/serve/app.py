@@ -9,6 +9,7 @@ engine is dead, 500 when the engine failed a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,25 +21,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from kvrunahead.prompt import PromptError, build_prompt, question_prompts
+from kvrunahead.prompt import question_prompts
+from kvrunahead.serve import inputs
 from kvrunahead.serve import protocol as p
+from kvrunahead.serve.inputs import ApiError
 from kvrunahead.serve.metrics import Metrics
-from kvrunahead.serve.sequence import EngineDead, Finished, QueueFull, SamplingParams, TokenEvent, new_request_id
+from kvrunahead.serve.sequence import (
+    Answered,
+    EngineDead,
+    Finished,
+    QueueFull,
+    SamplingParams,
+    TokenEvent,
+    new_request_id,
+)
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there
 RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
-
-
-class ApiError(Exception):
-    """A request refused before it produced anything: the status, OpenAI's error body and its metrics outcome."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None, outcome: str = "invalid") -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers, self.outcome = headers, outcome
 
 
 class ClientGone(Exception):
@@ -173,7 +174,7 @@ async def _pull(events: AsyncIterator):
         raise EngineDead("the engine ended the request without finishing it") from None
 
 
-def _failure(done: Finished, client) -> ApiError:
+def _failure(done: Finished | Answered, client) -> ApiError:
     if done.finish_reason == "cancelled":
         return ApiError(503, "the request was cancelled: the server shut down before it finished",
                         type="server_error", code="cancelled", outcome="cancelled")
@@ -189,16 +190,26 @@ async def _admit(client, metrics: Metrics, request: Request, ids: list[int], par
     EngineDead or ValueError at its first step, before anything is queued."""
     run = _Run(client, metrics, request, rid, client.generate(ids, params, rid), arrival_s)
     try:
-        return run, await run.next()
+        with _refusals(client):
+            return run, await run.next()
+    except ApiError:
+        raise
+    except BaseException:  # the client went away, or the server cancelled the request while it waited
+        run.end(None)
+        raise
+
+
+@contextlib.contextmanager
+def _refusals(client):
+    """The engine's refusals of a request before anything is queued, as the HTTP errors they are."""
+    try:
+        yield
     except QueueFull:
         raise _queue_full(client) from None
     except ValueError as e:  # the engine's own check of the parameters or the prompt
         raise ApiError(400, str(e)) from None
     except EngineDead as e:
         raise _unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
-    except BaseException:  # the client went away, or the server cancelled the request while it waited
-        run.end(None)
-        raise
 
 
 def _queue_full(client) -> ApiError:
@@ -260,49 +271,9 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raise ApiError(400, message, param=param) from None
 
 
-def _token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, list):
-        vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param="prompt")
-        return list(prompt)
-    try:
-        return build_prompt(tokenizer, None, prompt, chat=False)
-    except PromptError as e:
-        raise ApiError(400, str(e), param="prompt") from None
-
-
-def _chat_ids(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-    rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                             add_generation_prompt=True, tokenize=False)
-    # the template writes the special tokens (BOS) itself
-    return tokenizer.encode(rendered, add_special_tokens=False)
-
-
-def _sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, max_tokens: int | None,
-              max_model_len: int) -> SamplingParams:
-    """The engine's parameters; the prompt and the tokens asked for must fit the model's positions."""
-    if n_prompt == 0:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if n_prompt >= max_model_len:
-        raise ApiError(400, f"the prompt is {n_prompt} tokens; this model takes at most {max_model_len} "
-                       "(prompt and output together)", param="prompt", code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = max_model_len - n_prompt
-    elif n_prompt + max_tokens > max_model_len:
-        raise ApiError(400, f"this model takes at most {max_model_len} tokens, but {n_prompt + max_tokens} were "
-                       f"asked for ({n_prompt} in the prompt, max_tokens {max_tokens})", param="max_tokens",
-                       code="context_length_exceeded")
-    return SamplingParams(max_tokens=max_tokens, temperature=req.sampling_temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, stop=req.stop_list, seed=req.seed)
-
-
 async def _serve(client, metrics: Metrics, request: Request, req, ids: list[int], max_tokens: int | None,
                  shape, rid: str, arrival_s: float) -> Response:
-    params = _sampling(req, len(ids), max_tokens, client.max_model_len)
+    params = inputs.sampling(req, len(ids), max_tokens, client.max_model_len)
     if (refusal := _unavailable(client)) is not None:
         raise refusal
     try:
@@ -337,7 +308,7 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
         arrival_s = time.monotonic()
         req = await _parse(request, p.CompletionRequest)
         _check_model(client, req.model)
-        ids = await run_in_threadpool(_token_ids, client.tokenizer, req.prompt)
+        ids = await run_in_threadpool(inputs.token_ids, client.tokenizer, req.prompt)
         return await _serve(client, metrics, request, req, ids, req.max_tokens, _Completions(), new_request_id(),
                             arrival_s)
 
@@ -346,7 +317,7 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
         arrival_s = time.monotonic()
         req = await _parse(request, p.ChatCompletionRequest)
         _check_model(client, req.model)
-        ids = await run_in_threadpool(_chat_ids, client.tokenizer, req.messages)
+        ids = await run_in_threadpool(inputs.chat_ids, client.tokenizer, req.messages)
         rid = "chat" + new_request_id()
         return await _serve(client, metrics, request, req, ids, req.asked_max_tokens, _Chat(), rid, arrival_s)
 
@@ -357,34 +328,14 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
         context_ids, question_ids = await run_in_threadpool(question_prompts, client.tokenizer, req.context,
                                                             req.questions, req.chat)
         rid = new_request_id()
-        try:
+        with _refusals(client):
             done = await client.ask(context_ids, question_ids, req.max_tokens, rid)
-        except QueueFull:
-            raise _queue_full(client) from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        except EngineDead as e:
-            raise _unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
         if done.error is not None:
-            if done.bad_input:
-                raise ApiError(400, done.error, code="invalid_prompt")
-            raise ApiError(503 if not client.healthy else 500, f"the engine failed the request: {done.error}",
-                           type="server_error", code="engine_error", outcome="error")
-        eos = client.eos_token_ids
-        answers = [p.Answer(index=i, question=q, text=client.decode([t for t in toks if t not in eos]),
-                            finish_reason="stop" if toks and toks[-1] in eos else "length",
-                            completion_tokens=len(toks))
-                   for i, (q, toks) in enumerate(zip(req.questions, done.answers))]
-        prompt = len(context_ids) + sum(map(len, question_ids))
-        completion = sum(a.completion_tokens for a in answers)
-        metrics.asked(len(answers), prompt, completion)
-        f = done.figures
-        return JSONResponse(p.AskResponse(
-            id=rid, model=client.model_id, answers=answers,
-            usage=p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
-            kvrunahead=p.AskFiguresModel(queue_s=f.queue_s, context_s=f.context_s, questions_s=f.questions_s,
-                                         decode_s=f.decode_s, degree=f.degree, boundaries=f.boundaries),
-        ).model_dump(mode="json"))
+            raise _failure(done, client)
+        response = p.AskResponse.build(rid, client.model_id, req.questions, done, client.eos_token_ids, client.decode,
+                                       len(context_ids) + sum(map(len, question_ids)))
+        metrics.asked(len(response.answers), response.usage.prompt_tokens, response.usage.completion_tokens)
+        return JSONResponse(response.model_dump(mode="json"))
 
     @app.get("/v1/models")
     async def models() -> dict:

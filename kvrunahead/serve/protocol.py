@@ -290,6 +290,22 @@ class AskResponse(BaseModel):
     usage: Usage  # the context and every question once (prompt), every answer's tokens (completion)
     kvrunahead: AskFiguresModel
 
+    @classmethod
+    def build(cls, rid: str, model: str, questions: list[str], done, eos: frozenset[int], decode,
+              prompt_tokens: int) -> AskResponse:
+        """From the engine's ``Answered``: each answer's text without its EOS, why it ended, the usage."""
+        answers = [Answer(index=i, question=q, text=decode([t for t in tokens if t not in eos]),
+                          finish_reason="stop" if tokens and tokens[-1] in eos else "length",
+                          completion_tokens=len(tokens))
+                   for i, (q, tokens) in enumerate(zip(questions, done.answers))]
+        completion = sum(a.completion_tokens for a in answers)
+        f = done.figures
+        return cls(id=rid, model=model, answers=answers,
+                   usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                               total_tokens=prompt_tokens + completion),
+                   kvrunahead=AskFiguresModel(queue_s=f.queue_s, context_s=f.context_s, questions_s=f.questions_s,
+                                              decode_s=f.decode_s, degree=f.degree, boundaries=f.boundaries))
+
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:

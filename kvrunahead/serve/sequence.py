@@ -110,8 +110,12 @@ class Answered:
     request_id: str
     answers: list[list[int]]  # each question's tokens, its EOS included where it ended so
     figures: AskFigures | None = None
-    error: str | None = None
+    error: str | None = None  # "cancelled" when it was cancelled before it ran
     bad_input: bool = False
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return "stop" if self.error is None else "cancelled" if self.error == "cancelled" else "error"
 
 
 Event = TokenEvent | Finished | Answered

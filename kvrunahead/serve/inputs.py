@@ -1,0 +1,59 @@
+"""A request's input in the engine's terms: its prompt as token ids (raw, or through the chat template) and its
+sampling parameters, checked against the model's positions; anything wrong is an ``ApiError`` naming the field."""
+
+from __future__ import annotations
+
+from kvrunahead.prompt import PromptError, build_prompt
+from kvrunahead.serve import protocol as p
+from kvrunahead.serve.sequence import SamplingParams
+
+
+class ApiError(Exception):
+    """A request refused before it produced anything: the status, OpenAI's error body and its metrics outcome."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None, outcome: str = "invalid") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers, self.outcome = headers, outcome
+
+
+
+def token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return list(prompt)
+    try:
+        return build_prompt(tokenizer, None, prompt, chat=False)
+    except PromptError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+
+def chat_ids(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+    rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                             add_generation_prompt=True, tokenize=False)
+    # the template writes the special tokens (BOS) itself
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, max_tokens: int | None,
+              max_model_len: int) -> SamplingParams:
+    """The engine's parameters; the prompt and the tokens asked for must fit the model's positions."""
+    if n_prompt == 0:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if n_prompt >= max_model_len:
+        raise ApiError(400, f"the prompt is {n_prompt} tokens; this model takes at most {max_model_len} "
+                       "(prompt and output together)", param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_model_len - n_prompt
+    elif n_prompt + max_tokens > max_model_len:
+        raise ApiError(400, f"this model takes at most {max_model_len} tokens, but {n_prompt + max_tokens} were "
+                       f"asked for ({n_prompt} in the prompt, max_tokens {max_tokens})", param="max_tokens",
+                       code="context_length_exceeded")
+    return SamplingParams(max_tokens=max_tokens, temperature=req.sampling_temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, stop=req.stop_list, seed=req.seed)
