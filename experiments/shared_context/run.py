@@ -1,12 +1,13 @@
 """Answers per second for many questions on one context: kvr-ask's path (the context prefilled once, the questions
 packed with virtual positions, the prefix read once per decode step) against transformers' generate one question
-at a time, and against one batched generate of the full prompts (left-padded). SmolLM2-135M-Instruct, the
-shipped text (2051 tokens in its chat turn) and the 16 shipped questions, 32 new tokens each, greedy, float32,
-one process on both cores (2 threads). Rounds run the three in turn (the order rotating), so drift hits all
-alike; every round's answers of the first two are compared token for token.
+at a time, against one batched generate of the full prompts (left-padded), and against a prefix-cached batch (the
+context prefilled once, its cache copied per question). SmolLM2-135M-Instruct, the shipped text (2051 tokens in its
+chat turn) and the first N of questions_64.txt (the 16 shipped questions, then 48 more), 32 new tokens each, greedy,
+float32, one process on both cores (2 threads). Rounds run the methods in turn (the order rotating), so drift hits
+all alike; every round's answers are compared token for token with kvr-ask's.
 
-Usage: python experiments/shared_context/run.py [--rounds 2] [--questions N] [--out experiments/shared_context]
-Resumable: a round already in rows.jsonl is not run again.
+Usage: python experiments/shared_context/run.py [--rounds 2] [--questions N] [--methods kvr-ask,...] [--out DIR]
+Resumable: a round already in DIR/rows.jsonl is not run again.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import argparse
 import json
 import statistics
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from kvrunahead.model.load import load_model
 from kvrunahead.prompt import question_prompts, shipped_text
@@ -52,6 +53,34 @@ def batched(model, context, questions, eos) -> list[list[int]]:
     return [_cut(row[ids.shape[1]:].tolist(), eos) for row in gen]
 
 
+def prefix_cached(model, context, questions, eos) -> list[list[int]]:
+    """The context prefilled once, its cache copied per question (``batch_repeat_interleave``), the questions
+    left-padded after it in one batched forward, then a batched greedy decode: a prefix-cached batch as a serving
+    stack without shared-prefix attention runs it."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    n, width, pad = len(questions), max(map(len, questions)), sorted(eos)[0]
+    cache.batch_repeat_interleave(n)
+    ids = torch.tensor([[pad] * (width - len(q)) + q for q in questions])
+    mask = torch.tensor([[1] * len(context) + [0] * (width - len(q)) + [1] * len(q) for q in questions])
+    positions = (mask[:, len(context):].cumsum(-1) - 1).clamp(min=0) + len(context)
+    out = [[] for _ in questions]
+    done = [False] * n
+    for _ in range(NEW_TOKENS):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        for row, t in enumerate(logits.argmax(-1).tolist()):
+            if not done[row]:
+                out[row].append(t)
+                done[row] = t in eos
+        if all(done):
+            break
+        ids = logits.argmax(-1, keepdim=True)
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        positions = positions[:, -1:] + 1
+    return out
+
+
 def _cut(tokens: list[int], eos: set[int]) -> list[int]:
     """Up to and including the first end-of-sequence token (generate pads finished rows after it)."""
     for i, t in enumerate(tokens):
@@ -60,7 +89,8 @@ def _cut(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-METHODS = {"kvr-ask": ours, "generate-one-at-a-time": one_at_a_time, "generate-batched": batched}
+METHODS = {"kvr-ask": ours, "generate-one-at-a-time": one_at_a_time, "generate-batched": batched,
+           "prefix-cached-batch": prefix_cached}
 
 
 def main() -> None:
@@ -68,21 +98,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
+    ap.add_argument("--methods", default="kvr-ask,generate-one-at-a-time,generate-batched",
+                    help=f"comma-separated, of {', '.join(METHODS)}")
     args = ap.parse_args()
+    names = args.methods.split(",")
+    if "kvr-ask" not in names or not set(names) <= set(METHODS):
+        ap.error(f"--methods: kvr-ask and any of {', '.join(METHODS)}")
     torch.set_num_threads(2)
     lm = load_model("smollm2-135m", torch.float32, torch.device("cpu"))
-    lines = resources.files("kvrunahead.data").joinpath("declaration_questions.txt").read_text().splitlines()
+    lines = (Path(__file__).parent / "questions_64.txt").read_text().splitlines()  # the 16 shipped ones first
     texts = [line for line in lines if line.strip()][: args.questions]
     context, questions = question_prompts(lm.tokenizer, shipped_text(), texts)
     env = environment("smollm2-135m", "local", 2, "none")
     rows_file = args.out / "rows.jsonl"
     rows = [json.loads(x) for x in rows_file.read_text().splitlines()] if rows_file.exists() else []
     done = {(r["round"], r["method"]) for r in rows if r["questions"] == len(questions)}
-    names = list(METHODS)
+    args.out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         for rnd in range(args.rounds):
             answers = {}
-            for name in names[rnd % 3:] + names[: rnd % 3]:
+            for name in names[rnd % len(names):] + names[: rnd % len(names)]:
                 if (rnd, name) in done:
                     continue
                 t0 = time.perf_counter()
