@@ -116,6 +116,52 @@ def test_packed_prefill_over_real_ranks_answers_each_prompt_as_alone(tmp_path):
     assert r["bytes_sent"][0][0] > 0  # rank 0 relayed its K,V to the front
 
 
+def _alone(model: str, prompt: list[int], prefix_cache_tokens: int, *before: list[int]):
+    """The tokens, first-token logits and figures of ``prompt`` on a fresh engine, after the prompts ``before``."""
+    engine = Engine(EngineConfig(run=RunConfig(model=model, threads=1), prefix_cache_tokens=prefix_cache_tokens),
+                    World(0, 1, 0, 1, "single"))
+    for i, ids in enumerate(before):
+        engine.run_one(Request(f"before{i}", ids, SamplingParams(max_tokens=3)))
+    events, figures = engine.run_one(Request("it", prompt, SamplingParams(max_tokens=10)))
+    return _tokens(events)["it"], engine.last_prefill_logits, figures
+
+
+def test_a_prompt_whose_start_is_cached_prefills_only_its_new_tokens_and_answers_as_whole():
+    base = list(range(3, 103))
+    prompt = base + [9, 11, 13, 15]
+    whole, whole_logits, whole_figures = _alone("tiny-llama", prompt, 0, base + [5, 6, 7])
+    tokens, logits, figures = _alone("tiny-llama", prompt, 4096, base + [5, 6, 7])
+    assert whole_figures.cached_tokens == 0 and figures.cached_tokens == len(base)
+    assert tokens == whole and float((logits - whole_logits).abs().max()) <= 1e-4
+    again, _, figures = _alone("tiny-llama", prompt, 4096, prompt)  # the same prompt again: all but its last token
+    assert figures.cached_tokens == len(prompt) - 1 and again == whole
+
+
+def test_the_prefix_cache_skips_short_matches_and_sliding_window_models():
+    short = list(range(3, 40)) + [1]  # 37 tokens in common: below the 64 worth looking up
+    assert _alone("tiny-llama", short, 4096, list(range(3, 40)) + [2])[2].cached_tokens == 0
+    prompt = list(range(3, 140))
+    assert _alone("tiny-gemma3", prompt + [1], 4096, prompt + [2])[2].cached_tokens == 0  # windows kept only
+
+
+def test_the_prefix_cache_holds_its_token_budget_least_recently_used_out():
+    from types import SimpleNamespace
+
+    from kvrunahead.serve.prefix_cache import PrefixCache
+
+    def fake(n: int):
+        return SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 1, n, 2), values=torch.zeros(1, 1, n, 2))])
+
+    cache = PrefixCache(max_tokens=250, min_match=64)
+    a, b, c = [1] * 100, [2] * 100, [3] * 100
+    cache.put(a, fake(100)), cache.put(b, fake(100))
+    assert cache.longest(a + [5])[0] == 100  # a is now the most recently used
+    cache.put(c, fake(100))  # over 250 tokens: b goes
+    assert cache.tokens == 200 and cache.longest(b + [5]) == (0, None) and cache.longest(c)[0] == 99
+    cache.put([4] * 300, fake(300))  # beyond the whole budget: not kept
+    assert cache.tokens == 200
+
+
 def test_cancel_frees_the_request_at_the_next_step(engine):
     engine.add(Request("c", PROMPTS[0], SamplingParams(max_tokens=100)))
     engine.step(), engine.step()

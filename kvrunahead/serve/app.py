@@ -63,7 +63,7 @@ def _figures(figures) -> p.KvrFigures | None:
         ttft_s=figures.ttft_s, queue_s=figures.queue_s, degree=figures.degree, degree_source=figures.degree_source,
         partition=p.Partition(boundaries=list(figures.boundaries), source=figures.partition_source),
         ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")})
-               for r in figures.ranks], packed_with=figures.packed_with)
+               for r in figures.ranks], packed_with=figures.packed_with, cached_tokens=figures.cached_tokens)
 
 
 def _usage(done: Finished) -> p.Usage:
@@ -155,7 +155,7 @@ class _Run:
         self.ended = True
         if done is None:
             self.client.cancel(self.rid)
-        ranks = done.figures.ranks if done is not None and done.figures is not None else []
+        figures = done.figures if done is not None else None
         outcome = "cancelled" if done is None else "invalid" if done.bad_input else done.finish_reason
         self.metrics.finished(
             outcome,
@@ -163,8 +163,8 @@ class _Run:
             e2e_s=time.monotonic() - self.arrival_s,
             prompt_tokens=done.prompt_tokens if done is not None else 0,
             completion_tokens=done.completion_tokens if done is not None else 0,
-            rank_bytes={r["rank"]: r["bytes_sent"] for r in ranks},
-            packed_with=done.figures.packed_with if done is not None and done.figures is not None else 1)
+            rank_bytes={r["rank"]: r["bytes_sent"] for r in figures.ranks} if figures else {},
+            packed_with=figures.packed_with if figures else 1, cached_tokens=figures.cached_tokens if figures else 0)
 
 
 async def _pull(events: AsyncIterator):

@@ -46,8 +46,9 @@ def _check(options: dict, world_size: int) -> None:
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
-    if options["pack_tokens"] < 0:
-        raise InputError(f"--pack-tokens must be 0 (no packing) or more, got {options['pack_tokens']}")
+    for name in ("pack_tokens", "prefix_cache_tokens"):
+        if options[name] < 0:
+            raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
     check_device(options["device"])
     try:
         parse_degree(options["degree"], world_size)
@@ -66,7 +67,8 @@ def _engine_config(options: dict):
                     threads=options["threads"], timeout_s=options["timeout_s"], net=options["net"],
                     seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None)
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
-                        degree=options["degree"], pack_tokens=options["pack_tokens"])
+                        degree=options["degree"], pack_tokens=options["pack_tokens"],
+                        prefix_cache_tokens=options["prefix_cache_tokens"])
 
 
 def _announce(url: str, model_id: str, world_size: int):
@@ -146,6 +148,10 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Prompts waiting together are prefilled as one packed sequence (each seeing only itself; "
                    "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "
                    "and /metrics' kvr_packed_requests show it.")
+@click.option("--prefix-cache-tokens", type=int, default=32768, show_default=True,
+              help="Prompts' K,V kept (this many tokens in all, least recently used out) so that a prompt starting "
+                   "with one of them (64 tokens or more) prefills only its new tokens, on the front; 0: off. "
+                   "Full-attention models within their trained positions; kvrunahead.cached_tokens shows it.")
 @click.option("--max-model-len", type=int, default=None,
               help="Most tokens per request, prompt and output together. Default: the longest context the model "
                    "takes, its trained positions times 4 where its rotary embedding can be extended by YaRN. Each "

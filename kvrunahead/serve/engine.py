@@ -32,15 +32,16 @@ from kvrunahead.policy import (
     resolve_device,
     resolve_dtype,
 )
-from kvrunahead.questions import answer, require_full_attention
+from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext, Shutdown
+from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.sampling import Sampler
-from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work
+from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work, taken
 from kvrunahead.serve.sequence import (
     Answered,
     AskFigures,
@@ -65,6 +66,7 @@ class EngineConfig:
     degree: str = "auto"  # auto, 1, or the world size
     heartbeat_s: float = 1.0
     pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
+    prefix_cache_tokens: int = 32768  # prompts' K,V kept for later prompts that start the same way; 0: none
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
@@ -107,6 +109,7 @@ class Engine:
                         "interface): prompts are prefilled one at a time", cfg.model)
         self.scheduler = Scheduler(config.max_queue, config.pack_tokens if packable else 0)
         self._work = prompt_work(model_config)
+        self.prefixes = PrefixCache(config.prefix_cache_tokens)
         self.decoder = VariantDecoders(self._decoder_for)
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.samplers: dict[str, Sampler] = {}
@@ -195,7 +198,7 @@ class Engine:
         except InputError as e:  # this request's own problem, found before any other rank took part
             if isinstance(work, AskWork):
                 return events + [Answered(work.ask.request_id, [], error=str(e), bad_input=True)]
-            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in _seqs(work)]
+            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in taken(work)]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, work)
         return events + self._postprocess(work, outcome)
@@ -212,21 +215,38 @@ class Engine:
             return self._ask(work.ask)
         seq = work.seq
         seq.prefill_start_s = time.monotonic()
-        ids = seq.request.prompt_ids
+        outcome, (degree, boundaries, source, degree_source, cached) = self._prefill_one(
+            seq.request_id, seq.request.prompt_ids, seq.rope)
+        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, degree, list(boundaries),
+                                     source, degree_source, cached_tokens=cached)
+        return outcome
+
+    def _prefill_one(self, request_id: str, ids: list[int], rope) -> tuple[PrefillOutcome, tuple]:
+        """One prompt's prefill: its new tokens only where the prefix cache holds its start (on the front), else on
+        one rank or over the chain as the degree policy says. Returns the outcome and (degree, boundaries, where the
+        partition comes from, why that degree, tokens taken from the prefix cache)."""
+        cached, entry = self.prefixes.longest(ids) if self._prefix_cacheable(rope) else (0, None)
+        if entry is not None:
+            cache = self.prefixes.cache_of(entry, cached, self.model_config)
+            return (executor.suffix_prefill(self.ctx, cache, ids, cached),
+                    (1, (0, len(ids)), f"prefix cache: {cached} of {len(ids)} tokens cached", "prefix cache", cached))
         choice = self.degrees.choose(len(ids))
         if choice.degree == 1:
             boundaries, source = (0, len(ids)), "one rank"
-            outcome = executor.single_prefill(self.ctx, ids, seq.rope)
+            outcome = executor.single_prefill(self.ctx, ids, rope)
         else:
             partition, source = self._partition(len(ids))
             boundaries = partition.boundaries
-            plan = PrefillPlan(seq.request_id, ids, boundaries, self.attention, seq.rope)
+            plan = PrefillPlan(request_id, ids, boundaries, self.attention, rope)
             executor.send_plan(self.ctx, plan)
             self.heartbeat.sent()
             outcome = executor.chain_prefill(self.ctx, plan)
-        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, choice.degree,
-                                     list(boundaries), source, choice.source)
-        return outcome
+        return outcome, (choice.degree, boundaries, source, choice.source, 0)
+
+    def _prefix_cacheable(self, rope) -> bool:
+        """Full-attention models' prompts within the trained positions (a sliding layer's cache keeps its window
+        only, and a YaRN-extended prompt runs on another model variant)."""
+        return rope is None and not self.ctx.layout.windows
 
     def _packed(self, seqs: list) -> list[PrefillOutcome]:
         """One packed prefill of several waiting prompts: over the chain, cut by the packed work at prompt edges, or
@@ -255,29 +275,14 @@ class Engine:
         """The context prefilled once (over the chain where the degree policy says so), then every question packed
         after it and decoded with the context read once per step, on the front (kvrunahead/questions.py)."""
         start = time.monotonic()
-        ids = ask.context_ids
-        choice = self.degrees.choose(len(ids))
-        if choice.degree == 1:
-            boundaries = (0, len(ids))
-            outcome = executor.single_prefill(self.ctx, ids)
-        else:
-            boundaries = self._partition(len(ids))[0].boundaries
-            plan = PrefillPlan(ask.request_id, ids, boundaries, self.attention)
-            executor.send_plan(self.ctx, plan)
-            self.heartbeat.sent()
-            outcome = executor.chain_prefill(self.ctx, plan)
+        outcome, (degree, boundaries, *_) = self._prefill_one(ask.request_id, ask.context_ids, None)
+        self.prefixes.put(ask.context_ids, outcome.cache)
         context_s = time.monotonic() - start
         self.heartbeat.maybe_ping()
-        self.ctx.use_threads(solo=True)
-        prefixes = [torch.stack((layer.keys, layer.values)) for layer in outcome.cache.layers]
-        first: list[float] = []
-        t0 = time.monotonic()
-        answers = answer(self.ctx.lm.model, prefixes, ask.question_ids, ask.max_tokens, self.ctx.lm.eos_token_ids,
-                         on_first_tokens=lambda: first.append(time.monotonic()))
-        end = time.monotonic()
-        figures = AskFigures(start - ask.arrival_s, context_s, first[0] - t0, end - first[0], choice.degree,
-                             list(boundaries))
-        return Answered(ask.request_id, [a.tokens for a in answers], figures)
+        answers, questions_s, decode_s = executor.answer_on_front(self.ctx, outcome.cache, ask.question_ids,
+                                                                  ask.max_tokens)
+        figures = AskFigures(start - ask.arrival_s, context_s, questions_s, decode_s, degree, list(boundaries))
+        return Answered(ask.request_id, answers, figures)
 
     def _partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
@@ -312,6 +317,8 @@ class Engine:
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
+        if self._prefix_cacheable(seq.rope):
+            self.prefixes.put(seq.request.prompt_ids, outcome.cache)
         self.decoder.add(seq.request_id, outcome.cache, seq.rope)
         with self._lock:
             self.scheduler.start_decoding(seq)
@@ -358,7 +365,7 @@ class Engine:
         with self._lock:
             seqs = self.scheduler.drain_all()
             asks = self.scheduler.drain_asks()
-        seqs += [seq for seq in _seqs(work) if seq not in seqs]
+        seqs += [seq for seq in taken(work) if seq not in seqs]
         asks += [work.ask] if isinstance(work, AskWork) else []
         return ([self._finish(seq, "error", self.error) for seq in seqs]
                 + [Answered(ask.request_id, [], error=self.error) for ask in asks])
@@ -391,9 +398,3 @@ class Engine:
         self.healthy = False
         self.error = self.error or "shut down"
 
-
-def _seqs(work: Work | None) -> list[Sequence]:
-    """The sequences a prefill took out of the queue (a failed decode's are still in the scheduler's lists)."""
-    if isinstance(work, PrefillWork):
-        return [work.seq]
-    return list(work.seqs) if isinstance(work, PackedPrefillWork) else []

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
@@ -37,6 +38,7 @@ from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
 from kvrunahead.partition import Partition
+from kvrunahead.questions import answer
 from kvrunahead.runner import RankStats, rank_stats, timed_prefill
 from kvrunahead.transport import Transport
 
@@ -184,9 +186,25 @@ def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None 
     t0 = time.perf_counter()
     logits, cache = mode.prefill(step, None)
     total_s = time.perf_counter() - t0
-    stats = RankStats(rank=ctx.rank, tokens=len(ids), total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
-                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
-    return PrefillOutcome(logits, cache, [stats])
+    return PrefillOutcome(logits, cache, [_solo_stats(ctx, len(ids), total_s)])
+
+
+def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
+    """The figures of a prefill the front ran alone: all compute, nothing sent or waited for."""
+    return RankStats(rank=ctx.rank, tokens=tokens, total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
+                     bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
+
+
+@torch.no_grad()
+def suffix_prefill(ctx: RankContext, cache: DynamicCache, ids: list[int], cached: int) -> PrefillOutcome:
+    """The prompt's tokens after the ``cached`` ones that ``cache`` already holds, on the front alone."""
+    ctx.use_threads(solo=True)
+    model = ctx.lm.model
+    new = torch.tensor([ids[cached:]], device=ctx.device)
+    positions = torch.arange(cached, len(ids), device=ctx.device).unsqueeze(0)
+    t0 = time.perf_counter()
+    logits = last_token_logits(model, new, position_ids=positions, past_key_values=cache)
+    return PrefillOutcome(logits, cache, [_solo_stats(ctx, len(ids) - cached, time.perf_counter() - t0)])
 
 
 def packed_chain_prefill(ctx: RankContext, plan: PackedPlan) -> list[PrefillOutcome] | None:
@@ -225,10 +243,21 @@ def packed_front_prefill(ctx: RankContext, prompts: list[list[int]]) -> list[Pre
     out = packed_prefill(lm.model, step, [t for x in prompts for t in x], PackedLink(ctx.transport, 0, layout,
                                                                                        ctx.device), 0,
                          every_cache=True)
-    total_s = time.perf_counter() - t0
-    stats = RankStats(rank=ctx.rank, tokens=step.total, total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
-                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
+    stats = _solo_stats(ctx, step.total, time.perf_counter() - t0)
     return [PrefillOutcome(out.logits[k], out.caches[k], [stats]) for k in range(len(prompts))]
+
+
+def answer_on_front(ctx: RankContext, cache: DynamicCache, questions: list[list[int]],
+                    max_tokens: int) -> tuple[list[list[int]], float, float]:
+    """Questions after a context whose whole cache the front holds (kvrunahead/questions.py): each one's tokens,
+    the seconds to every first token and the decode's seconds."""
+    ctx.use_threads(solo=True)
+    prefixes = [torch.stack((layer.keys, layer.values)) for layer in cache.layers]
+    first: list[float] = []
+    t0 = time.monotonic()
+    answers = answer(ctx.lm.model, prefixes, questions, max_tokens, ctx.lm.eos_token_ids,
+                     on_first_tokens=lambda: first.append(time.monotonic()))
+    return [a.tokens for a in answers], first[0] - t0, time.monotonic() - first[0]
 
 
 def worker_loop(ctx: RankContext) -> None:

@@ -44,6 +44,8 @@ class Metrics:
                               "(Prepacking).", registry=r)
         self.pack_size = Histogram("kvr_packed_with", "Prompts in the packed prefill of each request (1: alone).",
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.cached_tokens = Counter("kvr_prefix_cached_tokens", "Prompt tokens taken from the prefix cache instead of "
+                                     "prefilled.", registry=r)
         self.ask_questions = Counter("kvr_ask_questions", "Questions answered by shared-context requests (/v1/ask).",
                                      registry=r)
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
@@ -58,7 +60,8 @@ class Metrics:
         self.requests.labels(outcome=outcome).inc()
 
     def finished(self, outcome: str, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
-                 completion_tokens: int, rank_bytes: dict[int, int], packed_with: int = 1) -> None:
+                 completion_tokens: int, rank_bytes: dict[int, int], packed_with: int = 1,
+                 cached_tokens: int = 0) -> None:
         """One request that was admitted, however it ended."""
         self.requests.labels(outcome=outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
@@ -66,6 +69,7 @@ class Metrics:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             self.pack_size.observe(packed_with)
+            self.cached_tokens.inc(cached_tokens)
             if packed_with > 1:
                 self.packed.inc()
             if completion_tokens > 1:

@@ -164,6 +164,7 @@ class KvrFigures(BaseModel):
     partition: Partition
     ranks: list[RankFigures]
     packed_with: int = 1  # prompts prefilled in one packed sequence with this one (itself included)
+    cached_tokens: int = 0  # the prompt's first tokens found in the prefix cache (only the rest was prefilled)
 
 
 class CompletionChoice(BaseModel):

@@ -41,6 +41,13 @@ class AskWork:
 Work = PrefillWork | PackedPrefillWork | DecodeWork | AskWork
 
 
+def taken(work: Work | None) -> list[Sequence]:
+    """The sequences a prefill took out of the queue (a decode's are still in the scheduler's lists)."""
+    if isinstance(work, PrefillWork):
+        return [work.seq]
+    return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
+
+
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0) -> None:
         self.max_queue = max_queue

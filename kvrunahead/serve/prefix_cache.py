@@ -1,0 +1,74 @@
+"""Prompts' K,V kept after their prefill, so that a later prompt that starts the same way (a system prompt, a
+document asked about again) prefills only its new tokens.
+
+The entries hold the prefill's own tensors, not copies: the cache a request decodes into grows by concatenation,
+never in place, so the prompt's K,V stay as they were. Bounded by tokens held, least recently used first out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+MIN_MATCH = 64  # a shorter common prefix saves less than looking it up and copying it costs
+
+
+@dataclass
+class CachedPrompt:
+    ids: tuple[int, ...]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of the prompt, [1, heads, tokens, head_dim]
+
+
+class PrefixCache:
+    def __init__(self, max_tokens: int, min_match: int = MIN_MATCH) -> None:
+        self.max_tokens, self.min_match = max_tokens, min_match
+        self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
+        self.tokens = 0
+
+    def put(self, ids: list[int], cache: DynamicCache) -> None:
+        """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``)."""
+        key = tuple(ids)
+        if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
+            return
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        n = len(key)
+        self.entries[key] = CachedPrompt(key, [(layer.keys[:, :, :n], layer.values[:, :, :n])
+                                               for layer in cache.layers])
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            _, old = self.entries.popitem(last=False)
+            self.tokens -= len(old.ids)
+
+    def longest(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
+        """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
+        short of the whole prompt by one token at least: its last token's logits are still to compute)."""
+        best, found = 0, None
+        for entry in self.entries.values():
+            n = _common(entry.ids, ids)
+            if n > best:
+                best, found = n, entry
+        best = min(best, len(ids) - 1)
+        if best < self.min_match:
+            return 0, None
+        self.entries.move_to_end(found.ids)
+        return best, found
+
+    def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:
+        """A request's own cache holding the first ``tokens`` positions of ``entry`` (a copy it may grow)."""
+        cache = DynamicCache(config=config)
+        for layer, (k, v) in zip(cache.layers, entry.kv):
+            layer.update(k[:, :, :tokens], v[:, :, :tokens])
+        return cache
+
+
+def _common(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
