@@ -49,7 +49,7 @@ def test_the_text_report_lists_every_prompt_and_the_verdict(files):
     (["--prompts", "prompts.jsonl", "--mode", "tsp"], "not tsp"),
     (["--prompts", "prompts.jsonl", "--partition", "even"], "--partition and --table do not apply"),
     (["--batching", "padded"], "give --prompts"),
-    (["--prompts", "prompts.jsonl", "--model", "tiny-gemma2"], "soft-caps"),
+    (["--prompts", "prompts.jsonl", "--model", "tiny-falcon"], "AttentionInterface"),
 ])
 def test_bad_batches_are_one_line_and_exit_2(files, args, message):
     (files / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
