@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.model.attention import attention_mode, current_state, register, require_attention_interface
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import refuse_softcap
-from kvrunahead.modes.kvr import ChainLink, split_block
-from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
+from kvrunahead.modes.kvr import ChainLink, RunaheadLayer, split_block
+from kvrunahead.net.faults import fault_from_env
 from kvrunahead.pack.plan import PackedStep
 
 
@@ -56,32 +55,14 @@ def packed_link(step: PackedStep, rank: int, transport, layout: KVLayout, device
     return PackedLink(transport, step.handed_on(start), layout, device, send_tokens=step.handed_on(end))
 
 
-class PackedLayer(DynamicLayer):
-    """A cache layer whose one update is the chain exchange; it keeps everything it saw (the cut prompt's received
-    part and the whole part), from which each prompt's own cache is cut afterwards."""
-
-    def __init__(self, layer_idx: int, link: PackedLink, fault: Fault | None) -> None:
-        super().__init__()
-        self.layer_idx, self.link, self.fault = layer_idx, link, fault
-
-    def get_seq_length(self) -> int:
-        return self.link.prefix_len if not self.is_initialized else super().get_seq_length()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized:
-            raise RuntimeError("a packed step's cache takes one update per layer; decode runs on each prompt's cache")
-        maybe_inject(self.fault, self.link.rank, self.layer_idx)
-        self.dtype, self.device = key_states.dtype, key_states.device
-        kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
-        self.keys, self.values = kv[0], kv[1]
-        self.is_initialized = True
-        return self.keys, self.values
-
-
 class PackedCache(DynamicCache):
+    """The cache of a rank's part of a packed step: every layer, sliding ones included, keeps all it saw in the
+    exchange (the cut prompt's received part and the whole part), from which each prompt's own cache is cut."""
+
     def __init__(self, link: PackedLink) -> None:
         fault = fault_from_env()
-        super(DynamicCache, self).__init__(layers=[PackedLayer(i, link, fault) for i in range(link.layout.num_layers)])
+        layers = [RunaheadLayer(i, link, fault) for i in range(link.layout.num_layers)]
+        super(DynamicCache, self).__init__(layers=layers)
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,7 @@ class AsyncEngineClient:
         """The request's events up to its Finished. The first ``__anext__`` raises QueueFull, EngineDead (dead or
         draining) or ValueError (bad parameters, prompt too long) before anything is queued. Closing the generator
         early (a client gone) cancels the request."""
-        if self.draining:
-            raise EngineDead("the server is draining")
-        if not self.healthy:
-            raise EngineDead(f"the engine has failed: {self.engine.error or self._loop_error}")
+        self._check_open()
         request = Request(request_id or new_request_id(), list(prompt_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = (asyncio.get_running_loop(), queue)
@@ -91,10 +88,7 @@ class AsyncEngineClient:
                   request_id: str | None = None) -> Answered:
         """Many questions on one context, answered together; raises like ``generate`` before anything is queued.
         Cancelled when the caller stops waiting."""
-        if self.draining:
-            raise EngineDead("the server is draining")
-        if not self.healthy:
-            raise EngineDead(f"the engine has failed: {self.engine.error or self._loop_error}")
+        self._check_open()
         ask = AskRequest(request_id or new_request_id(), list(context_ids), [list(q) for q in question_ids],
                          max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
@@ -109,6 +103,12 @@ class AsyncEngineClient:
             self._queues.pop(ask.request_id, None)
             if answered is None:
                 self.cancel(ask.request_id)
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise EngineDead("the server is draining")
+        if not self.healthy:
+            raise EngineDead(f"the engine has failed: {self.engine.error or self._loop_error}")
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
