@@ -98,12 +98,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
+    ap.add_argument("--summary", action="store_true", help="only the summaries and the plot of the rows there are")
     ap.add_argument("--methods", default="kvr-ask,generate-one-at-a-time,generate-batched",
                     help=f"comma-separated, of {', '.join(METHODS)}")
     args = ap.parse_args()
     names = args.methods.split(",")
     if "kvr-ask" not in names or not set(names) <= set(METHODS):
         ap.error(f"--methods: kvr-ask and any of {', '.join(METHODS)}")
+    if args.summary:
+        rows_file = args.out / "rows.jsonl"
+        for n in sorted({json.loads(x)["questions"] for x in rows_file.read_text().splitlines()}):
+            summary(rows_file, n)
+        plot(rows_file)
+        return
     torch.set_num_threads(2)
     lm = load_model("smollm2-135m", torch.float32, torch.device("cpu"))
     lines = (Path(__file__).parent / "questions_64.txt").read_text().splitlines()  # the 16 shipped ones first
@@ -130,6 +137,7 @@ def main() -> None:
                 with rows_file.open("a") as f:
                     f.write(json.dumps(row) + "\n")
     summary(rows_file, len(questions))
+    plot(rows_file)
 
 
 def summary(rows_file: Path, n: int) -> None:
@@ -153,6 +161,33 @@ def summary(rows_file: Path, n: int) -> None:
                      f"{statistics.median(ups):.2f}x | {', '.join(f'{s}/{n}' for s in same)} |")
     (rows_file.parent / f"summary_{n}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def plot(rows_file: Path) -> None:
+    """kvr-ask's speed-up over each method against the number of questions (medians of per-round ratios)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in rows_file.read_text().splitlines()]
+    by = {(r["questions"], r["round"], r["method"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name in METHODS:
+        points = []
+        for n in sorted({r["questions"] for r in rows}):
+            ups = [by[(n, rnd, "kvr-ask")]["answers_per_s"] / r["answers_per_s"]
+                   for (q, rnd, m), r in by.items() if q == n and m == name and (n, rnd, "kvr-ask") in by]
+            if ups and name != "kvr-ask":
+                points.append((n, statistics.median(ups)))
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"over {name}")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xlabel("questions on one context")
+    ax.set_ylabel("kvr-ask's answers/s ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(rows_file.parent / "speedup.png", dpi=120)
 
 
 if __name__ == "__main__":
