@@ -9,17 +9,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from kvrunahead.launcher import World
-from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes import MODES, Step
 from kvrunahead.policy import RunConfig, default_threads, prepare, resolve_device, resolve_dtype
 from kvrunahead.questions import answer, context_prefixes, require_full_attention
-from kvrunahead.runner import cached_transport, default_atol, loaded_model, timed_prefill
+from kvrunahead.runner import cached_transport, check_alone, loaded_model, timed_prefill
 
 
 @dataclass(frozen=True)
@@ -108,19 +106,12 @@ def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False
     return result
 
 
-@torch.no_grad()
 def _verify(lm, job: AskJob, answers, result: AskResult, dtype: torch.dtype) -> None:
     """Each question's standalone prompt, context + question, prefilled and decoded on its own."""
-    device = next(lm.model.parameters()).device
     atols = []
     for question, got, row in zip(job.questions, answers, result.answers):
-        ids = job.context_ids + question
-        cache = DynamicCache(config=lm.model.config)
-        logits = last_token_logits(lm.model, torch.tensor([ids], device=device), past_key_values=cache)
-        reference = greedy_decode(lm.model, int(logits.argmax()), cache, len(ids), job.max_new_tokens,
-                                  lm.eos_token_ids)
-        atols.append(default_atol(dtype, logits))
-        row.first_logit_diff = float((logits.float().cpu() - got.first_logits).abs().max())
-        row.matches = reference == got.tokens and row.first_logit_diff <= atols[-1]
-        row.reference_text = None if reference == got.tokens else lm.decode(reference)
+        check = check_alone(lm, job.context_ids + question, got.tokens, got.first_logits, dtype, job.max_new_tokens)
+        row.first_logit_diff, row.matches = check.first_logit_diff, check.matches
+        row.reference_text = check.reference_text
+        atols.append(check.atol)
     result.atol = max(atols)

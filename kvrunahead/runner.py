@@ -317,6 +317,30 @@ def default_atol(dtype: torch.dtype, reference_logits: torch.Tensor) -> float:
     return ATOL_ULPS * torch.finfo(dtype).eps * scale
 
 
+@dataclass
+class AloneCheck:
+    """One prompt's tokens and first-token logits from a chained, packed or shared-context run, against the same
+    prompt prefilled and greedily decoded alone in one process."""
+
+    first_logit_diff: float
+    atol: float
+    matches: bool  # the greedy tokens equal and the first-token logits within ``atol``
+    reference_text: str | None  # what the prompt alone gives, where the tokens differ
+
+
+@torch.no_grad()
+def check_alone(lm: LoadedModel, ids: list[int], tokens: list[int], first_logits: torch.Tensor, dtype: torch.dtype,
+                max_new_tokens: int) -> AloneCheck:
+    device = next(lm.model.parameters()).device
+    cache = DynamicCache(config=lm.model.config)
+    logits = last_token_logits(lm.model, torch.tensor([ids], device=device), past_key_values=cache)
+    reference = greedy_decode(lm.model, int(logits.argmax()), cache, len(ids), max_new_tokens, lm.eos_token_ids)
+    atol = default_atol(dtype, logits)
+    diff = float((logits.float().cpu() - first_logits).abs().max())
+    return AloneCheck(diff, atol, reference == tokens and diff <= atol,
+                      None if reference == tokens else lm.decode(reference))
+
+
 @torch.no_grad()
 def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, dtype: torch.dtype, threads: int,
            all_threads: int) -> Verification:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.attention import uses_attention_interface
-from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.forward import greedy_decode
 from kvrunahead.model.layout import probe_kv_layout, soft_caps
 from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.rope import plan_extension
@@ -25,7 +25,7 @@ from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
 from kvrunahead.policy import RunConfig, check_device, default_threads, resolve_device, resolve_dtype
 from kvrunahead.prompt import chat_prompt
-from kvrunahead.runner import cached_transport, default_atol, leave_world, loaded_model, peak_memory_bytes
+from kvrunahead.runner import cached_transport, check_alone, leave_world, loaded_model, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")
@@ -247,20 +247,12 @@ def _padded(lm, prompts: list[list[int]], max_new_tokens: int) -> list[PromptRes
     return out
 
 
-@torch.no_grad()
 def _verify(lm, prompts: list[list[int]], results: list[PromptResult], dtype: torch.dtype,
             max_new_tokens: int) -> float:
     """Each prompt this rank emitted, prefilled and decoded alone in one process; returns the largest tolerance."""
-    model = lm.model
-    device = next(model.parameters()).device
     atols = [0.0]
     for r in results:
-        ids = prompts[r.index]
-        cache = DynamicCache(config=model.config)
-        logits = last_token_logits(model, torch.tensor([ids], device=device), past_key_values=cache)
-        reference = greedy_decode(model, int(logits.argmax()), cache, len(ids), max_new_tokens, lm.eos_token_ids)
-        atols.append(default_atol(dtype, logits))
-        r.first_logit_diff = float((logits.float().cpu() - r.first_logits).abs().max())
-        r.matches = reference == r.tokens and r.first_logit_diff <= atols[-1]
-        r.reference_text = None if reference == r.tokens else lm.decode(reference)
+        check = check_alone(lm, prompts[r.index], r.tokens, r.first_logits, dtype, max_new_tokens)
+        r.first_logit_diff, r.matches, r.reference_text = check.first_logit_diff, check.matches, check.reference_text
+        atols.append(check.atol)
     return max(atols)
