@@ -100,6 +100,17 @@ def prompt_work(config) -> Callable[[int], float]:
     return lambda t: cost.rank_flops(0, t, "split")
 
 
+def why_not_packable(config) -> str | None:
+    """Why the packed attention cannot run this model, or None: it inserts its own attention through transformers'
+    interface and does not soft-cap the logits."""
+    if soft_caps(config):
+        return "it soft-caps its attention logits, which the packed attention does not do"
+    if not uses_attention_interface(config):
+        return "it computes attention itself, not through transformers' AttentionInterface, which the packed " \
+               "attention needs"
+    return None
+
+
 def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
     """One line (InputError) for a batch that cannot run as asked, before any rank starts."""
     if batching not in BATCHINGS:
@@ -113,12 +124,9 @@ def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
                          "not apply to --prompts")
     check_device(cfg.device)
     config = resolve_config(cfg.model)
-    if batching != "padded" and soft_caps(config):
-        raise InputError(f"{cfg.model} soft-caps its attention logits, which the packed attention does not do; "
-                         "use --batching padded")
-    if batching != "padded" and not uses_attention_interface(config):
-        raise InputError(f"{cfg.model} computes attention itself, not through transformers' AttentionInterface, "
-                         "which the packed attention needs; use --batching padded")
+    why = why_not_packable(config) if batching != "padded" else None
+    if why:
+        raise InputError(f"{cfg.model}: {why}; use --batching padded")
 
 
 def tokenize_prompts(cfg: RunConfig, texts: list[str]) -> list[list[int]]:

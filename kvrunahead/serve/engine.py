@@ -16,12 +16,11 @@ import torch
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
-from kvrunahead.model.attention import uses_attention_interface
-from kvrunahead.model.layout import probe_kv_layout, soft_caps
+from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
-from kvrunahead.pack.batch import prompt_work
+from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.pack.plan import packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.policy import (
@@ -103,11 +102,10 @@ class Engine:
                                     threads, config.degree, solo, lambda n: self._partition(n)[0].boundaries)
         self.model_config = model_config
         self.threads = threads
-        packable = not soft_caps(model_config) and uses_attention_interface(model_config)
-        if config.pack_tokens and not packable:
-            log.warning("%s cannot run the packed attention (soft-capped logits, or attention outside transformers' "
-                        "interface): prompts are prefilled one at a time", cfg.model)
-        self.scheduler = Scheduler(config.max_queue, config.pack_tokens if packable else 0)
+        why = why_not_packable(model_config)
+        if config.pack_tokens and why:
+            log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
+        self.scheduler = Scheduler(config.max_queue, 0 if why else config.pack_tokens)
         self._work = prompt_work(model_config)
         self.prefixes = PrefixCache(config.prefix_cache_tokens)
         self.decoder = VariantDecoders(self._decoder_for)
@@ -397,4 +395,3 @@ class Engine:
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False
         self.error = self.error or "shut down"
-

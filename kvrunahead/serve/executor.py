@@ -239,10 +239,9 @@ def packed_front_prefill(ctx: RankContext, prompts: list[list[int]]) -> list[Pre
     ctx.use_threads(solo=True)
     lm, layout = ctx.model(None)
     step = PackedStep(tuple(range(len(prompts))), tuple(map(len, prompts)), (0, sum(map(len, prompts))))
+    link = PackedLink(ctx.transport, 0, layout, ctx.device)  # a chain of one: nothing to receive or send
     t0 = time.perf_counter()
-    out = packed_prefill(lm.model, step, [t for x in prompts for t in x], PackedLink(ctx.transport, 0, layout,
-                                                                                       ctx.device), 0,
-                         every_cache=True)
+    out = packed_prefill(lm.model, step, [t for x in prompts for t in x], link, 0, every_cache=True)
     stats = _solo_stats(ctx, step.total, time.perf_counter() - t0)
     return [PrefillOutcome(out.logits[k], out.caches[k], [stats]) for k in range(len(prompts))]
 

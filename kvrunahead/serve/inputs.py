@@ -18,7 +18,6 @@ class ApiError(Exception):
         self.headers, self.outcome = headers, outcome
 
 
-
 def token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
