@@ -11,4 +11,7 @@ ALLGATHERS = ("auto", "native", "p2p")
 # model's SDPA under the offset causal mask, the paper's); auto picks split where the model allows it.
 KVR_ATTENTIONS = ("auto", "masked", "split")
 DTYPES = ("float32", "bfloat16", "float16")
+# Where the tokens after the first are decoded: on the last rank with the whole cache gathered there (the chain
+# leaves it there), or KV-cache parallel (kvrunahead/kvp.py: each rank keeps its part, attention merged per layer).
+DECODES = ("gathered", "kvp")
 DEVICES = ("auto", "cpu", "cuda")

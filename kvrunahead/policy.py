@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from kvrunahead.choices import ALLGATHERS, KVR_ATTENTIONS, TRANSPORTS
+from kvrunahead.choices import ALLGATHERS, DECODES, KVR_ATTENTIONS, TRANSPORTS
 from kvrunahead.errors import InputError, ProfileError
+from kvrunahead.kvp import check_kvp
 from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.layout import layer_windows, soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
@@ -46,6 +47,7 @@ class RunConfig:
     device: str = "auto"
     threads: int | None = None
     max_new_tokens: int = 1
+    decode: str = "gathered"  # or kvp: the K,V stay on the ranks that made them (kvrunahead/kvp.py)
     verify: bool = False
     atol: float | None = None
     timeout_s: float = 60.0
@@ -204,6 +206,11 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
     if cfg.allgather not in ALLGATHERS:
         raise InputError(f"unknown all-gather {cfg.allgather!r}: use one of {', '.join(ALLGATHERS)}")
     network_spec(cfg)
+    if cfg.decode not in DECODES:
+        raise InputError(f"unknown decode {cfg.decode!r}: use one of {', '.join(DECODES)}")
+    if cfg.decode == "kvp" and cfg.mode != "kvr":
+        raise InputError(f"--decode kvp decodes on the K,V that kvr leaves on each rank; mode {cfg.mode!r} does "
+                         "not leave them there")
     if cfg.threads is not None and cfg.threads < 1:
         raise InputError(f"--threads must be at least 1, got {cfg.threads}")
     if cfg.prompt_text is not None and not cfg.prompt_text.strip():
@@ -214,6 +221,11 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
         attention, why = resolve_attention(cfg, config) if cfg.mode.startswith("kvr") else ("masked", "")
         check_model(cfg.mode, config, attention)
+        if cfg.decode == "kvp":
+            try:
+                check_kvp(config)
+            except NotImplementedError as e:
+                raise InputError(f"--decode kvp cannot run {cfg.model}: {e}") from None
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from kvrunahead import launcher
 from kvrunahead.errors import InputError
+from kvrunahead.kvp import kvp_decode, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
@@ -96,6 +97,7 @@ class RunResult:
     first_token_text: str
     generated_tokens: list[int]
     generated_text: str
+    decode: str = "gathered"  # or kvp: every rank decoded on its own part of the cache
     verification: Verification | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -171,10 +173,17 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
     stats = rank_stats(rank, ranges[rank], total_s, transport, state, device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
+    new_tokens = cfg.max_new_tokens if mode.decodes else 1
+    if cfg.decode == "kvp":  # every rank decodes on its own part of the cache
+        part = (partition.boundaries[rank], partition.boundaries[rank + 1])
+        shards = shard_cache(cache, layout, part, len(ids), owner=emits)
+        del cache
+        tokens = kvp_decode(lm.model, shards, transport, first_token if emits else None, new_tokens,
+                            lm.eos_token_ids)
     if not emits:
         return None
-    new_tokens = cfg.max_new_tokens if mode.decodes else 1
-    tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
+    if cfg.decode != "kvp":
+        tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens)
 
@@ -226,6 +235,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         first_token_text=lm.decode(tokens[:1]),
         generated_tokens=tokens,
         generated_text=lm.decode(tokens),
+        decode=cfg.decode,
         logits=logits.float().cpu(),
     )
     if cfg.verify:

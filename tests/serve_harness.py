@@ -4,7 +4,8 @@ writes what the front saw to JSON.
 Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
 Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
 client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
-"packed" (prompts one at a time, then queued together into one packed prefill).
+"packed" (prompts one at a time, then queued together into one packed prefill), "cached" (a prompt, then one
+that starts the same way and whose new tokens run over the chain after the cached prefix).
 """
 
 import asyncio
@@ -14,6 +15,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from kvrunahead.launcher import init_world, leave_world
 from kvrunahead.policy import RunConfig, prepare
@@ -99,6 +102,30 @@ def packed(scenario: dict, world, out: dict) -> None:
     out["bytes_sent"] = [[r["bytes_sent"] for r in f.ranks] for f in figures]
 
 
+def cached(scenario: dict, world, out: dict) -> None:
+    """``first`` prefilled (and cached), then ``second``, which shares its start; the reference is ``second``'s
+    whole prompt in this process with transformers alone: its first-token logits and greedy tokens."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario["degree"]), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    engine.run_one(Request("first", scenario["first"], params))
+    events, figures = engine.run_one(Request("second", scenario["second"], params))
+    logits = engine.last_prefill_logits
+    engine.shutdown()
+    model = engine.ctx.lm.model
+    with torch.no_grad():
+        ids = torch.tensor([scenario["second"]])
+        ref_logits = model(ids).logits[0, -1].float()
+        ref = model.generate(ids, max_new_tokens=scenario["max_tokens"], do_sample=False)[0, ids.shape[1]:]
+    out["tokens"] = [e.token_id for e in events if not isinstance(e, Finished)]
+    out["ref_tokens"] = ref.tolist()
+    out["max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
+    out["cached_tokens"], out["degree"], out["boundaries"] = figures.cached_tokens, figures.degree, figures.boundaries
+    out["bytes_sent"] = [r["bytes_sent"] for r in figures.ranks]
+
+
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
     client = _front_client(scenario, world)
@@ -116,7 +143,7 @@ def main() -> None:
     out: dict = {}
     code = 0
     try:
-        {"match": match, "serve": serve, "idle": idle, "packed": packed}[scenario["name"]](scenario, world, out)
+        {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached}[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)
         out["error"] = f"{type(e).__name__}: {e}"

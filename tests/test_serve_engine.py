@@ -137,6 +137,24 @@ def test_a_prompt_whose_start_is_cached_prefills_only_its_new_tokens_and_answers
     assert figures.cached_tokens == len(prompt) - 1 and again == whole
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [2, 3])
+def test_new_tokens_after_a_cached_prefix_run_over_the_chain_and_answer_as_the_whole_prompt(tmp_path, p):
+    base = list(range(3, 103))
+    second = base + list(range(200, 290))  # 90 new tokens cut over the ranks after the 100 cached
+    scenario = {"name": "cached", "run": {"model": "tiny-llama", "threads": 1}, "degree": str(p),
+                "first": base + [5, 6, 7], "second": second, "max_tokens": 8}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 280)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["cached_tokens"] == len(base) and r["degree"] == p
+    assert r["boundaries"][0] == len(base) and r["boundaries"][-1] == len(second) and len(r["boundaries"]) == p + 1
+    assert r["tokens"] == r["ref_tokens"][: len(r["tokens"])] and len(r["tokens"]) >= 1
+    assert r["max_abs_logit_diff"] <= 1e-4
+    assert all(b > 0 for b in r["bytes_sent"])  # the front sent rank 0 the prefix; each rank handed on its K,V
+
+
 def test_the_prefix_cache_skips_short_matches_and_sliding_window_models():
     short = list(range(3, 40)) + [1]  # 37 tokens in common: below the 64 worth looking up
     assert _alone("tiny-llama", short, 4096, list(range(3, 40)) + [2])[2].cached_tokens == 0

@@ -4,7 +4,8 @@ a padding mask and grouped K,V heads, the best per-sequence form torch has). One
 heads, 3 K,V heads of 64), float32, 1 thread; every question's own block holds 48 slots (a 16-token question and
 32 new tokens, some left-padded). Rounds alternate the two, so drift hits both alike; medians of the rounds.
 
-Usage: python experiments/shared_prefix_decode/run.py [--rounds 15] [--out experiments/shared_prefix_decode]
+Usage: python experiments/shared_prefix_decode/run.py [--rounds 15] [--threads 1] [--out DIR]
+Rows go to rows.jsonl (1 thread) or rows_<N>threads.jsonl.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def timed(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (kvr-ask's front decodes on both cores)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    env = environment("smollm2-135m", "local", 1, "none")
+    torch.set_num_threads(args.threads)
+    env = environment("smollm2-135m", "local", args.threads, "none")
     rows = []
     for prefix in (2048, 8192):
         for questions in (16, 64):
@@ -87,7 +89,8 @@ def main() -> None:
                   f"copied {row['copied_median_s'] * 1e3:8.2f} ms  x{row['speedup']:.1f}  K,V held "
                   f"{kv_bytes['shared'] / 2**20:.1f} MiB against {kv_bytes['copied'] / 2**20:.1f} MiB", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    name = "rows.jsonl" if args.threads == 1 else f"rows_{args.threads}threads.jsonl"
+    (args.out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvrunahead.choices import TRANSPORTS
+from kvrunahead.choices import DECODES, TRANSPORTS
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
@@ -63,7 +63,8 @@ def format_result(r: RunResult) -> str:
             f"full the chain would send {_mib(r.full_chain_bytes)}: {sent / max(r.full_chain_bytes, 1):.1%} of it)"
         )
     lines.append(f"first token  {r.first_token} {r.first_token_text!r}")
-    lines.append(f"generated    {r.generated_text!r}")
+    lines.append(f"generated    {r.generated_text!r}" + ("   (KVP decode: each rank attended its own part)"
+                                                        if r.decode == "kvp" else ""))
     v = r.verification
     if v is not None:
         lines.append(
@@ -136,6 +137,10 @@ def format_result(r: RunResult) -> str:
               help="Intra-op threads per rank. Default: OMP_NUM_THREADS, else cores / local ranks.")
 @click.option("--max-new-tokens", type=int, default=16, show_default=True,
               help="Greedy tokens to generate on the last rank after the prefill (first token included).")
+@click.option("--decode", type=click.Choice(DECODES), default="gathered", show_default=True,
+              help="Where the tokens after the first are decoded: gathered = on the last rank, which the chain "
+                   "leaves holding the whole cache; kvp = every rank keeps only its own part of the cache and "
+                   "attends it, the partial outputs merged by log-sum-exp per layer (KV-cache parallelism).")
 @click.option("--verify", is_flag=True,
               help="Also run the single-process prefill and compare logits and tokens; exit 1 on mismatch.")
 @click.option("--atol", type=float, default=None,

@@ -30,6 +30,10 @@ class ChainLink:
     A sliding-window layer hands on only what its cache keeps, the last ``window - 1`` positions of the prefix
     ([max(0, b - window + 1), b)), so its traffic stops growing with the context. A layer's K and V travel as one
     contiguous ``[2, 1, heads, tokens, head_dim]`` tensor: one message per layer and hop.
+
+    ``holder`` names the rank that sends rank 0 its prefix where the prompt's first ``prefix_len`` positions are
+    held already (a cached prefix, on the server's front): rank 0 then receives them instead of computing them,
+    and the chain goes on as usual.
     """
 
     transport: Transport
@@ -37,6 +41,7 @@ class ChainLink:
     layout: KVLayout
     device: torch.device
     lookahead: int = 1
+    holder: int | None = None
     _pending: dict = field(default_factory=dict)
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
 
@@ -45,8 +50,13 @@ class ChainLink:
         return self.transport.rank
 
     @property
+    def prev(self) -> int:
+        """Where this rank's prefix comes from."""
+        return self.rank - 1 if self.rank > 0 else self.holder
+
+    @property
     def has_prev(self) -> bool:
-        return self.rank > 0
+        return self.rank > 0 or self.holder is not None
 
     @property
     def has_next(self) -> bool:
@@ -63,14 +73,14 @@ class ChainLink:
         # The buffer shape follows from the partition and the window alone: no per-layer shape handshake.
         tokens = self.layout.kept(layer, self.prefix_len)
         buf = torch.empty(self.layout.kv_shape(layer, tokens), dtype=self.layout.dtype, device=self.device)
-        self._pending[layer] = (self.transport.irecv(buf, self.rank - 1, tag=layer), buf)
+        self._pending[layer] = (self.transport.irecv(buf, self.prev, tag=layer), buf)
 
     def prefix(self, layer: int) -> torch.Tensor:
         """The predecessor's K,V of [0, prefix_len) for ``layer`` (its window's part for a sliding layer); posts
         the next layer's receive."""
         self._post_recv(layer)  # no-op when posted ahead, as it normally is
         req, buf = self._pending.pop(layer)
-        self.transport.wait(req, f"the K,V of layer {layer} from rank {self.rank - 1}")
+        self.transport.wait(req, f"the K,V of layer {layer} from rank {self.prev}")
         self._post_recv(layer + self.lookahead)
         return buf
 
@@ -93,6 +103,14 @@ class ChainLink:
     def finish(self) -> None:
         """Wait for the sends still in flight (their buffers must outlive them)."""
         self.transport.drain()
+
+
+def send_held_prefix(transport: Transport, kv: list[torch.Tensor], layout: KVLayout, to: int = 0) -> None:
+    """The holder's side of a cached prefix (``ChainLink.holder``): every layer's K,V of the held positions,
+    ``[2, 1, heads, P, head_dim]``, to rank ``to`` as that layer's chain message, in the background (the sends
+    are drained with the prefill's own)."""
+    for layer, t in enumerate(kv):
+        transport.isend(t[..., t.shape[-2] - layout.kept(layer, t.shape[-2]):, :].contiguous(), to, tag=layer)
 
 
 class RunaheadLayer(DynamicLayer):

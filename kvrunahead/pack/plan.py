@@ -119,6 +119,16 @@ def packed_cuts(lengths: Sequence[int], world_size: int, work: Callable[[int], f
     return (*cuts, total)
 
 
+def cuts_after_cached(cached: int, total: int, world_size: int, work: Callable[[int], float]) -> tuple[int, ...]:
+    """Rank boundaries of a prompt of ``total`` tokens whose first ``cached`` are held already (a cached prefix):
+    the new tokens [cached, total) cut so that every part has the same share of their work, each token priced with
+    the cached prefix it attends to (``work(t)``: a whole prompt's first t tokens). Starts at ``cached``."""
+    if not 0 <= cached < total:
+        raise ValueError(f"a cached prefix of {cached} tokens leaves nothing of a {total}-token prompt to prefill")
+    cuts = packed_cuts([total - cached], world_size, lambda t: work(cached + t) - work(cached), edge_slack=0.0)
+    return tuple(cached + c for c in cuts)
+
+
 def _first_reaching(F: Callable[[int], float], target: float, lo: int, hi: int) -> int:
     """The least x in [lo, hi] with F(x) >= target (hi if none): F is non-decreasing."""
     while lo < hi:

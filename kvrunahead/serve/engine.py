@@ -21,11 +21,8 @@ from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
-from kvrunahead.pack.plan import packed_cuts
-from kvrunahead.partition import PartitionError
 from kvrunahead.policy import (
     RunConfig,
-    choose_partition,
     default_threads,
     resolve_attention,
     resolve_device,
@@ -33,12 +30,10 @@ from kvrunahead.policy import (
 )
 from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
-from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext, Shutdown
-from kvrunahead.serve.prefix_cache import PrefixCache
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, Shutdown
+from kvrunahead.serve.placement import Placement
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work, taken
 from kvrunahead.serve.sequence import (
@@ -98,18 +93,17 @@ class Engine:
         self.ctx = RankContext(lm, layout, transport, device, world.rank, world.world_size,
                                load=lambda rope: loaded_model(cfg.model, dtype, device, cfg.seed, rope),
                                threads=threads, solo_threads=solo)
-        self.degrees = DegreePolicy(cfg, model_config, world.world_size, world.local_world_size, self.attention,
-                                    threads, config.degree, solo, lambda n: self._partition(n)[0].boundaries)
         self.model_config = model_config
         self.threads = threads
         why = why_not_packable(model_config)
         if config.pack_tokens and why:
             log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
         self.scheduler = Scheduler(config.max_queue, 0 if why else config.pack_tokens)
-        self._work = prompt_work(model_config)
-        self.prefixes = PrefixCache(config.prefix_cache_tokens)
         self.decoder = VariantDecoders(self._decoder_for)
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
+        self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
+                                   world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
+                                   self.heartbeat)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -117,7 +111,6 @@ class Engine:
         self.last_prefill_ranks: list = []  # every rank's RankStats of the last prefill (kvr-prefill's report)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
-        self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -213,87 +206,36 @@ class Engine:
             return self._ask(work.ask)
         seq = work.seq
         seq.prefill_start_s = time.monotonic()
-        outcome, (degree, boundaries, source, degree_source, cached) = self._prefill_one(
-            seq.request_id, seq.request.prompt_ids, seq.rope)
-        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, degree, list(boundaries),
-                                     source, degree_source, cached_tokens=cached)
+        outcome, placed = self.placement.one(seq.request_id, seq.request.prompt_ids, seq.rope)
+        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
+                                     list(placed.boundaries), placed.source, placed.degree_source,
+                                     cached_tokens=placed.cached_tokens)
         return outcome
 
-    def _prefill_one(self, request_id: str, ids: list[int], rope) -> tuple[PrefillOutcome, tuple]:
-        """One prompt's prefill: its new tokens only where the prefix cache holds its start (on the front), else on
-        one rank or over the chain as the degree policy says. Returns the outcome and (degree, boundaries, where the
-        partition comes from, why that degree, tokens taken from the prefix cache)."""
-        cached, entry = self.prefixes.longest(ids) if self._prefix_cacheable(rope) else (0, None)
-        if entry is not None:
-            cache = self.prefixes.cache_of(entry, cached, self.model_config)
-            return (executor.suffix_prefill(self.ctx, cache, ids, cached),
-                    (1, (0, len(ids)), f"prefix cache: {cached} of {len(ids)} tokens cached", "prefix cache", cached))
-        choice = self.degrees.choose(len(ids))
-        if choice.degree == 1:
-            boundaries, source = (0, len(ids)), "one rank"
-            outcome = executor.single_prefill(self.ctx, ids, rope)
-        else:
-            partition, source = self._partition(len(ids))
-            boundaries = partition.boundaries
-            plan = PrefillPlan(request_id, ids, boundaries, self.attention, rope)
-            executor.send_plan(self.ctx, plan)
-            self.heartbeat.sent()
-            outcome = executor.chain_prefill(self.ctx, plan)
-        return outcome, (choice.degree, boundaries, source, choice.source, 0)
-
-    def _prefix_cacheable(self, rope) -> bool:
-        """Full-attention models' prompts within the trained positions (a sliding layer's cache keeps its window
-        only, and a YaRN-extended prompt runs on another model variant)."""
-        return rope is None and not self.ctx.layout.windows
-
     def _packed(self, seqs: list) -> list[PrefillOutcome]:
-        """One packed prefill of several waiting prompts: over the chain, cut by the packed work at prompt edges, or
-        on the front alone where the degree policy puts that many tokens on one rank."""
+        """One packed prefill of several waiting prompts (Placement.packed)."""
         start = time.monotonic()
-        prompts = [s.request.prompt_ids for s in seqs]
-        lengths = [len(x) for x in prompts]
-        choice = self.degrees.choose(sum(lengths))
-        if choice.degree == 1:
-            boundaries, source = (0, sum(lengths)), "one rank"
-            outcomes = executor.packed_front_prefill(self.ctx, prompts)
-        else:
-            boundaries = packed_cuts(lengths, self.ctx.world_size, self._work)
-            source = "packed work, cut at prompt edges where balanced"
-            plan = PackedPlan(tuple(s.request_id for s in seqs), tuple(map(tuple, prompts)), boundaries)
-            executor.send_plan(self.ctx, plan)
-            self.heartbeat.sent()
-            outcomes = executor.packed_chain_prefill(self.ctx, plan)
+        outcomes, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
+                                                 tuple(s.request_id for s in seqs))
         for seq in seqs:
             seq.prefill_start_s = start
-            seq.figures = RequestFigures(0.0, start - seq.request.arrival_s, choice.degree, list(boundaries), source,
-                                         choice.source, packed_with=len(seqs))
+            seq.figures = RequestFigures(0.0, start - seq.request.arrival_s, placed.degree, list(placed.boundaries),
+                                         placed.source, placed.degree_source, packed_with=len(seqs))
         return outcomes
 
     def _ask(self, ask: AskRequest) -> Answered:
         """The context prefilled once (over the chain where the degree policy says so), then every question packed
         after it and decoded with the context read once per step, on the front (kvrunahead/questions.py)."""
         start = time.monotonic()
-        outcome, (degree, boundaries, *_) = self._prefill_one(ask.request_id, ask.context_ids, None)
-        self.prefixes.put(ask.context_ids, outcome.cache)
+        outcome, placed = self.placement.one(ask.request_id, ask.context_ids, None)
+        self.placement.prefixes.put(ask.context_ids, outcome.cache)
         context_s = time.monotonic() - start
         self.heartbeat.maybe_ping()
         answers, questions_s, decode_s = executor.answer_on_front(self.ctx, outcome.cache, ask.question_ids,
                                                                   ask.max_tokens)
-        figures = AskFigures(start - ask.arrival_s, context_s, questions_s, decode_s, degree, list(boundaries))
+        figures = AskFigures(start - ask.arrival_s, context_s, questions_s, decode_s, placed.degree,
+                             list(placed.boundaries))
         return Answered(ask.request_id, answers, figures)
-
-    def _partition(self, n: int):
-        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
-        decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
-        request's step."""
-        if n not in self._partitions:
-            try:
-                partition, source, _ = choose_partition(self.config.run, self.model_config, n, self.ctx.world_size,
-                                                        self.attention, self.world.local_world_size)
-            except (PartitionError, TableError) as e:
-                raise InputError(str(e)) from None
-            self._partitions[n] = partition, source
-        return self._partitions[n]
 
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
@@ -315,8 +257,8 @@ class Engine:
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
-        if self._prefix_cacheable(seq.rope):
-            self.prefixes.put(seq.request.prompt_ids, outcome.cache)
+        if self.placement.cacheable(seq.rope):
+            self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache)
         self.decoder.add(seq.request_id, outcome.cache, seq.rope)
         with self._lock:
             self.scheduler.start_decoding(seq)

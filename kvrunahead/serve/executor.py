@@ -34,6 +34,7 @@ from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.modes import MODES, Step
+from kvrunahead.modes.kvr import ChainLink, kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
@@ -52,6 +53,7 @@ class PrefillPlan:
     boundaries: tuple[int, ...]
     attention: str
     rope: RopeExtension | None = None  # the extension this prompt's length needs, as kvr-prefill plans it
+    cached: int = 0  # the first positions, whose K,V the front holds (prefix cache): boundaries start there
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,13 @@ def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
     liveness.wait_for_peers(work, what)
 
 
-def chain_prefill(ctx: RankContext, plan: PrefillPlan) -> PrefillOutcome | None:
-    """This rank's part of a KV-Runahead prefill, the runner's own code; the front gets the outcome."""
+def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] | None = None
+                  ) -> PrefillOutcome | None:
+    """This rank's part of a KV-Runahead prefill, the runner's own code; the front gets the outcome. With
+    ``plan.cached`` the front holds the K,V of those first positions (``held``, per layer) and sends them to rank
+    0, which takes them as its prefix: the chain prefills the new tokens only."""
+    if plan.cached:
+        return _chain_after_cached(ctx, plan, held)
     mode = MODES["kvr"]
     partition = Partition(tuple(plan.boundaries))
     ctx.use_threads(solo=False)
@@ -169,9 +176,32 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan) -> PrefillOutcome | None:
     state = mode.setup(step)
     emits = ctx.rank == mode.emitter(ctx.world_size)
     logits, cache, _, total_s = timed_prefill(mode, step, state, ctx.device, emits)
+    return _gathered(ctx, mine, total_s, state, logits, cache)
+
+
+def _chain_after_cached(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] | None
+                        ) -> PrefillOutcome | None:
+    ctx.use_threads(solo=False)
+    ctx.transport.reset_stats()
+    lm, layout = ctx.model(plan.rope)
+    front = ctx.rank == ctx.front
+    start, end = plan.boundaries[ctx.rank], plan.boundaries[ctx.rank + 1]
+    link = ChainLink(ctx.transport, start, layout, ctx.device, holder=ctx.front if ctx.rank == 0 else None)
+    liveness.patient_barrier("the other ranks to start the prefill")
+    t0 = time.perf_counter()
+    if front:
+        send_held_prefix(ctx.transport, held, layout)
+    logits, cache = kvr_prefill(lm.model, torch.tensor([plan.ids[start:end]], device=ctx.device), link,
+                                plan.attention)
+    return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
+
+
+def _gathered(ctx: RankContext, mine: list[tuple[int, int]], total_s: float, state, logits, cache
+              ) -> PrefillOutcome | None:
+    """Every rank's figures to all; the outcome on the front, whose cache holds the whole prompt."""
     stats = rank_stats(ctx.rank, mine, total_s, ctx.transport, state, ctx.device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")
-    if not emits:
+    if ctx.rank != ctx.front:
         return None  # a worker's cache dies here: decode happens on the front alone
     return PrefillOutcome(logits, cache, all_stats)
 

@@ -65,6 +65,11 @@ class PrefixCache:
             layer.update(k[:, :, :tokens], v[:, :, :tokens])
         return cache
 
+    def held(self, entry: CachedPrompt, tokens: int) -> list[torch.Tensor]:
+        """The first ``tokens`` positions of ``entry`` as the chain hands a prefix on: ``[2, 1, heads, tokens,
+        head_dim]`` per layer (what the front sends rank 0 when the new tokens run over the chain)."""
+        return [torch.stack((k[:, :, :tokens], v[:, :, :tokens])) for k, v in entry.kv]
+
 
 def _common(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))

@@ -1,0 +1,168 @@
+"""Decode with the K,V left where the chain made it: KV-cache parallelism (KVP, medha.txt section 4).
+
+After a KV-Runahead prefill rank r holds the K,V of its own part of the prompt, positions [b_r, b_r+1), besides the
+prefix it received; KVP keeps only its own part (the last rank does not need the whole prompt). Every rank runs the
+unmodified model on each new token (the weights are on every rank): the token's query, key and value are computed
+everywhere, its K,V are kept on the last rank only (the owner, whose part it continues), and in every attention
+layer each rank attends its own shard; the partial outputs and their log-sum-exps are all-gathered and merged, so
+every rank goes on with the same output. Per layer and token the ranks exchange heads x (head_dim + 1) floats
+each, never K,V. The last rank chooses each token and tells the others.
+
+A sliding-window layer keeps, on each rank, what of its part a later token's window can still reach, and its
+attention masks keys by position; the owner trims its window as it grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register, uses_attention_interface
+from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.layout import KVLayout, soft_caps
+from kvrunahead.modes.attention import attend_with_lse, refuse_softcap
+from kvrunahead.transport import Transport
+
+IMPLEMENTATION = "kvrunahead_kvp"
+
+
+def check_kvp(config) -> None:
+    """NotImplementedError with one line where the KVP decode cannot run the model exactly: it puts its attention
+    in through transformers' interface and does not soft-cap the logits."""
+    if soft_caps(config):
+        raise NotImplementedError("the model soft-caps its attention logits, which the KVP decode does not do")
+    if not uses_attention_interface(config):
+        raise NotImplementedError("the model computes attention itself, not through transformers' "
+                                  "AttentionInterface, which the KVP decode needs")
+
+
+class ShardLayer(DynamicLayer):
+    """One layer's K,V on this rank: the positions [start, start + tokens), contiguous. The owner appends every new
+    token; another rank's shard stays as the prefill left it."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int, owner: bool, window: int | None,
+                 cache: ShardCache) -> None:
+        super().__init__()
+        self.keys, self.values, self.start = keys, values, start
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.owner, self.window, self.cache = owner, window, cache
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen  # every position of the sequence so far, wherever its K,V are
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.owner:
+            self.keys = torch.cat((self.keys, key_states), dim=-2)
+            self.values = torch.cat((self.values, value_states), dim=-2)
+            if self.window is not None:  # the next token's window starts at seen + n - window + 1
+                drop = max(0, self.keys.shape[-2] - (self.window - 1) - key_states.shape[-2])
+                if drop:
+                    self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
+                    self.start += drop
+        return self.keys, self.values
+
+
+class ShardCache(DynamicCache):
+    def __init__(self, layers: list[ShardLayer] | None, seen: int) -> None:
+        self.seen = seen
+        super(DynamicCache, self).__init__(layers=layers or [])
+
+
+def shard_cache(cache: DynamicCache, layout: KVLayout, part: tuple[int, int], total: int, owner: bool) -> ShardCache:
+    """This rank's shard of a chain prefill's cache (whose layers end at ``part[1]``): the K,V of its own part
+    [part[0], part[1]) of a ``total``-token prompt, copied so that what it received dies; a sliding layer keeps only
+    the positions a token after the prompt can reach."""
+    out = ShardCache(None, total)
+    begin, end = part
+    for i, layer in enumerate(cache.layers):
+        window = layout.window(i)
+        lo = begin if window is None else max(begin, total - window + 1)
+        held = layer.keys.shape[-2]  # the layer holds [end - held, end)
+        a = min(max(lo, end - held), end) - (end - held)
+        out.layers.append(ShardLayer(layer.keys[:, :, a:].clone(), layer.values[:, :, a:].clone(),
+                                     end - held + a, owner, window, out))
+    return out
+
+
+@dataclass
+class _Step:
+    cache: ShardCache
+    transport: Transport
+
+
+def kvp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function: this rank's shard attended, every rank's partial output merged."""
+    refuse_softcap(kwargs, "the KVP decode")
+    step: _Step = current_state()
+    layer: ShardLayer = step.cache.layers[module.layer_idx]
+    out, lse = shard_attention(query, key, value, layer.start, step.cache.seen, layer.owner,
+                               kwargs.get("sliding_window"), scaling)
+    parts = step.transport.all_gather(torch.cat((out, lse.unsqueeze(-1)), dim=-1))  # [p, B, heads, n, d + 1]
+    return merge_parts(parts).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+register(IMPLEMENTATION, kvp_attention)
+
+
+def shard_attention(query, key, value, start: int, first: int, owner: bool, window: int | None, scale):
+    """The new tokens' queries (positions [first, first + n)) against this rank's keys (positions [start, start +
+    keys)): output and log-sum-exp, float32. On the owner the last n keys are the new tokens themselves (causal
+    among them); elsewhere every key lies before every query. A row that sees no key has output 0 and
+    log-sum-exp -inf (it adds nothing to the merge)."""
+    b, heads, n, d = query.shape
+    keys = key.shape[-2]
+    if keys == 0:
+        return query.new_zeros(b, heads, n, d, dtype=torch.float32), \
+            query.new_full((b, heads, n), float("-inf"), dtype=torch.float32)
+    if window is None and (n == 1 or not owner):  # every query sees every key
+        return attend_with_lse(query, key, value, causal=False, scale=scale)
+    q_pos = torch.arange(first, first + n, device=query.device)[:, None]
+    k_pos = torch.arange(start, start + keys, device=query.device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    k, v = expand_kv(key, heads).float(), expand_kv(value, heads).float()
+    scores = (query.float() @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+    return out, lse
+
+
+def merge_parts(parts: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``[..., d + 1]`` (output, log-sum-exp) of one query block merged into the output over all keys;
+    the same arithmetic in the same order on every rank."""
+    out, lse = parts[..., :-1], parts[..., -1]
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total).nan_to_num(0.0)
+    return (weights.unsqueeze(-1) * out).sum(dim=0)
+
+
+@torch.no_grad()
+def kvp_decode(model: torch.nn.Module, cache: ShardCache, transport: Transport, first_token: int | None,
+               max_new_tokens: int, eos_token_ids: set[int]) -> list[int] | None:
+    """Greedy tokens after a chain prefill, every rank taking part with its shard (``shard_cache``): the owner (the
+    last rank) passes ``first_token`` and gets the tokens, first included; the other ranks pass None and get None."""
+    owner = transport.rank == transport.world_size - 1
+    device = next(model.parameters()).device
+    tokens = [first_token] if owner else []
+    while True:
+        go = owner and len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids
+        said = torch.tensor([tokens[-1] if owner else -1, int(go)], dtype=torch.int64)
+        token, go = transport.all_gather(said)[-1].tolist()  # the owner's word
+        if not go:
+            return tokens if owner else None
+        ids = torch.tensor([[token]], device=device)
+        pos = torch.tensor([[cache.seen]], device=device)
+        with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
+            if owner:
+                logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+            else:
+                model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        cache.seen += 1
+        if owner:
+            tokens.append(int(logits.argmax()))

@@ -1,0 +1,110 @@
+"""Where a prefill runs: on the front alone or over the chain, with what partition, and what the prefix cache
+spares of it. The engine asks; the executor runs what is decided here.
+
+A prompt whose start the prefix cache holds prefills only its new tokens: on the front alone where the degree
+policy puts that many tokens on one rank, else over the chain, the new tokens cut so that every rank has the same
+share of their work with the cached prefix they attend to priced in (``pack.plan.cuts_after_cached``); the front
+sends the cached K,V to rank 0 as its prefix, and the chain carries it on as it carries any prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrunahead.errors import InputError
+from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
+from kvrunahead.partition import PartitionError
+from kvrunahead.policy import RunConfig, choose_partition
+from kvrunahead.search.tables import TableError
+from kvrunahead.serve import executor
+from kvrunahead.serve.degree import DegreePolicy
+from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext
+from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a prefill ran: the degree, the boundaries, where the partition came from, why that degree, and the
+    prompt's first tokens taken from the prefix cache."""
+
+    degree: int
+    boundaries: tuple[int, ...]
+    source: str
+    degree_source: str
+    cached_tokens: int = 0
+
+
+class Placement:
+    def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
+                 local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat) -> None:
+        self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
+        self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
+        self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
+                                    ctx.solo_threads, lambda n: self.partition(n)[0].boundaries)
+        self.prefixes = PrefixCache(prefix_cache_tokens)
+        self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
+
+    def cacheable(self, rope) -> bool:
+        """Full-attention models' prompts within the trained positions (a sliding layer's cache keeps its window
+        only, and a YaRN-extended prompt runs on another model variant)."""
+        return rope is None and not self.ctx.layout.windows
+
+    def one(self, request_id: str, ids: list[int], rope) -> tuple[PrefillOutcome, Placed]:
+        """One prompt's prefill: its new tokens only where the prefix cache holds its start, else on one rank or
+        over the chain as the degree policy says."""
+        cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) else (0, None)
+        if entry is not None:
+            return self._after_cached(request_id, ids, cached, entry)
+        choice = self.degrees.choose(len(ids))
+        if choice.degree == 1:
+            return executor.single_prefill(self.ctx, ids, rope), Placed(1, (0, len(ids)), "one rank", choice.source)
+        partition, source = self.partition(len(ids))
+        plan = PrefillPlan(request_id, ids, partition.boundaries, self.attention, rope)
+        return self._chain(plan), Placed(choice.degree, partition.boundaries, source, choice.source)
+
+    def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
+                      ) -> tuple[PrefillOutcome, Placed]:
+        choice = self.degrees.choose(len(ids) - cached)
+        what = f"prefix cache: {cached} of {len(ids)} tokens cached"
+        why = f"prefix cache; the {len(ids) - cached} new tokens: {choice.source}"
+        if choice.degree == 1:
+            cache = self.prefixes.cache_of(entry, cached, self.model_config)
+            return (executor.suffix_prefill(self.ctx, cache, ids, cached),
+                    Placed(1, (0, len(ids)), what, why, cached))
+        boundaries = cuts_after_cached(cached, len(ids), self.ctx.world_size, self.work)
+        plan = PrefillPlan(request_id, ids, boundaries, self.attention, cached=cached)
+        outcome = self._chain(plan, self.prefixes.held(entry, cached))
+        return outcome, Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached)
+
+    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]) -> tuple[list[PrefillOutcome], Placed]:
+        """One packed prefill of several prompts: over the chain, cut by the packed work at prompt edges, or on
+        the front alone where the degree policy puts that many tokens on one rank."""
+        lengths = [len(x) for x in prompts]
+        choice = self.degrees.choose(sum(lengths))
+        if choice.degree == 1:
+            return (executor.packed_front_prefill(self.ctx, prompts),
+                    Placed(1, (0, sum(lengths)), "one rank", choice.source))
+        boundaries = packed_cuts(lengths, self.ctx.world_size, self.work)
+        plan = PackedPlan(request_ids, tuple(map(tuple, prompts)), boundaries)
+        executor.send_plan(self.ctx, plan)
+        self.heartbeat.sent()
+        return (executor.packed_chain_prefill(self.ctx, plan),
+                Placed(choice.degree, boundaries, "packed work, cut at prompt edges where balanced", choice.source))
+
+    def _chain(self, plan: PrefillPlan, held=None) -> PrefillOutcome:
+        executor.send_plan(self.ctx, plan)
+        self.heartbeat.sent()
+        return executor.chain_prefill(self.ctx, plan, held)
+
+    def partition(self, n: int):
+        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
+        decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
+        request's step."""
+        if n not in self._partitions:
+            try:
+                partition, source, _ = choose_partition(self.run, self.model_config, n, self.ctx.world_size,
+                                                        self.attention, self.local_world_size)
+            except (PartitionError, TableError) as e:
+                raise InputError(str(e)) from None
+            self._partitions[n] = partition, source
+        return self._partitions[n]
