@@ -143,12 +143,29 @@ def merge_parts(parts: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def kvp_forward(model: torch.nn.Module, cache: ShardCache, transport: Transport, token: int, owner: bool
+                ) -> torch.Tensor | None:
+    """One new token through the model on every rank at once, each attending its shard: the next-token logits
+    ``[vocab]`` on the owner, None elsewhere (no LM head there)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[token]], device=device)
+    pos = torch.tensor([[cache.seen]], device=device)
+    with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
+        if owner:
+            logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+        else:
+            model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits = None
+    cache.seen += 1
+    return logits
+
+
+@torch.no_grad()
 def kvp_decode(model: torch.nn.Module, cache: ShardCache, transport: Transport, first_token: int | None,
                max_new_tokens: int, eos_token_ids: set[int]) -> list[int] | None:
     """Greedy tokens after a chain prefill, every rank taking part with its shard (``shard_cache``): the owner (the
     last rank) passes ``first_token`` and gets the tokens, first included; the other ranks pass None and get None."""
     owner = transport.rank == transport.world_size - 1
-    device = next(model.parameters()).device
     tokens = [first_token] if owner else []
     while True:
         go = owner and len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids
@@ -156,13 +173,6 @@ def kvp_decode(model: torch.nn.Module, cache: ShardCache, transport: Transport, 
         token, go = transport.all_gather(said)[-1].tolist()  # the owner's word
         if not go:
             return tokens if owner else None
-        ids = torch.tensor([[token]], device=device)
-        pos = torch.tensor([[cache.seen]], device=device)
-        with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
-            if owner:
-                logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
-            else:
-                model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-        cache.seen += 1
+        logits = kvp_forward(model, cache, transport, token, owner)
         if owner:
             tokens.append(int(logits.argmax()))

@@ -5,7 +5,8 @@ Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SI
 Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
 client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
 "packed" (prompts one at a time, then queued together into one packed prefill), "cached" (a prompt, then one
-that starts the same way and whose new tokens run over the chain after the cached prefix).
+that starts the same way and whose new tokens run over the chain after the cached prefix), "kvp" (prompts decoded
+KV-cache parallel, alone and together, one cancelled on the way).
 """
 
 import asyncio
@@ -126,6 +127,45 @@ def cached(scenario: dict, world, out: dict) -> None:
     out["bytes_sent"] = [r["bytes_sent"] for r in figures.ranks]
 
 
+def kvp(scenario: dict, world, out: dict) -> None:
+    """Each prompt alone, then all at once (not packed: each its own chain prefill), the last one cancelled after
+    its first tokens; every rank reports the shards it still holds at the end."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario["degree"], pack_tokens=0), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        out["shards_left"] = len(engine.ctx.shards)
+        return
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    prompts = scenario["prompts"]
+    alone = []
+    for i, ids in enumerate(prompts):
+        events, figures = engine.run_one(Request(f"alone{i}", ids, params))
+        alone.append([e.token_id for e in events if not isinstance(e, Finished)])
+        out.setdefault("decode", []).append(figures.decode)
+    for i, ids in enumerate(prompts):
+        engine.add(Request(f"together{i}", ids, params))
+    events, finished, steps = [], {}, 0
+    while len(finished) < len(prompts):
+        for e in engine.step():
+            events.append(e)
+            if isinstance(e, Finished):
+                finished[e.request_id] = e
+        steps += 1
+        if steps == 2 * len(prompts) + 2:
+            engine.cancel(f"together{len(prompts) - 1}")
+    out["shards_left_front"] = len(engine.ctx.shards)
+    engine.step()  # an idle step: the workers hear of the last requests that ended
+    engine.shutdown()
+    model = engine.ctx.lm.model
+    with torch.no_grad():
+        out["reference"] = [model.generate(torch.tensor([ids]), max_new_tokens=scenario["max_tokens"],
+                                           do_sample=False)[0, len(ids):].tolist() for ids in prompts]
+    out["alone"] = alone
+    out["together"] = [[e.token_id for e in events if e.request_id == f"together{i}" and not isinstance(e, Finished)]
+                       for i in range(len(prompts))]
+    out["finish_reasons"] = [finished[f"together{i}"].finish_reason for i in range(len(prompts))]
+
+
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
     client = _front_client(scenario, world)
@@ -143,7 +183,8 @@ def main() -> None:
     out: dict = {}
     code = 0
     try:
-        {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached}[scenario["name"]](scenario, world, out)
+        scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp}
+        scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)
         out["error"] = f"{type(e).__name__}: {e}"

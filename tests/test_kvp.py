@@ -2,6 +2,9 @@
 outputs are merged per layer; greedy tokens and logits must be the single process's, for full and sliding-window
 models, parts shorter than the window and windows that leave a rank's part behind while decoding."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from transformers import DynamicCache
 from kvrunahead.kvp import ShardLayer, merge_parts, shard_attention, shard_cache
 from kvrunahead.model.layout import KVLayout
 from tests.helpers import kvr_prefill, skewed_ratios, world_runs
+from tests.test_serve_engine import _start_ranks, wait_all
 
 CONTEXT = 200
 WINDOW = 64  # the tiny presets' window
@@ -122,3 +126,32 @@ def test_kvp_refuses_what_it_cannot_run_in_one_line(args, message):
     r = kvr_prefill("--ctx", "64", "--decode", "kvp", "--model", "tiny-llama", *args)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_kvr_prefill_decodes_kvp_through_the_engine_as_one_process(model):
+    r = kvr_prefill("--nproc", "2", "--model", model, "--ctx", "200", "--no-chat", "--partition", "0,150,200",
+                    "--decode", "kvp", "--max-new-tokens", str(NEW_TOKENS), "--verify", "--atol", "1e-4",
+                    "--threads", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["decode"] == "kvp" and d["verification"]["generated_match"], d["verification"]
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_decodes_kvp_requests_together_and_frees_their_shards(tmp_path):
+    prompts = [list(range(3, 150)), list(range(40, 130)), list(range(7, 180))]
+    scenario = {"name": "kvp", "run": {"model": "tiny-gemma3", "threads": 1, "decode": "kvp"}, "degree": "2",
+                "prompts": prompts, "max_tokens": 24}
+    procs, out = _start_ranks(scenario, tmp_path)
+    outputs = wait_all(procs, 280)
+    assert [q.returncode for q in procs] == [0, 0], "\n".join(outputs)
+    front, worker = (json.loads(Path(f"{out}.{r}").read_text()) for r in (1, 0))
+    assert front["decode"] == ["kvp"] * len(prompts)
+    for alone, ref in zip(front["alone"], front["reference"]):
+        assert alone == ref[: len(alone)] and len(alone) >= 2
+    assert front["together"][:-1] == front["alone"][:-1]
+    assert front["finish_reasons"][-1] == "cancelled"
+    assert front["together"][-1] == front["alone"][-1][: len(front["together"][-1])]
+    assert front["shards_left_front"] == 0 and worker["shards_left"] == 0

@@ -63,7 +63,8 @@ def _figures(figures) -> p.KvrFigures | None:
         ttft_s=figures.ttft_s, queue_s=figures.queue_s, degree=figures.degree, degree_source=figures.degree_source,
         partition=p.Partition(boundaries=list(figures.boundaries), source=figures.partition_source),
         ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")})
-               for r in figures.ranks], packed_with=figures.packed_with, cached_tokens=figures.cached_tokens)
+               for r in figures.ranks], packed_with=figures.packed_with, cached_tokens=figures.cached_tokens,
+        decode=figures.decode)
 
 
 def _usage(done: Finished) -> p.Usage:

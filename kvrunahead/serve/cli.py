@@ -15,6 +15,7 @@ import sys
 
 import click
 
+from kvrunahead.choices import DECODES
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 
@@ -53,9 +54,17 @@ def _check(options: dict, world_size: int) -> None:
     try:
         parse_degree(options["degree"], world_size)
         config = _engine_config(options)
-        model_len_limit(config.run, resolve_config(options["model"]), config.max_model_len)
+        model_config = resolve_config(options["model"])
+        model_len_limit(config.run, model_config, config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:
         raise InputError(str(e)) from None
+    if options["decode"] == "kvp":
+        from kvrunahead.kvp import check_kvp
+
+        try:
+            check_kvp(model_config)
+        except NotImplementedError as e:
+            raise InputError(f"--decode kvp cannot serve {options['model']}: {e}") from None
 
 
 def _engine_config(options: dict):
@@ -65,7 +74,8 @@ def _engine_config(options: dict):
     run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
                     table=options["table"], dtype=options["dtype"], device=options["device"],
                     threads=options["threads"], timeout_s=options["timeout_s"], net=options["net"],
-                    seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None)
+                    seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None,
+                    decode=options["decode"])
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
                         degree=options["degree"], pack_tokens=options["pack_tokens"],
                         prefix_cache_tokens=options["prefix_cache_tokens"])
@@ -148,9 +158,15 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Prompts waiting together are prefilled as one packed sequence (each seeing only itself; "
                    "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "
                    "and /metrics' kvr_packed_requests show it.")
+@click.option("--decode", type=click.Choice(DECODES), default="gathered", show_default=True,
+              help="How a prompt prefilled over the chain decodes: gathered = on the front, which the chain leaves "
+                   "holding the whole cache; kvp = every rank keeps its own part and attends it, the partial "
+                   "outputs merged per layer (KV-cache parallelism; packed, prefix-cached and one-rank prefills "
+                   "decode gathered). kvrunahead.decode shows which.")
 @click.option("--prefix-cache-tokens", type=int, default=32768, show_default=True,
               help="Prompts' K,V kept (this many tokens in all, least recently used out) so that a prompt starting "
-                   "with one of them (64 tokens or more) prefills only its new tokens, on the front; 0: off. "
+                   "with one of them (64 tokens or more) prefills only its new tokens (over the chain where the "
+                   "degree policy puts that many on it); 0: off. "
                    "Full-attention models within their trained positions; kvrunahead.cached_tokens shows it.")
 @click.option("--max-model-len", type=int, default=None,
               help="Most tokens per request, prompt and output together. Default: the longest context the model "

@@ -111,6 +111,7 @@ class Engine:
         self.last_prefill_ranks: list = []  # every rank's RankStats of the last prefill (kvr-prefill's report)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
+        self._unfreed: list[str] = []  # KVP requests ended whose shards the workers still hold
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -183,6 +184,7 @@ class Engine:
             work = self.scheduler.schedule() if self.healthy else None
         try:
             if work is None:
+                self._free_shards()
                 self.heartbeat.maybe_ping()
                 return events
             outcome = self._execute(work)
@@ -195,11 +197,18 @@ class Engine:
         return events + self._postprocess(work, outcome)
 
     def _execute(self, work: Work):
+        self._free_shards()
         if isinstance(work, DecodeWork):
             self.heartbeat.maybe_ping()
-            self.ctx.use_threads(solo=True)
             tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
-            return self.decoder.step(tokens, {s.request_id: s.next_position for s in work.seqs})
+            kvp = tuple((r, t) for r, t in tokens.items() if r in self.ctx.shards)  # every rank takes part
+            logits = executor.kvp_step(self.ctx, self._sent(executor.KvpStep(kvp))) if kvp else {}
+            rest = {r: t for r, t in tokens.items() if r not in self.ctx.shards}
+            if rest:
+                self.ctx.use_threads(solo=True)
+                logits.update(self.decoder.step(rest, {s.request_id: s.next_position for s in work.seqs
+                                                       if s.request_id in rest}))
+            return logits
         if isinstance(work, PackedPrefillWork):
             return self._packed(work.seqs)
         if isinstance(work, AskWork):
@@ -209,7 +218,7 @@ class Engine:
         outcome, placed = self.placement.one(seq.request_id, seq.request.prompt_ids, seq.rope)
         seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
                                      list(placed.boundaries), placed.source, placed.degree_source,
-                                     cached_tokens=placed.cached_tokens)
+                                     cached_tokens=placed.cached_tokens, decode=placed.decode)
         return outcome
 
     def _packed(self, seqs: list) -> list[PrefillOutcome]:
@@ -257,9 +266,10 @@ class Engine:
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
-        if self.placement.cacheable(seq.rope):
-            self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache)
-        self.decoder.add(seq.request_id, outcome.cache, seq.rope)
+        if seq.request_id not in self.ctx.shards:  # a KVP request's cache stays spread over the ranks
+            if self.placement.cacheable(seq.rope):
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache)
+            self.decoder.add(seq.request_id, outcome.cache, seq.rope)
         with self._lock:
             self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
@@ -286,8 +296,21 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
+        if self.ctx.shards.pop(seq.request_id, None) is not None:
+            self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)
         return seq.finished(reason, error, bad_input)
+
+    def _sent(self, plan):
+        executor.send_plan(self.ctx, plan)
+        self.heartbeat.sent()
+        return plan
+
+    def _free_shards(self) -> None:
+        """Tell the workers which KVP requests ended (before the next plan that needs every rank)."""
+        if self._unfreed and self.healthy:
+            self._sent(executor.KvpFree(tuple(self._unfreed)))
+        self._unfreed = []
 
     def _reap_cancelled(self) -> list[Event]:
         with self._lock:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from kvrunahead.kvp import kvp_forward, shard_cache
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
@@ -54,6 +55,7 @@ class PrefillPlan:
     attention: str
     rope: RopeExtension | None = None  # the extension this prompt's length needs, as kvr-prefill plans it
     cached: int = 0  # the first positions, whose K,V the front holds (prefix cache): boundaries start there
+    kvp: bool = False  # every rank keeps its own part of the cache and decodes on it (kvrunahead/kvp.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,20 @@ class PackedPlan:
 
 
 @dataclass(frozen=True)
+class KvpStep:
+    """One decode step of the requests decoding KV-cache parallel: each one's last token, run on every rank."""
+
+    tokens: tuple[tuple[str, int], ...]  # (request id, token)
+
+
+@dataclass(frozen=True)
+class KvpFree:
+    """The requests whose shards every rank drops (finished, cancelled)."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Ping:
     """Sent while no prefill runs: proves to the workers that the front is alive and to the front that they are."""
 
@@ -80,7 +96,7 @@ class Shutdown:
     """Ends every worker's loop (the server is stopping)."""
 
 
-Plan = PrefillPlan | PackedPlan | Ping | Shutdown
+Plan = PrefillPlan | PackedPlan | KvpStep | KvpFree | Ping | Shutdown
 
 
 @dataclass
@@ -103,6 +119,7 @@ class RankContext:
     variants: dict = field(default_factory=dict)  # RopeExtension -> (LoadedModel, KVLayout)
     threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
     solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
+    shards: dict = field(default_factory=dict)  # request id -> (ShardCache, RopeExtension): KVP decodes in flight
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads
@@ -176,6 +193,9 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] 
     state = mode.setup(step)
     emits = ctx.rank == mode.emitter(ctx.world_size)
     logits, cache, _, total_s = timed_prefill(mode, step, state, ctx.device, emits)
+    if plan.kvp:  # this rank's own part stays here for the decode; what it received dies
+        cache = shard_cache(cache, layout, mine[0], len(plan.ids), owner=emits)
+        ctx.shards[plan.request_id] = (cache, plan.rope)
     return _gathered(ctx, mine, total_s, state, logits, cache)
 
 
@@ -289,6 +309,19 @@ def answer_on_front(ctx: RankContext, cache: DynamicCache, questions: list[list[
     return [a.tokens for a in answers], first[0] - t0, time.monotonic() - first[0]
 
 
+def kvp_step(ctx: RankContext, step: KvpStep) -> dict[str, torch.Tensor]:
+    """Every rank: each request's token through the model on its shard; the front gets the next-token logits."""
+    ctx.use_threads(solo=False)
+    front = ctx.rank == ctx.front
+    logits = {}
+    for request_id, token in step.tokens:
+        shard, rope = ctx.shards[request_id]
+        out = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, token, owner=front)
+        if front:
+            logits[request_id] = out
+    return logits
+
+
 def worker_loop(ctx: RankContext) -> None:
     """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone."""
     log.info("rank %d serving as a worker of front rank %d", ctx.rank, ctx.front)
@@ -301,6 +334,11 @@ def worker_loop(ctx: RankContext) -> None:
             chain_prefill(ctx, plan)
         elif isinstance(plan, PackedPlan):
             packed_chain_prefill(ctx, plan)
+        elif isinstance(plan, KvpStep):
+            kvp_step(ctx, plan)
+        elif isinstance(plan, KvpFree):
+            for request_id in plan.request_ids:
+                ctx.shards.pop(request_id, None)
 
 
 class Heartbeat:

@@ -2,10 +2,9 @@
 planning (policy.choose_partition), their chain prefill (serve/executor.py over the runner's timed mode) and their
 decode (serve/decode.py); only the report differs.
 
-A kvr run over two or more ranks goes this way; the peers (tsp, ring, cp-allgather), the single process, the
-no-communication bound and the KVP decode (``--decode kvp``: every rank decodes, which the engine's steps do not
-do yet) keep the runner's own path (``runner.run_on_world``), which kvr-bench and the search use to time every mode
-alike.
+A kvr run over two or more ranks goes this way; the peers (tsp, ring, cp-allgather), the single process and the
+no-communication bound keep the runner's own path (``runner.run_on_world``), which kvr-bench and the search use to
+time every mode alike.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEv
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result."""
-    if cfg.mode != "kvr" or world.world_size == 1 or cfg.decode == "kvp":
+    if cfg.mode != "kvr" or world.world_size == 1:
         return run_on_runner(cfg, world)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     engine = Engine(EngineConfig(run=cfg, degree=str(world.world_size)), world)

@@ -1,6 +1,9 @@
 """Where a prefill runs: on the front alone or over the chain, with what partition, and what the prefix cache
 spares of it. The engine asks; the executor runs what is decided here.
 
+With ``--decode kvp`` a prompt prefilled over the chain leaves each rank its own part of the cache to decode on
+(kvrunahead/kvp.py); packed, prefix-cached and one-rank prefills end with the whole cache on the front.
+
 A prompt whose start the prefix cache holds prefills only its new tokens: on the front alone where the degree
 policy puts that many tokens on one rank, else over the chain, the new tokens cut so that every rank has the same
 share of their work with the cached prefix they attend to priced in (``pack.plan.cuts_after_cached``); the front
@@ -32,6 +35,7 @@ class Placed:
     source: str
     degree_source: str
     cached_tokens: int = 0
+    decode: str = "gathered"  # kvp: every rank keeps its own part of the cache and decodes on it
 
 
 class Placement:
@@ -59,8 +63,10 @@ class Placement:
         if choice.degree == 1:
             return executor.single_prefill(self.ctx, ids, rope), Placed(1, (0, len(ids)), "one rank", choice.source)
         partition, source = self.partition(len(ids))
-        plan = PrefillPlan(request_id, ids, partition.boundaries, self.attention, rope)
-        return self._chain(plan), Placed(choice.degree, partition.boundaries, source, choice.source)
+        kvp = self.run.decode == "kvp"
+        plan = PrefillPlan(request_id, ids, partition.boundaries, self.attention, rope, kvp=kvp)
+        return self._chain(plan), Placed(choice.degree, partition.boundaries, source, choice.source,
+                                         decode="kvp" if kvp else "gathered")
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
                       ) -> tuple[PrefillOutcome, Placed]:

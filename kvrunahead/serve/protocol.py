@@ -165,6 +165,7 @@ class KvrFigures(BaseModel):
     ranks: list[RankFigures]
     packed_with: int = 1  # prompts prefilled in one packed sequence with this one (itself included)
     cached_tokens: int = 0  # the prompt's first tokens found in the prefix cache (only the rest was prefilled)
+    decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
 
 
 class CompletionChoice(BaseModel):

@@ -64,6 +64,7 @@ class RequestFigures:
     ranks: list[dict] = field(default_factory=list)  # {rank, compute_s, wait_s, bytes_sent}
     packed_with: int = 1  # prompts prefilled in the same packed sequence, this one included
     cached_tokens: int = 0  # the prompt's first tokens taken from the prefix cache, not prefilled
+    decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
 
 
 @dataclass
