@@ -98,6 +98,7 @@ class RunResult:
     generated_tokens: list[int]
     generated_text: str
     decode: str = "gathered"  # or kvp: every rank decoded on its own part of the cache
+    decode_s: float | None = None  # seconds from the first token to the last (the tokens after the first)
     verification: Verification | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -167,13 +168,15 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     transport.reset_stats()
     ranges = mode.token_ranges(partition)
     my_ids = torch.tensor([[t for a, e in ranges[rank] for t in ids[a:e]]], device=device)
-    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention)
+    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention,
+                own_kv_only=cfg.decode == "kvp")
     state = mode.setup(step)
     emits = rank == mode.emitter(p)
     logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
     stats = rank_stats(rank, ranges[rank], total_s, transport, state, device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
+    t0 = time.perf_counter()
     if cfg.decode == "kvp":  # every rank decodes on its own part of the cache
         part = (partition.boundaries[rank], partition.boundaries[rank + 1])
         shards = shard_cache(cache, layout, part, len(ids), owner=emits)
@@ -184,8 +187,9 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         return None
     if cfg.decode != "kvp":
         tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
+    decode_s = time.perf_counter() - t0
     ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
-    return finish_result(cfg, ran, total_s, all_stats, logits, tokens)
+    return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)
 
 
 @dataclass
@@ -202,7 +206,7 @@ class Ran:
 
 
 def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats], logits: torch.Tensor,
-                  tokens: list[int]) -> RunResult:
+                  tokens: list[int], decode_s: float | None = None) -> RunResult:
     """The emitting rank's report of a one-shot prefill (the runner's or the serving engine's) and, with
     ``--verify``, its check against the single process."""
     world, prepared, lm, layout = ran.world, ran.prepared, ran.lm, ran.layout
@@ -236,6 +240,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         generated_tokens=tokens,
         generated_text=lm.decode(tokens),
         decode=cfg.decode,
+        decode_s=decode_s,
         logits=logits.float().cpu(),
     )
     if cfg.verify:

@@ -63,8 +63,11 @@ def format_result(r: RunResult) -> str:
             f"full the chain would send {_mib(r.full_chain_bytes)}: {sent / max(r.full_chain_bytes, 1):.1%} of it)"
         )
     lines.append(f"first token  {r.first_token} {r.first_token_text!r}")
-    lines.append(f"generated    {r.generated_text!r}" + ("   (KVP decode: each rank attended its own part)"
-                                                        if r.decode == "kvp" else ""))
+    lines.append(f"generated    {r.generated_text!r}")
+    if r.decode_s is not None and len(r.generated_tokens) > 1:
+        lines.append(f"decode       {r.decode}: {r.decode_s / (len(r.generated_tokens) - 1) * 1e3:.1f} ms per token "
+                     f"after the first" + ("   (each rank attended its own part of the cache)"
+                                           if r.decode == "kvp" else ""))
     v = r.verification
     if v is not None:
         lines.append(

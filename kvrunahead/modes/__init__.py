@@ -33,6 +33,7 @@ class Step:
     layout: KVLayout
     context_len: int
     kvr_attention: str = "masked"
+    own_kv_only: bool = False  # kvr: keep only this rank's own part of each full layer (the KVP decode's shard)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def _chain(step: Step, nocomm: bool = False) -> ChainLink:
     start = step.ranges[step.transport.rank][0][0]
     device = step.input_ids.device
     if not nocomm:
-        return ChainLink(step.transport, start, step.layout, device)
+        return ChainLink(step.transport, start, step.layout, device, own_only=step.own_kv_only)
     link = LocalPrefixLink(step.transport, start, step.layout, device)
     link.prefixes = local_prefixes(step.model, torch.tensor([step.all_ids[:start]], device=device))
     return link

@@ -34,6 +34,10 @@ class ChainLink:
     ``holder`` names the rank that sends rank 0 its prefix where the prompt's first ``prefix_len`` positions are
     held already (a cached prefix, on the server's front): rank 0 then receives them instead of computing them,
     and the chain goes on as usual.
+
+    ``own_only``: a full layer keeps only this rank's own positions once its attention has them all (the KVP
+    decode's shard, kvrunahead/kvp.py): the prefix received dies with the layer's attention, so the last rank never
+    holds the whole prompt's K,V at once.
     """
 
     transport: Transport
@@ -42,6 +46,7 @@ class ChainLink:
     device: torch.device
     lookahead: int = 1
     holder: int | None = None
+    own_only: bool = False
     _pending: dict = field(default_factory=dict)
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
 
@@ -136,8 +141,11 @@ class RunaheadLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
         self.keys, self.values = kv[0], kv[1]
+        if self.link.own_only and self.link.prefix_len:
+            own = kv[..., self.link.prefix_len:, :].clone()
+            self.keys, self.values = own[0], own[1]
         self.is_initialized = True
-        return self.keys, self.values
+        return kv[0], kv[1]
 
 
 class RunaheadSlidingLayer(DynamicSlidingWindowLayer):

@@ -189,7 +189,8 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] 
     mine = ranges[ctx.rank]
     my_ids = torch.tensor([[t for a, e in mine for t in plan.ids[a:e]]], device=ctx.device)
     lm, layout = ctx.model(plan.rope)
-    step = Step(lm.model, my_ids, plan.ids, ranges, ctx.transport, layout, len(plan.ids), plan.attention)
+    step = Step(lm.model, my_ids, plan.ids, ranges, ctx.transport, layout, len(plan.ids), plan.attention,
+                own_kv_only=plan.kvp)
     state = mode.setup(step)
     emits = ctx.rank == mode.emitter(ctx.world_size)
     logits, cache, _, total_s = timed_prefill(mode, step, state, ctx.device, emits)

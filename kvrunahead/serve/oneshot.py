@@ -9,6 +9,8 @@ time every mode alike.
 
 from __future__ import annotations
 
+import time
+
 from kvrunahead.launcher import World
 from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.runner import Ran, RunResult, finish_result
@@ -26,9 +28,11 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     if not engine.is_front:
         engine.worker_loop()
         return None
+    start = time.monotonic()
     try:
         events, figures = engine.run_one(Request("kvr-prefill", prepared.ids,
-                                                 SamplingParams(max_tokens=cfg.max_new_tokens)))
+                                                 SamplingParams(max_tokens=cfg.max_new_tokens), arrival_s=start))
+        decode_s = time.monotonic() - start - figures.ttft_s
     finally:
         engine.shutdown()
     done = next(e for e in events if isinstance(e, Finished))
@@ -40,4 +44,4 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     lm, layout = engine.ctx.model(prepared.rope)
     ran = Ran(world, prepared, lm, layout, engine.ctx.transport, next(lm.model.parameters()).dtype, engine.ctx.threads)
     tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
-    return finish_result(cfg, ran, ranks[-1].total_s, ranks, engine.last_prefill_logits, tokens)
+    return finish_result(cfg, ran, ranks[-1].total_s, ranks, engine.last_prefill_logits, tokens, decode_s)
