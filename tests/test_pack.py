@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvrunahead.pack.plan import PackedStep, ffd_bins, packed_cuts, plan_steps
+from kvrunahead.pack.plan import PackedStep, cuts_after_cached, ffd_bins, packed_cuts, plan_steps
 from tests.helpers import world_runs
 
 
@@ -25,6 +25,21 @@ def test_cuts_balance_the_packed_work_when_no_edge_is_near():
     left, right = quadratic(cuts[1]), quadratic(1000) - quadratic(cuts[1])
     assert abs(left - right) <= quadratic(cuts[1]) - quadratic(cuts[1] - 1)  # balanced to one token
     assert cuts[1] > 500  # the later tokens see more keys: the first part is longer
+
+
+def test_new_tokens_after_a_cached_prefix_are_cut_by_their_work_with_the_prefix_priced_in():
+    for p in (2, 3):
+        cuts = cuts_after_cached(1000, 1400, p, quadratic)
+        assert cuts[0] == 1000 and cuts[-1] == 1400 and len(cuts) == p + 1
+        work = [quadratic(b) - quadratic(a) for a, b in zip(cuts, cuts[1:])]
+        step = quadratic(1400) - quadratic(1399)  # one token's work, the most of any
+        assert max(work) - min(work) <= step
+    # against the cuts of the new tokens alone (no prefix to attend): the long prefix flattens the work per token,
+    # so the first part shrinks toward an even cut
+    alone = cuts_after_cached(0, 400, 2, quadratic)[1]
+    assert alone - 0 > cuts_after_cached(1000, 1400, 2, quadratic)[1] - 1000 >= 195
+    with pytest.raises(ValueError, match="nothing"):
+        cuts_after_cached(400, 400, 2, quadratic)
 
 
 def test_cuts_move_to_a_prompt_edge_within_the_slack_and_not_beyond():
