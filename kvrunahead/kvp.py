@@ -20,23 +20,20 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register, uses_attention_interface
+from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.forward import last_token_logits
-from kvrunahead.model.layout import KVLayout, soft_caps
-from kvrunahead.modes.attention import attend_with_lse, refuse_softcap
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, refuse_softcap, why_not_inserted
 from kvrunahead.transport import Transport
 
 IMPLEMENTATION = "kvrunahead_kvp"
 
 
 def check_kvp(config) -> None:
-    """NotImplementedError with one line where the KVP decode cannot run the model exactly: it puts its attention
-    in through transformers' interface and does not soft-cap the logits."""
-    if soft_caps(config):
-        raise NotImplementedError("the model soft-caps its attention logits, which the KVP decode does not do")
-    if not uses_attention_interface(config):
-        raise NotImplementedError("the model computes attention itself, not through transformers' "
-                                  "AttentionInterface, which the KVP decode needs")
+    """NotImplementedError with one line where the KVP decode cannot run the model exactly."""
+    why = why_not_inserted(config, "the KVP decode")
+    if why:
+        raise NotImplementedError(why)
 
 
 class ShardLayer(DynamicLayer):
@@ -125,12 +122,7 @@ def shard_attention(query, key, value, start: int, first: int, owner: bool, wind
     visible = k_pos <= q_pos
     if window is not None:
         visible &= k_pos > q_pos - window
-    k, v = expand_kv(key, heads).float(), expand_kv(value, heads).float()
-    scores = (query.float() @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
-    return out, lse
+    return masked_attention_with_lse(query, key, value, visible, scale)
 
 
 def merge_parts(parts: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ Every answer equals, token for token, the greedy answer of the standalone prompt
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,9 +22,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvrunahead.model.attention import attention_mode, current_state, expand_kv, register
+from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.layout import layer_windows
-from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
+from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, merge_lse, refuse_softcap
 
 IMPLEMENTATION = "kvrunahead_shared_prefix"
 
@@ -97,12 +96,7 @@ def prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torc
 def padded_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale):
     """One query per row against that row's own keys, ``valid`` ``[B, slots]`` marking the real ones (a decode
     step's short own block: its scores are small). Returns output and log-sum-exp, float32."""
-    heads, d = query.shape[1], query.shape[-1]
-    k, v = expand_kv(keys, heads).float(), expand_kv(values, heads).float()
-    scores = (query.float() @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(d))
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v, lse
+    return masked_attention_with_lse(query, keys, values, valid[:, None, None, :], scale)
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

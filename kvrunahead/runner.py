@@ -180,13 +180,13 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     if cfg.decode == "kvp":  # every rank decodes on its own part of the cache
         part = (partition.boundaries[rank], partition.boundaries[rank + 1])
         shards = shard_cache(cache, layout, part, len(ids), owner=emits)
-        del cache
+        del cache  # the shard is a copy: what this rank received dies here
         tokens = kvp_decode(lm.model, shards, transport, first_token if emits else None, new_tokens,
                             lm.eos_token_ids)
+    elif emits:
+        tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     if not emits:
         return None
-    if cfg.decode != "kvp":
-        tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     decode_s = time.perf_counter() - t0
     ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)

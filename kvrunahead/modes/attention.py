@@ -3,10 +3,13 @@ merge of partial blocks."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from kvrunahead.model.attention import expand_kv
+from kvrunahead.model.attention import expand_kv, uses_attention_interface
+from kvrunahead.model.layout import soft_caps
 
 
 def causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, device, window: int | None = None) -> torch.Tensor:
@@ -70,6 +73,18 @@ def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.T
     return out.view(b, heads, n, d), lse.reshape(b, heads, n)  # the log-sum-exp is small: a copy is no cost
 
 
+def masked_attention_with_lse(q, k, v, visible: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention under a boolean ``visible`` broadcastable to the scores ``[B, heads, n, keys]``, the scores
+    materialised (short key blocks only: a decode step's own tokens, a window). Output and log-sum-exp, float32; a
+    query that sees no key gets output 0 and log-sum-exp -inf (it adds nothing to a merge)."""
+    heads, d = q.shape[1], q.shape[-1]
+    k, v = expand_kv(k, heads).float(), expand_kv(v, heads).float()
+    scores = (q.float() @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(d))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v, lse
+
+
 def merge_lse(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Combine two softmax-normalised partial results over disjoint key sets (ring attention's merge).
 
@@ -81,6 +96,16 @@ def merge_lse(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: tor
     block_out.mul_(torch.exp(block_lse - new_lse)[..., None])
     out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out)
     return out, new_lse
+
+
+def why_not_inserted(config, what: str) -> str | None:
+    """Why ``what`` (an attention of ours put into the model through transformers' interface) cannot run this
+    model exactly, or None: the model must use that interface and must not soft-cap its logits."""
+    if soft_caps(config):
+        return f"it soft-caps its attention logits, which {what} does not do"
+    if not uses_attention_interface(config):
+        return f"it computes attention itself, not through transformers' AttentionInterface, which {what} needs"
+    return None
 
 
 def refuse_softcap(kwargs: dict, mode: str) -> None:

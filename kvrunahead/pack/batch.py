@@ -15,11 +15,11 @@ from transformers import DynamicCache
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.forward import greedy_decode
-from kvrunahead.model.layout import probe_kv_layout, soft_caps
+from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.rope import plan_extension
+from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
@@ -101,14 +101,8 @@ def prompt_work(config) -> Callable[[int], float]:
 
 
 def why_not_packable(config) -> str | None:
-    """Why the packed attention cannot run this model, or None: it inserts its own attention through transformers'
-    interface and does not soft-cap the logits."""
-    if soft_caps(config):
-        return "it soft-caps its attention logits, which the packed attention does not do"
-    if not uses_attention_interface(config):
-        return "it computes attention itself, not through transformers' AttentionInterface, which the packed " \
-               "attention needs"
-    return None
+    """Why the packed attention cannot run this model, or None."""
+    return why_not_inserted(config, "the packed attention")
 
 
 def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
