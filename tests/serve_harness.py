@@ -166,6 +166,33 @@ def kvp(scenario: dict, world, out: dict) -> None:
     out["finish_reasons"] = [finished[f"together{i}"].finish_reason for i in range(len(prompts))]
 
 
+def chunked(scenario: dict, world, out: dict) -> None:
+    """Each prompt prefilled in chunks of ``chunk_tokens`` (one engine step each, a short prompt decoding between
+    them), against the prompt whole in this process with transformers alone: first-token logits and greedy tokens.
+    With ``cancel`` the first prompt is cancelled after its first chunk."""
+    cfg = EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario.get("degree", "auto"), pack_tokens=0,
+                       chunk_tokens=scenario["chunk_tokens"], prefix_cache_tokens=0)
+    engine = Engine(cfg, world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    model = engine.ctx.lm.model
+    out["tokens"], out["ref_tokens"], out["max_abs_logit_diff"], out["chunks"] = [], [], [], []
+    engine.add(Request("short", scenario["short"], SamplingParams(max_tokens=4 * len(scenario["prompts"]) + 40)))
+    for i, ids in enumerate(scenario["prompts"]):
+        events, figures = engine.run_one(Request(f"long{i}", ids, params))
+        with torch.no_grad():
+            ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=scenario["max_tokens"], do_sample=False)
+        out["tokens"].append([e.token_id for e in events if not isinstance(e, Finished)])
+        out["ref_tokens"].append(ref[0, len(ids):].tolist())
+        out["max_abs_logit_diff"].append(float((engine.last_prefill_logits - ref_logits).abs().max()))
+        out["chunks"].append(figures.chunks)
+    out["partial_left"] = len(engine._partial)
+    engine.shutdown()
+
+
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
     client = _front_client(scenario, world)
@@ -183,7 +210,8 @@ def main() -> None:
     out: dict = {}
     code = 0
     try:
-        scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp}
+        scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
+                     "chunked": chunked}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

@@ -110,10 +110,10 @@ class DegreePolicy:
                                     f"(partition tables, interpolated at {n} tokens)")
 
     def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
-        cost, which = self._cost_model(self.threads)
+        cost, which = self.cost_model(self.threads)
         if cost is None:
             return None, which
-        solo, solo_which = self._cost_model(self.solo_threads)
+        solo, solo_which = self.cost_model(self.solo_threads)
         if solo is None:  # no profile at the front's solo threads: one rank priced at the chain's threads (slower)
             solo, solo_which = cost, f"{which}, at {self.threads} thread(s): none for {self.solo_threads}"
         one = simulate(solo, "kvr", n, 1, None, self.attention).ttft_s
@@ -127,7 +127,7 @@ class DegreePolicy:
                                     f"thread(s) ({solo_which}), {chain:.3f} s on {self.p} ranks of {self.threads} "
                                     f"({which})"), ""
 
-    def _cost_model(self, threads: int) -> tuple[CostModel | None, str]:
+    def cost_model(self, threads: int) -> tuple[CostModel | None, str]:
         """The cost model of this setting at ``threads`` per rank and the profile it stands on, or None and why
         there is none; built once per thread count, not per length."""
         if threads not in self._costs:

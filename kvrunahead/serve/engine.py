@@ -31,6 +31,7 @@ from kvrunahead.policy import (
 from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor
+from kvrunahead.serve.chunking import chunk_planner, lars_slack, yielded_share
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, Shutdown
 from kvrunahead.serve.placement import Placement
@@ -61,6 +62,11 @@ class EngineConfig:
     heartbeat_s: float = 1.0
     pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
     prefix_cache_tokens: int = 32768  # prompts' K,V kept for later prompts that start the same way; 0: none
+    step_budget_ms: float = 0.0  # a longer prefill (as the cost model predicts it) runs in chunks; 0: never chunked
+    chunk_tokens: int = 0  # chunks of this many tokens instead of the budget's (fixed chunking); 0: by the budget
+    schedule: str = "fcfs"  # or lars (serve/scheduler.py)
+    ttft_slo_s: float = 2.0  # LARS's default TTFT target: the larger of this and
+    ttft_slo_factor: float = 4.0  # this many times the request's predicted prefill alone
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
@@ -98,12 +104,17 @@ class Engine:
         why = why_not_packable(model_config)
         if config.pack_tokens and why:
             log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
-        self.scheduler = Scheduler(config.max_queue, 0 if why else config.pack_tokens)
         self.decoder = VariantDecoders(self._decoder_for)
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
                                    self.heartbeat)
+        self.chunks = chunk_planner(config, self.placement, model_config)
+        pack = 0 if why else config.pack_tokens
+        if self.chunks is not None and (self.chunks.fixed or self.chunks.budget_s):  # a packed prefill fits one step's budget too
+            pack = min(pack, self.chunks.end(self.max_model_len, 0))
+        self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
+                                   lars_slack(self.chunks, config) if config.schedule == "lars" else None)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -112,6 +123,7 @@ class Engine:
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # KVP requests ended whose shards the workers still hold
+        self._partial: dict = {}  # request id -> the front's cache of a chunked prefill's chunks so far
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -214,11 +226,38 @@ class Engine:
         if isinstance(work, AskWork):
             return self._ask(work.ask)
         seq = work.seq
+        if seq.prefilled or (self.chunks is not None and self.chunks.chunked(seq.prompt_len)):
+            return self._chunk(seq)
         seq.prefill_start_s = time.monotonic()
         outcome, placed = self.placement.one(seq.request_id, seq.request.prompt_ids, seq.rope)
         seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
                                      list(placed.boundaries), placed.source, placed.degree_source,
                                      cached_tokens=placed.cached_tokens, decode=placed.decode)
+        return outcome
+
+    def _chunk(self, seq: Sequence) -> PrefillOutcome | None:
+        """The next chunk of a long prompt (serve/chunking.py); the outcome once its last chunk ran, else None (the
+        front keeps the cache so far, and the sequence waits for its next turn)."""
+        n, done, p = seq.prompt_len, seq.prefilled, self.ctx.world_size
+        if not done:
+            seq.prefill_start_s = time.monotonic()
+            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, p, [0, n],
+                                         "chunked prefill", self.chunks.describe())
+        budget = self.chunks.budget_s
+        with self._lock:
+            if self.scheduler.policy == "lars" and self.scheduler.others_waiting(seq):
+                budget *= yielded_share(self.scheduler.slack.of(seq, time.monotonic()))
+        end = self.chunks.end(n, done, budget)
+        cuts = self.chunks.cuts(done, end)
+        t0 = time.monotonic()
+        outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, done, end, seq.rope,
+                                       self._partial.pop(seq.request_id, None), cuts)
+        seq.figures.chunks.append({"start": done, "end": end, "cuts": list(cuts), "seconds": time.monotonic() - t0,
+                                   "predicted_s": self.chunks.predict_s(done, end), "budget_s": budget})
+        seq.prefilled = end
+        if end < n:
+            self._partial[seq.request_id] = outcome.cache
+            return None
         return outcome
 
     def _packed(self, seqs: list) -> list[PrefillOutcome]:
@@ -248,6 +287,10 @@ class Engine:
 
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
+            if outcome is None:  # a chunk: the rest of the prompt waits for its turn
+                with self._lock:
+                    self.scheduler.resume(work.seq)
+                return []
             return self._after_prefill(work.seq, outcome)
         if isinstance(work, PackedPrefillWork):
             return [e for seq, one in zip(work.seqs, outcome) for e in self._after_prefill(seq, one)]
@@ -296,6 +339,7 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
+        self._partial.pop(seq.request_id, None)
         if self.ctx.shards.pop(seq.request_id, None) is not None:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)

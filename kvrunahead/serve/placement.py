@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvrunahead.errors import InputError
 from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
@@ -81,6 +83,19 @@ class Placement:
         plan = PrefillPlan(request_id, ids, boundaries, self.attention, cached=cached)
         outcome = self._chain(plan, self.prefixes.held(entry, cached))
         return outcome, Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached)
+
+    def chunk(self, request_id: str, ids: list[int], done: int, end: int, rope, cache, cuts: tuple[int, ...]
+              ) -> PrefillOutcome:
+        """One chunk of a chunked prefill (serve/chunking.py): positions [done, end) of ``ids`` after the first
+        ``done``, whose K,V the front's ``cache`` holds (None for the first chunk), cut over the chain at ``cuts``;
+        the outcome's cache holds [0, end) on the front."""
+        if self.ctx.world_size == 1 or len(cuts) == 2:
+            if cache is None:
+                return executor.single_prefill(self.ctx, ids[:end], rope)
+            return executor.suffix_prefill(self.ctx, cache, ids[:end], done, rope)
+        plan = PrefillPlan(request_id, ids[:end], cuts, self.attention, rope, cached=done)
+        held = [torch.stack((layer.keys, layer.values)) for layer in cache.layers] if cache is not None else None
+        return self._chain(plan, held)
 
     def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]) -> tuple[list[PrefillOutcome], Placed]:
         """One packed prefill of several prompts: over the chain, cut by the packed work at prompt edges, or on

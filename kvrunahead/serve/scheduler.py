@@ -1,14 +1,26 @@
-"""What runs next: one prefill, or one batched decode of every running request (torch-free).
+"""What runs next: one prefill (or one chunk of a long one), or one batched decode of every running request
+(torch-free).
 
 TTFT first: a waiting request is prefilled as soon as the engine is free; the requests waiting behind it join its
 prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. Decodes are never starved: after a
 prefill, the next step decodes whenever any request is decoding, so a stream of arrivals still lets every running
 request advance every other step at worst.
+
+Which prefill goes first is the policy's:
+- ``fcfs``: first come, first served; a long prompt prefilled in chunks keeps its place in line.
+- ``lars``: Medha's length-aware relative slack. A request's slack is the time left to its TTFT deadline less the
+  predicted prefill work it still has; LARS divides it by the request's whole predicted work, and the request with
+  the least relative slack goes first. A short request with the same seconds of slack as a long one can afford to
+  wait more (its slack is many times its work); as time passes, every waiting request's slack falls, so a long
+  one's turn comes. Bounded: a request passed over ``starve_after`` prefill steps in a row goes next whatever the
+  slacks say, so a stream of urgent short requests cannot starve a long one (nor the other way round).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrunahead.serve.sequence import AskRequest, QueueFull, Sequence
@@ -48,11 +60,42 @@ def taken(work: Work | None) -> list[Sequence]:
     return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
 
 
+POLICIES = ("fcfs", "lars")
+STARVE_AFTER = 8  # prefill steps a request may be passed over in a row before it goes next
+
+
+def relative_slack(arrival_s: float, target_s: float, remaining_s: float, total_s: float, now: float) -> float:
+    """LARS's priority (lower goes first): the seconds to spare before the TTFT deadline ``arrival + target`` once
+    the predicted remaining work is done, per second of the request's whole predicted work."""
+    return (arrival_s + target_s - now - remaining_s) / max(total_s, 1e-9)
+
+
+@dataclass(frozen=True)
+class Slack:
+    """What LARS needs of a request, from the engine's cost model: its TTFT target, its whole predicted prefill and
+    what is left of it (seconds)."""
+
+    target_s: Callable[[Sequence], float]
+    total_s: Callable[[Sequence], float]
+    remaining_s: Callable[[Sequence], float]
+
+    def of(self, seq: Sequence, now: float) -> float:
+        return relative_slack(seq.request.arrival_s, self.target_s(seq), self.remaining_s(seq), self.total_s(seq),
+                              now)
+
+
 class Scheduler:
-    def __init__(self, max_queue: int, pack_tokens: int = 0) -> None:
+    def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
+                 starve_after: int = STARVE_AFTER) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(POLICIES)}")
+        if policy == "lars" and slack is None:
+            raise ValueError("the lars schedule needs each request's predicted work (a cost model)")
         self.max_queue = max_queue
         self.pack_tokens = pack_tokens  # 0: one prompt per prefill
+        self.policy, self.slack, self.starve_after = policy, slack, starve_after
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.asks: deque[AskRequest] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
@@ -66,31 +109,65 @@ class Scheduler:
         self.asks.append(ask)
 
     def _check_room(self) -> None:
-        if len(self.waiting) + len(self.asks) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting) + len(self.asks)} requests are waiting (--max-queue "
-                            f"{self.max_queue})")
+        queued = len(self.waiting) + len(self.prefilling) + len(self.asks)
+        if queued >= self.max_queue:
+            raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue})")
 
-    def schedule(self) -> Work | None:
-        """The next step, or None when idle. A prefilled sequence leaves ``waiting`` here."""
-        decode_due = bool(self.running) and (self._last_was_prefill or not (self.waiting or self.asks))
+    def schedule(self, now: float | None = None) -> Work | None:
+        """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
+        chunk's sequence comes back through ``resume``."""
+        decode_due = bool(self.running) and (self._last_was_prefill or not (self.waiting or self.prefilling
+                                                                              or self.asks))
         if decode_due:
             self._last_was_prefill = False
             return DecodeWork(list(self.running))
-        if self.waiting:
+        if self.waiting or self.prefilling:
             self._last_was_prefill = True
-            seqs = [self.waiting.popleft()]
-            total = seqs[0].prompt_len
-            # A prompt whose length needs the RoPE extended runs on another model variant: never packed. The queue
-            # is taken in order, up to the first request that does not fit, so none is overtaken.
-            while (self.pack_tokens and seqs[0].rope is None and self.waiting and self.waiting[0].rope is None
-                   and total + self.waiting[0].prompt_len <= self.pack_tokens):
-                seqs.append(self.waiting.popleft())
-                total += seqs[-1].prompt_len
-            return PrefillWork(seqs[0]) if len(seqs) == 1 else PackedPrefillWork(seqs)
+            order = self.order(time.monotonic() if now is None else now)
+            first = order[0]
+            for seq in order[1:]:
+                seq.passed_over += 1
+            first.passed_over = 0
+            if first in self.prefilling:
+                self.prefilling.remove(first)
+                return PrefillWork(first)
+            self.waiting.remove(first)
+            seqs, total = [first], first.prompt_len
+            # A prompt whose length needs the RoPE extended runs on another model variant: never packed. The
+            # others are taken in the policy's order, up to the first that does not fit, so none is overtaken.
+            for seq in (s for s in order[1:] if s in self.waiting):
+                if not (self.pack_tokens and first.rope is None and seq.rope is None
+                        and total + seq.prompt_len <= self.pack_tokens):
+                    break
+                self.waiting.remove(seq)
+                seqs.append(seq)
+                total += seq.prompt_len
+            for seq in seqs[1:]:
+                seq.passed_over = 0
+            return PrefillWork(first) if len(seqs) == 1 else PackedPrefillWork(seqs)
         if self.asks:
             self._last_was_prefill = True
             return AskWork(self.asks.popleft())
         return None
+
+    def order(self, now: float) -> list[Sequence]:
+        """The prefills in the order the policy takes them: those passed over ``starve_after`` times first (by
+        arrival), then by arrival (fcfs) or by relative slack (lars)."""
+        candidates = [*self.prefilling, *self.waiting]
+
+        def key(seq: Sequence):
+            starved = seq.passed_over >= self.starve_after
+            slack = 0.0 if starved or self.policy == "fcfs" else self.slack.of(seq, now)
+            return (not starved, slack, seq.request.arrival_s)
+
+        return sorted(candidates, key=key)
+
+    def others_waiting(self, seq: Sequence) -> bool:
+        return any(s is not seq for s in (*self.waiting, *self.prefilling))
+
+    def resume(self, seq: Sequence) -> None:
+        """A chunk of ``seq``'s prefill ran; the rest waits for its turn."""
+        self.prefilling.append(seq)
 
     def start_decoding(self, seq: Sequence) -> None:
         seq.status = "running"
@@ -102,6 +179,10 @@ class Scheduler:
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a request out wherever it is (cancel); the caller frees its cache."""
+        for seq in self.prefilling:
+            if seq.request_id == request_id:
+                self.prefilling.remove(seq)
+                return seq
         for seq in self.waiting:
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
@@ -126,11 +207,12 @@ class Scheduler:
 
     def drain_all(self) -> list[Sequence]:
         """Every request in flight, removed (the engine failed)."""
-        seqs = [*self.waiting, *self.running]
+        seqs = [*self.waiting, *self.prefilling, *self.running]
         self.waiting.clear()
+        self.prefilling.clear()
         self.running.clear()
         return seqs
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.asks)
+        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.asks)

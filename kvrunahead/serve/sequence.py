@@ -45,6 +45,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_s: float = field(default_factory=time.monotonic)  # time.monotonic(): TTFT and queue time count from here
+    ttft_target_s: float | None = None  # the TTFT this request asks for (LARS's deadline); None: the default by length
 
 
 def new_request_id() -> str:
@@ -65,6 +66,7 @@ class RequestFigures:
     packed_with: int = 1  # prompts prefilled in the same packed sequence, this one included
     cached_tokens: int = 0  # the prompt's first tokens taken from the prefix cache, not prefilled
     decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
+    chunks: list[dict] = field(default_factory=list)  # a chunked prefill's chunks: start, end, ranks, seconds
 
 
 @dataclass
@@ -171,6 +173,8 @@ class Sequence:
     figures: RequestFigures | None = None
     prefill_start_s: float | None = None
     rope: object = None  # the RoPE extension its prompt's length needs (a model.rope.RopeExtension), or None
+    prefilled: int = 0  # prompt tokens whose K,V the front holds already (the chunks of a chunked prefill so far)
+    passed_over: int = 0  # prefill steps in a row that went to another request (the scheduler's starvation bound)
 
     def __post_init__(self) -> None:
         self.text = StopText(self.request.params.stop)

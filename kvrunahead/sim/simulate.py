@@ -134,14 +134,41 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
     return SimResult(mode, context_len, p, b, clock.t[emitter], clock.ranks, link_bytes, clock.spans)
 
 
+def simulate_chunk(model: CostModel, boundaries: tuple[int, ...], attention: str = "split") -> SimResult:
+    """One chunk of a chunked prefill: positions [b[0], b[-1]) over the chain after the first ``b[0]``, whose K,V
+    the last rank (the server's front) holds and sends rank 0 as its prefix, every layer in the background (on one
+    rank the prefix is local). What ``serve.chunking`` prices a chunk with, and what its step times are checked
+    against."""
+    b = tuple(boundaries)
+    p = len(b) - 1
+    if p < 1 or b[0] < 0 or any(y <= x for x, y in zip(b, b[1:])):
+        raise SimError(f"boundaries {b} are not a chunk's cuts over at least one rank")
+    links = Links(model.link, p)
+    clock = _Clock(p, [b[r + 1] - b[r] for r in range(p)], False)
+    _kvr(model, clock, links, b, attention, comm=True)
+    clock.compute(p - 1, model.layers, model.lm_head_s())
+    for r in clock.ranks:
+        r.end_s = clock.t[r.rank]
+    link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
+    return SimResult("kvr", b[-1], p, b, clock.t[p - 1], clock.ranks, link_bytes)
+
+
 def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], attention: str, comm: bool) -> None:
+    """The chain; with ``b[0] > 0`` the last rank holds the first ``b[0]`` positions and sends them to rank 0
+    (``simulate_chunk``)."""
     p = len(b) - 1
     posted = [0.0] * p  # when each rank's receive for the current layer was posted
+    held = b[0] > 0 and p > 1 and comm
     for layer in range(model.layers):
         arrival = 0.0
+        if held:  # the front's isends of every layer go out at once; rank 0 takes them in order
+            held_at = links.send(p - 1, 0, 0.0, model.kv_bytes(b[0]))
         for i in range(p):
             n, prefix = b[i + 1] - b[i], b[i]
             clock.compute(i, layer, model.qkv_s(n))
+            if i == 0 and held:
+                clock.wait_until(0, layer, held_at)
+                clock.compute(0, layer, model.transfer_cpu_s(model.kv_bytes(prefix)))
             if i > 0 and comm:
                 clock.wait_until(i, layer, arrival)
                 posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in

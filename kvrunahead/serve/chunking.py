@@ -1,0 +1,129 @@
+"""How much of a long prompt one step prefills (Medha's adaptive chunking), priced by the cost model.
+
+A prompt whose prefill the cost model (kvrunahead/sim) predicts to take longer than ``--step-budget-ms`` is
+prefilled in chunks, one per engine step, so that decodes and short prompts run between them. Each chunk is a
+chain prefill of its new tokens after the positions before it, whose K,V the front holds and sends rank 0
+(``simulate_chunk`` prices exactly that); the chunk is the longest that the model predicts to fit the step's
+budget. As the cache grows each new token attends to more keys, so the chunks shrink along the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrunahead.errors import InputError
+from kvrunahead.pack.plan import cuts_after_cached
+from kvrunahead.serve.scheduler import Slack
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.simulate import simulate_chunk
+
+MIN_CHUNK = 64  # tokens: a shorter chunk spends its step on the layers' fixed costs and the prefix's transfer
+ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
+YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
+
+
+@dataclass
+class ChunkPlanner:
+    cost: CostModel  # a rank of the chain (or the front alone where the world is one rank)
+    world_size: int
+    attention: str
+    work: Callable[[int], float]  # a prompt's first t tokens' work (pack.batch.prompt_work): the chunk's cuts
+    budget_s: float
+    min_chunk: int = MIN_CHUNK
+    fixed: int = 0  # chunks of this many tokens whatever they cost (Sarathi-style); 0: by the budget
+    _whole: dict[int, float] = field(default_factory=dict)
+
+    def cuts(self, done: int, end: int) -> tuple[int, ...]:
+        """The chunk's rank boundaries: its new tokens cut by their work with the positions before them priced in
+        (one rank: the whole chunk)."""
+        if self.world_size == 1 or end - done < self.world_size:
+            return (done, end)
+        return cuts_after_cached(done, end, self.world_size, self.work)
+
+    def predict_s(self, done: int, end: int) -> float:
+        """The predicted seconds of a chunk prefilling positions [done, end)."""
+        return simulate_chunk(self.cost, self.cuts(done, end), self.attention).ttft_s
+
+    def whole_s(self, n: int) -> float:
+        """The predicted seconds of a whole ``n``-token prefill in one step (rounded up to ``ROUND`` tokens)."""
+        key = -(-n // ROUND) * ROUND
+        if key not in self._whole:
+            self._whole[key] = self.predict_s(0, key)
+        return self._whole[key]
+
+    def remaining_s(self, n: int, done: int) -> float:
+        """What is left of an ``n``-token prefill after ``done`` tokens, predicted (without the chunks' extra
+        transfers: LARS needs the order of magnitude)."""
+        return max(0.0, self.whole_s(n) - (self.whole_s(done) if done else 0.0))
+
+    def chunked(self, n: int) -> bool:
+        """Whether an ``n``-token prompt is prefilled in chunks: its one-step prefill would overrun the budget."""
+        if self.fixed:
+            return n > self.fixed
+        return self.budget_s > 0 and n > self.min_chunk and self.predict_s(0, n) > self.budget_s
+
+    def describe(self) -> str:
+        if self.fixed:
+            return f"chunks of {self.fixed} tokens (--chunk-tokens)"
+        return f"chunks that the cost model fits in {self.budget_s * 1000:.0f} ms (--step-budget-ms)"
+
+    def end(self, n: int, done: int, budget_s: float | None = None) -> int:
+        """The end of the next chunk of an ``n``-token prompt after ``done`` tokens: the longest that fits
+        ``budget_s`` (the planner's budget by default), at least ``min_chunk`` tokens, at most the rest."""
+        if self.fixed:
+            return min(n, done + self.fixed)
+        budget = self.budget_s if budget_s is None else budget_s
+        lo = min(n, done + max(self.min_chunk, self.world_size))
+        if self.predict_s(done, n) <= budget:
+            return n
+        hi = n
+        while hi - lo > max(1, self.min_chunk // 4):  # the predicted time grows with the chunk's end
+            mid = (lo + hi) // 2
+            if self.predict_s(done, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def yielded_share(relative_slack: float) -> float:
+    """The share of the step's budget a long prefill takes while others wait (Medha's space sharing): ``1 - rho``
+    of it, between ``YIELD_FLOOR`` and all of it; a request behind its deadline keeps all."""
+    return min(1.0, max(YIELD_FLOOR, 1.0 - relative_slack))
+
+
+def chunk_planner(config, placement, model_config) -> ChunkPlanner | None:
+    """The engine's chunk planner (``config``: an EngineConfig), or None where nothing is chunked and LARS is off;
+    raises InputError where the budget or LARS needs a cost model this setting has none of."""
+    wanted = config.step_budget_ms > 0 or config.chunk_tokens > 0 or config.schedule == "lars"
+    if config.step_budget_ms < 0 or config.chunk_tokens < 0:
+        raise InputError("--step-budget-ms and --chunk-tokens take 0 (off) or a positive value")
+    if not wanted:
+        return None
+    if placement.ctx.layout.windows:
+        raise InputError("chunked prefill runs full-attention models only (a sliding layer's cache keeps its "
+                         "window, not the positions a later chunk's cut needs)")
+    degrees = placement.degrees
+    threads = degrees.threads if placement.ctx.world_size > 1 else degrees.solo_threads
+    cost, why = degrees.cost_model(threads)
+    if cost is None and (config.step_budget_ms > 0 or config.schedule == "lars"):
+        raise InputError(f"--step-budget-ms and --schedule lars price prefills with the cost model, and there is "
+                         f"none here: {why}")
+    if cost is None:
+        raise InputError(f"--chunk-tokens needs the cost model for the chunks' cuts over the ranks: {why}")
+    return ChunkPlanner(cost, placement.ctx.world_size, placement.attention, placement.work,
+                        config.step_budget_ms / 1000, fixed=config.chunk_tokens)
+
+
+def lars_slack(planner: ChunkPlanner, config) -> Slack:
+    """LARS's view of a request: its target (the request's own, else the larger of ``ttft_slo_s`` and
+    ``ttft_slo_factor`` times its predicted prefill), its whole predicted prefill, and what is left of it."""
+
+    def target(seq) -> float:
+        if seq.request.ttft_target_s is not None:
+            return seq.request.ttft_target_s
+        return max(config.ttft_slo_s, config.ttft_slo_factor * planner.whole_s(seq.prompt_len))
+
+    return Slack(target, lambda seq: planner.whole_s(seq.prompt_len),
+                 lambda seq: planner.remaining_s(seq.prompt_len, seq.prefilled))
