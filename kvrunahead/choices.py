@@ -15,3 +15,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 # leaves it there), or KV-cache parallel (kvrunahead/kvp.py: each rank keeps its part, attention merged per layer).
 DECODES = ("gathered", "kvp")
 DEVICES = ("auto", "cpu", "cuda")
+# Which waiting prefill the server runs next (serve/scheduler.py): first come, first served, or Medha's
+# length-aware relative slack.
+SCHEDULES = ("fcfs", "lars")

@@ -14,12 +14,14 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from kvrunahead.launcher import init_world, leave_world
+from kvrunahead.model.rope import plan_extension
 from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.runner import run_on_world
 from kvrunahead.serve.client import AsyncEngineClient
@@ -44,21 +46,29 @@ def match(scenario: dict, world, out: dict) -> None:
                ranks=figures.ranks)
 
 
-async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict) -> None:
-    async for event in client.generate(list(range(20, 80)), SamplingParams(max_tokens=4000), rid):
+async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict, prompt: list[int]) -> None:
+    async for event in client.generate(prompt, SamplingParams(max_tokens=4000), rid):
         if not ready.exists():
             ready.write_text("decoding")
         if isinstance(event, Finished):
-            out[rid] = {"finish_reason": event.finish_reason, "error": event.error, "at_s": time.monotonic()}
+            out[rid] = {"finish_reason": event.finish_reason, "error": event.error, "at_s": time.monotonic(),
+                        "decode": event.figures.decode if event.figures else None}
 
 
 def _front_client(scenario: dict, world) -> AsyncEngineClient | None:
     """The engine on every rank: the workers run their loop to its end (None), the front gets its client."""
-    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2), world)
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), heartbeat_s=0.2, **scenario.get("engine", {})),
+                    world)
     if not engine.is_front:
         engine.worker_loop()
         return None
     return AsyncEngineClient(engine)
+
+
+def _when_chunking(engine: Engine, ready: Path, tokens: int) -> None:
+    while not any(seq.prefilled >= tokens for seq in list(engine.scheduler.prefilling)):
+        time.sleep(0.01)
+    ready.write_text("chunking")
 
 
 def serve(scenario: dict, world, out: dict) -> None:
@@ -66,8 +76,16 @@ def serve(scenario: dict, world, out: dict) -> None:
     if client is None:
         return
 
+    ready = Path(scenario["ready"])
+    prompt = scenario.get("prompt", list(range(20, 80)))
+    if scenario.get("ready_when") == "chunking":  # ready once a chunked prefill is half way, not at a first token
+        prompt = list(range(20, 80)) * (scenario["prompt_tokens"] // 60)
+        ready = Path(scenario["ready"] + ".unused")
+        threading.Thread(target=_when_chunking, args=(client.engine, Path(scenario["ready"]), len(prompt) // 2),
+                         daemon=True).start()
+
     async def main() -> None:
-        await asyncio.gather(*(_collect(client, f"r{i}", Path(scenario["ready"]), out) for i in range(3)))
+        await asyncio.gather(*(_collect(client, f"r{i}", ready, out, prompt) for i in range(3)))
 
     asyncio.run(main())
     out["healthy"] = client.healthy
@@ -177,11 +195,11 @@ def chunked(scenario: dict, world, out: dict) -> None:
         engine.worker_loop()
         return
     params = SamplingParams(max_tokens=scenario["max_tokens"])
-    model = engine.ctx.lm.model
     out["tokens"], out["ref_tokens"], out["max_abs_logit_diff"], out["chunks"] = [], [], [], []
     engine.add(Request("short", scenario["short"], SamplingParams(max_tokens=4 * len(scenario["prompts"]) + 40)))
     for i, ids in enumerate(scenario["prompts"]):
         events, figures = engine.run_one(Request(f"long{i}", ids, params))
+        model = engine.ctx.model(plan_extension(engine.model_config, len(ids), False, cfg.run.model))[0].model
         with torch.no_grad():
             ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
             ref = model.generate(torch.tensor([ids]), max_new_tokens=scenario["max_tokens"], do_sample=False)

@@ -75,7 +75,7 @@ class FakeClient:
     def shutdown(self) -> None:
         self.healthy = False
 
-    async def generate(self, prompt_ids, params, request_id):
+    async def generate(self, prompt_ids, params, request_id, ttft_target_s=None):
         if self.full:
             raise QueueFull("3 requests are waiting (--max-queue 3)")
         self.requests.append((prompt_ids, params, request_id))

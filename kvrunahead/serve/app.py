@@ -64,7 +64,7 @@ def _figures(figures) -> p.KvrFigures | None:
         partition=p.Partition(boundaries=list(figures.boundaries), source=figures.partition_source),
         ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")})
                for r in figures.ranks], packed_with=figures.packed_with, cached_tokens=figures.cached_tokens,
-        decode=figures.decode)
+        decode=figures.decode, chunks=[p.ChunkFigures(**c) for c in figures.chunks])
 
 
 def _usage(done: Finished) -> p.Usage:
@@ -186,10 +186,11 @@ def _failure(done: Finished | Answered, client) -> ApiError:
 
 
 async def _admit(client, metrics: Metrics, request: Request, ids: list[int], params: SamplingParams, rid: str,
-                 arrival_s: float) -> tuple[_Run, TokenEvent | Finished]:
+                 arrival_s: float, ttft_target_s: float | None = None) -> tuple[_Run, TokenEvent | Finished]:
     """Hand the request to the engine and wait for its first event; the client's generator raises QueueFull,
     EngineDead or ValueError at its first step, before anything is queued."""
-    run = _Run(client, metrics, request, rid, client.generate(ids, params, rid), arrival_s)
+    run = _Run(client, metrics, request, rid, client.generate(ids, params, rid, ttft_target_s=ttft_target_s),
+               arrival_s)
     try:
         with _refusals(client):
             return run, await run.next()
@@ -278,7 +279,7 @@ async def _serve(client, metrics: Metrics, request: Request, req, ids: list[int]
     if (refusal := _unavailable(client)) is not None:
         raise refusal
     try:
-        run, first = await _admit(client, metrics, request, ids, params, rid, arrival_s)
+        run, first = await _admit(client, metrics, request, ids, params, rid, arrival_s, req.ttft_target_s)
     except ClientGone:
         return Response(status_code=499)
     if req.stream:

@@ -45,6 +45,11 @@ class ChunkPlanner:
         """The predicted seconds of a chunk prefilling positions [done, end)."""
         return simulate_chunk(self.cost, self.cuts(done, end), self.attention).ttft_s
 
+    def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float) -> dict:
+        """What a response reports of one chunk: its positions, cuts, time, the model's prediction, its budget."""
+        return {"start": cuts[0], "end": cuts[-1], "cuts": list(cuts), "seconds": seconds,
+                "predicted_s": self.predict_s(cuts[0], cuts[-1]), "budget_s": budget_s}
+
     def whole_s(self, n: int) -> float:
         """The predicted seconds of a whole ``n``-token prefill in one step (rounded up to ``ROUND`` tokens)."""
         key = -(-n // ROUND) * ROUND
@@ -91,6 +96,13 @@ def yielded_share(relative_slack: float) -> float:
     """The share of the step's budget a long prefill takes while others wait (Medha's space sharing): ``1 - rho``
     of it, between ``YIELD_FLOOR`` and all of it; a request behind its deadline keeps all."""
     return min(1.0, max(YIELD_FLOOR, 1.0 - relative_slack))
+
+
+def pack_limit(planner: ChunkPlanner | None, pack_tokens: int, max_len: int) -> int:
+    """The most tokens packed into one prefill: ``pack_tokens``, and with chunking on, what fits one step."""
+    if planner is None or not (planner.fixed or planner.budget_s):
+        return pack_tokens
+    return min(pack_tokens, planner.end(max_len, 0))
 
 
 def chunk_planner(config, placement, model_config) -> ChunkPlanner | None:

@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvrunahead.choices import DECODES
+from kvrunahead.choices import DECODES, SCHEDULES
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 
@@ -47,7 +47,7 @@ def _check(options: dict, world_size: int) -> None:
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
-    for name in ("pack_tokens", "prefix_cache_tokens"):
+    for name in ("pack_tokens", "prefix_cache_tokens", "step_budget_ms", "chunk_tokens"):
         if options[name] < 0:
             raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
     check_device(options["device"])
@@ -58,6 +58,7 @@ def _check(options: dict, world_size: int) -> None:
         model_len_limit(config.run, model_config, config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:
         raise InputError(str(e)) from None
+    _check_scheduling(options, model_config)
     if options["decode"] == "kvp":
         from kvrunahead.kvp import check_kvp
 
@@ -65,6 +66,23 @@ def _check(options: dict, world_size: int) -> None:
             check_kvp(model_config)
         except NotImplementedError as e:
             raise InputError(f"--decode kvp cannot serve {options['model']}: {e}") from None
+
+
+def _check_scheduling(options: dict, model_config) -> None:
+    """Chunked prefill and LARS price prefills with the CPU cost model, which prices full-attention layers."""
+    from kvrunahead.model.layout import layer_windows
+
+    wanted = [name for name, on in (("--step-budget-ms", options["step_budget_ms"] > 0),
+                                    ("--chunk-tokens", options["chunk_tokens"] > 0),
+                                    ("--schedule lars", options["schedule"] == "lars")) if on]
+    if not wanted:
+        return
+    if any(w is not None for w in layer_windows(model_config)):
+        raise InputError(f"{', '.join(wanted)}: chunked prefill and LARS run full-attention models only, and "
+                         f"{options['model']} has sliding-window layers")
+    if options["device"] not in (None, "auto", "cpu") or options["ttft_slo_s"] <= 0 or options["ttft_slo_factor"] <= 0:
+        raise InputError(f"{', '.join(wanted)}: the cost model prices CPU ranks only, and --ttft-slo-s and "
+                         f"--ttft-slo-factor must be positive")
 
 
 def _engine_config(options: dict):
@@ -78,7 +96,9 @@ def _engine_config(options: dict):
                     decode=options["decode"])
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
                         degree=options["degree"], pack_tokens=options["pack_tokens"],
-                        prefix_cache_tokens=options["prefix_cache_tokens"])
+                        prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
+                        chunk_tokens=options["chunk_tokens"], schedule=options["schedule"],
+                        ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"])
 
 
 def _announce(url: str, model_id: str, world_size: int):
@@ -163,6 +183,23 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "holding the whole cache; kvp = every rank keeps its own part and attends it, the partial "
                    "outputs merged per layer (KV-cache parallelism; packed, prefix-cached and one-rank prefills "
                    "decode gathered). kvrunahead.decode shows which.")
+@click.option("--step-budget-ms", type=float, default=0.0, show_default=True,
+              help="A prompt whose prefill the cost model (this machine's profile, kvr-calibrate) predicts to take "
+                   "longer is prefilled in chunks, each the longest predicted to fit this budget (smaller as the "
+                   "cache grows), one per engine step: decodes and short prompts run between them (Medha's adaptive "
+                   "chunking); 0: off. kvrunahead.chunks shows each chunk, its time and the prediction.")
+@click.option("--chunk-tokens", type=int, default=0, show_default=True,
+              help="Chunks of this many tokens instead, whatever they cost (Sarathi-style); 0: off.")
+@click.option("--schedule", type=click.Choice(SCHEDULES), default="fcfs", show_default=True,
+              help="Which waiting prefill goes next: fcfs = first come, first served; lars = least relative slack "
+                   "(the time to the request's TTFT target less its predicted remaining prefill, per second of its "
+                   "whole prefill), no request passed over more than 8 prefill steps in a row. With lars a long "
+                   "prefill yields part of the step budget while others wait.")
+@click.option("--ttft-slo-s", type=float, default=2.0, show_default=True,
+              help="LARS's default TTFT target: the larger of this and --ttft-slo-factor times the request's "
+                   "predicted prefill alone (a request may ask its own: ttft_target_s in the body).")
+@click.option("--ttft-slo-factor", type=float, default=4.0, show_default=True,
+              help="See --ttft-slo-s.")
 @click.option("--prefix-cache-tokens", type=int, default=32768, show_default=True,
               help="Prompts' K,V kept (this many tokens in all, least recently used out) so that a prompt starting "
                    "with one of them (64 tokens or more) prefills only its new tokens (over the chain where the "

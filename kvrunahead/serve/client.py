@@ -62,13 +62,14 @@ class AsyncEngineClient:
         """Take no new requests (SIGTERM); those in flight run to their end."""
         self.draining = True
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[TokenEvent | Finished]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       ttft_target_s: float | None = None) -> AsyncIterator[TokenEvent | Finished]:
         """The request's events up to its Finished. The first ``__anext__`` raises QueueFull, EngineDead (dead or
         draining) or ValueError (bad parameters, prompt too long) before anything is queued. Closing the generator
-        early (a client gone) cancels the request."""
+        early (a client gone) cancels the request. ``ttft_target_s``: the TTFT it asks for (the LARS schedule's
+        deadline; None: the default by its length)."""
         self._check_open()
-        request = Request(request_id or new_request_id(), list(prompt_ids), params)
+        request = Request(request_id or new_request_id(), list(prompt_ids), params, ttft_target_s=ttft_target_s)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = (asyncio.get_running_loop(), queue)
         finished = False

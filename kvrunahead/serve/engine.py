@@ -31,7 +31,7 @@ from kvrunahead.policy import (
 from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor
-from kvrunahead.serve.chunking import chunk_planner, lars_slack, yielded_share
+from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit, yielded_share
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, Shutdown
 from kvrunahead.serve.placement import Placement
@@ -110,9 +110,7 @@ class Engine:
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
                                    self.heartbeat)
         self.chunks = chunk_planner(config, self.placement, model_config)
-        pack = 0 if why else config.pack_tokens
-        if self.chunks is not None and (self.chunks.fixed or self.chunks.budget_s):  # a packed prefill fits one step's budget too
-            pack = min(pack, self.chunks.end(self.max_model_len, 0))
+        pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
                                    lars_slack(self.chunks, config) if config.schedule == "lars" else None)
         self.samplers: dict[str, Sampler] = {}
@@ -238,25 +236,24 @@ class Engine:
     def _chunk(self, seq: Sequence) -> PrefillOutcome | None:
         """The next chunk of a long prompt (serve/chunking.py); the outcome once its last chunk ran, else None (the
         front keeps the cache so far, and the sequence waits for its next turn)."""
-        n, done, p = seq.prompt_len, seq.prefilled, self.ctx.world_size
+        n, done = seq.prompt_len, seq.prefilled
         if not done:
             seq.prefill_start_s = time.monotonic()
-            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, p, [0, n],
-                                         "chunked prefill", self.chunks.describe())
-        budget = self.chunks.budget_s
-        with self._lock:
-            if self.scheduler.policy == "lars" and self.scheduler.others_waiting(seq):
-                budget *= yielded_share(self.scheduler.slack.of(seq, time.monotonic()))
-        end = self.chunks.end(n, done, budget)
-        cuts = self.chunks.cuts(done, end)
-        t0 = time.monotonic()
+            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
+                                         [0, n], "chunked prefill", self.chunks.describe())
+        with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
+            lars = self.scheduler.policy == "lars" and self.scheduler.others_waiting(seq)
+            share = yielded_share(self.scheduler.slack.of(seq, time.monotonic())) if lars else 1.0
+        end = self.chunks.end(n, done, self.chunks.budget_s * share)
+        cuts, t0 = self.chunks.cuts(done, end), time.monotonic()
         outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, done, end, seq.rope,
                                        self._partial.pop(seq.request_id, None), cuts)
-        seq.figures.chunks.append({"start": done, "end": end, "cuts": list(cuts), "seconds": time.monotonic() - t0,
-                                   "predicted_s": self.chunks.predict_s(done, end), "budget_s": budget})
+        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, self.chunks.budget_s * share))
         seq.prefilled = end
-        if end < n:
+        if end < n:  # the rest of the prompt waits for its turn
             self._partial[seq.request_id] = outcome.cache
+            with self._lock:
+                self.scheduler.resume(seq)
             return None
         return outcome
 
@@ -287,11 +284,7 @@ class Engine:
 
     def _postprocess(self, work: Work, outcome) -> list[Event]:
         if isinstance(work, PrefillWork):
-            if outcome is None:  # a chunk: the rest of the prompt waits for its turn
-                with self._lock:
-                    self.scheduler.resume(work.seq)
-                return []
-            return self._after_prefill(work.seq, outcome)
+            return self._after_prefill(work.seq, outcome) if outcome is not None else []  # None: a chunk ran
         if isinstance(work, PackedPrefillWork):
             return [e for seq, one in zip(work.seqs, outcome) for e in self._after_prefill(seq, one)]
         if isinstance(work, AskWork):

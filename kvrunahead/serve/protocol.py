@@ -53,6 +53,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    ttft_target_s: float | None = Field(default=None, gt=0.0)  # the TTFT this request asks for (--schedule lars)
 
     DEFAULT_TEMPERATURE: ClassVar[float] = 1.0  # OpenAI's (and vLLM's) default: sampling unless asked otherwise
 
@@ -154,6 +155,17 @@ class Partition(BaseModel):
     source: str
 
 
+class ChunkFigures(BaseModel):
+    """One chunk of a chunked prefill: its positions, its cuts over the ranks, its time and the cost model's."""
+
+    start: int
+    end: int
+    cuts: list[int]
+    seconds: float
+    predicted_s: float
+    budget_s: float
+
+
 class KvrFigures(BaseModel):
     """The extension field: how this request was prefilled."""
 
@@ -166,6 +178,7 @@ class KvrFigures(BaseModel):
     packed_with: int = 1  # prompts prefilled in one packed sequence with this one (itself included)
     cached_tokens: int = 0  # the prompt's first tokens found in the prefix cache (only the rest was prefilled)
     decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
+    chunks: list[ChunkFigures] = Field(default_factory=list)  # a chunked prefill's chunks, in order
 
 
 class CompletionChoice(BaseModel):

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrunahead.choices import SCHEDULES
 from kvrunahead.serve.sequence import AskRequest, QueueFull, Sequence
 
 
@@ -60,7 +61,7 @@ def taken(work: Work | None) -> list[Sequence]:
     return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
 
 
-POLICIES = ("fcfs", "lars")
+POLICIES = SCHEDULES
 STARVE_AFTER = 8  # prefill steps a request may be passed over in a row before it goes next
 
 

@@ -1,0 +1,270 @@
+"""Chunked prefill (serve/chunking.py) and the scheduler's orders (serve/scheduler.py): a prompt prefilled in
+chunks answers as the whole prompt in one process, for any chunking over 1-3 real ranks; the chunks fit the budget
+the cost model prices; LARS's order on hand-computed slacks; no request starves."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvrunahead.errors import InputError
+from kvrunahead.launcher import World
+from kvrunahead.model.load import resolve_config
+from kvrunahead.pack.batch import prompt_work
+from kvrunahead.policy import RunConfig
+from kvrunahead.serve.chunking import ChunkPlanner, yielded_share
+from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Slack, relative_slack
+from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
+from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.profile import resolve_profile
+from kvrunahead.sim.shape import shape_from_config
+from kvrunahead.sim.simulate import SimError, simulate, simulate_chunk
+from tests.helpers import wait_all
+from tests.test_serve_engine import _start_ranks
+
+PROMPTS = [list(range(3, 60)), [5] + list(range(100, 140))]
+
+
+def _cost(model: str = "smollm2-135m") -> CostModel:
+    profile, _ = resolve_profile(None, 1)
+    profile, used, _ = profile.for_network(None)
+    return CostModel(shape_from_config(resolve_config(model), "float32"), profile, used)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p,chunk", [(1, 5), (2, 1), (2, 13), (3, 7), (3, 17)])
+def test_a_prompt_prefilled_in_chunks_answers_as_the_whole_prompt_in_one_process(tmp_path, p, chunk):
+    """Chunks that cut across the ranks' boundaries, a chunk of one token, and a last chunk shorter than the
+    rest; a short request decodes between the chunks."""
+    scenario = {"name": "chunked", "run": {"model": "tiny-llama", "threads": 1}, "degree": str(p),
+                "chunk_tokens": chunk, "max_tokens": 6, "prompts": PROMPTS, "short": list(range(7, 20))}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 240)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["tokens"] == r["ref_tokens"]
+    assert max(r["max_abs_logit_diff"]) <= 1e-4
+    for ids, chunks in zip(PROMPTS, r["chunks"]):
+        assert [c["start"] for c in chunks] == list(range(0, len(ids), chunk))
+        assert chunks[-1]["end"] == len(ids)
+        for c in chunks:
+            ranks = p if c["end"] - c["start"] >= p and p > 1 else 1
+            assert len(c["cuts"]) == ranks + 1 and c["cuts"][0] == c["start"] and c["cuts"][-1] == c["end"]
+    assert r["partial_left"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_chunked_prompt_beyond_the_trained_positions_runs_with_its_yarn_extension_over_the_chain(tmp_path):
+    ids = list(range(3, 83))  # tiny-llama-short trains 48 positions: YaRN x2
+    scenario = {"name": "chunked", "run": {"model": "tiny-llama-short", "threads": 1}, "degree": "2",
+                "chunk_tokens": 30, "max_tokens": 5, "prompts": [ids], "short": list(range(7, 20))}
+    procs, out = _start_ranks(scenario, tmp_path, 2)
+    outputs = wait_all(procs, 240)
+    assert [q.returncode for q in procs] == [0, 0], "\n".join(outputs)
+    r = json.loads(Path(f"{out}.1").read_text())
+    assert r["tokens"] == r["ref_tokens"] and r["max_abs_logit_diff"][0] <= 1e-4
+    assert [c["end"] for c in r["chunks"][0]] == [30, 60, 80]
+
+
+def _engine(**config) -> Engine:
+    return Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), prefix_cache_tokens=0, **config),
+                  World(0, 1, 0, 1, "single"))
+
+
+def test_a_request_cancelled_between_its_chunks_frees_the_chunks_cache():
+    engine = _engine(chunk_tokens=8, pack_tokens=0)
+    engine.add(Request("long", list(range(3, 60)), SamplingParams(max_tokens=4)))
+    engine.step()
+    engine.step()
+    assert "long" in engine._partial and engine.scheduler.prefilling
+    engine.cancel("long")
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events if isinstance(e, Finished)] == [("long", "cancelled")]
+    assert not engine._partial and not engine.scheduler.in_flight
+
+
+def test_decodes_run_between_a_long_prompts_chunks():
+    engine = _engine(chunk_tokens=8, pack_tokens=0)
+    engine.run_one(Request("warm", list(range(3, 9)), SamplingParams(max_tokens=1)))
+    engine.add(Request("short", list(range(3, 9)), SamplingParams(max_tokens=12)))
+    engine.step()  # the short prompt's prefill: it decodes from here on
+    engine.add(Request("long", list(range(3, 60)), SamplingParams(max_tokens=2)))
+    kinds = []
+    while engine.has_work():
+        with engine._lock:
+            prefilling = bool(engine.scheduler.prefilling)
+        events = engine.step()
+        kinds.append(("long" in engine._partial or prefilling, any(e.request_id == "short" for e in events)))
+    # while the long prompt was between chunks, every other step advanced the short request
+    during = [short for chunking, short in kinds if chunking]
+    assert sum(during) >= len(during) // 2 - 1 and len(during) >= 6
+
+
+def test_chunking_and_lars_need_a_full_attention_model_with_a_cost_model():
+    with pytest.raises(InputError, match="full-attention"):
+        Engine(EngineConfig(run=RunConfig(model="tiny-gemma3", threads=1), step_budget_ms=100),
+               World(0, 1, 0, 1, "single"))
+    with pytest.raises(InputError, match="positive"):
+        _engine(step_budget_ms=-1)
+
+
+def test_a_chunk_after_a_held_prefix_is_priced_with_its_transfer_and_a_chunk_from_zero_as_the_chain():
+    cost = _cost()
+    assert simulate_chunk(cost, (0, 900, 1500)).ttft_s == pytest.approx(
+        simulate(cost, "kvr", 1500, 2, (0, 900, 1500)).ttft_s)
+    after = simulate_chunk(cost, (4000, 4300, 4500)).ttft_s
+    local = simulate_chunk(cost, (4000, 4500)).ttft_s  # one rank: the prefix is local, nothing moves
+    assert simulate_chunk(cost, (8000, 8300, 8500)).ttft_s > after > 0 and local > 0
+    assert simulate_chunk(cost, (4000, 4300, 4500)).link_bytes["1->0"] == cost.kv_bytes(4000) * cost.layers
+    with pytest.raises(SimError):
+        simulate_chunk(cost, (5, 5, 9))
+
+
+def test_the_chunks_fit_the_budget_and_shrink_as_the_cache_grows():
+    config = resolve_config("smollm2-135m")
+    planner = ChunkPlanner(_cost(), 2, "split", prompt_work(config), budget_s=1.0)
+    assert not planner.chunked(256) and planner.chunked(16384)
+    done, sizes = 0, []
+    while done < 16384:
+        end = planner.end(16384, done)
+        assert end > done and (planner.predict_s(done, end) <= 1.0 or end - done <= planner.min_chunk)
+        if end < 16384:  # the longest that fits: a little more would not
+            assert planner.predict_s(done, min(16384, end + planner.min_chunk)) > 1.0
+        sizes.append(end - done)
+        done = end
+    assert sizes[0] > 2 * sizes[-2] and all(a >= b * 0.9 for a, b in zip(sizes, sizes[1:-1]))
+    assert planner.remaining_s(16384, 8192) < planner.whole_s(16384)
+    fixed = ChunkPlanner(_cost(), 2, "split", prompt_work(config), 0.0, fixed=100)
+    assert fixed.chunked(101) and not fixed.chunked(100) and fixed.end(250, 200) == 250
+
+
+def _seq(rid: str, n: int, arrival: float, prefilled: int = 0) -> Sequence:
+    seq = Sequence(Request(rid, list(range(n)), arrival_s=arrival))
+    seq.prefilled = prefilled
+    return seq
+
+
+def _linear_slack(target_s: float) -> Slack:
+    """Work of 1 ms per token, the same target for all: slack by hand."""
+    return Slack(lambda s: target_s, lambda s: s.prompt_len / 1000, lambda s: (s.prompt_len - s.prefilled) / 1000)
+
+
+def test_lars_takes_the_least_relative_slack_first_and_fcfs_the_first_arrival():
+    # now = 10 s, target 20 s. long: arrived 0, 10000 tokens (10 s of work, 4 s done): slack 0 + 20 - 10 - 6 = 4 s,
+    # relative 4 / 10 = 0.4. short: arrived 9, 500 tokens: slack 9 + 20 - 10 - 0.5 = 18.5 s, relative 37.
+    # mid: arrived 5, 3000 tokens: slack 5 + 20 - 10 - 3 = 12 s, relative 4.
+    long, short, mid = _seq("long", 10000, 0.0, 4000), _seq("short", 500, 9.0), _seq("mid", 3000, 5.0)
+    slack = _linear_slack(20.0)
+    assert slack.of(long, 10.0) == pytest.approx(0.4) and slack.of(short, 10.0) == pytest.approx(37.0)
+    assert relative_slack(5.0, 20.0, 3.0, 3.0, 10.0) == pytest.approx(4.0)
+    lars = Scheduler(8, policy="lars", slack=slack)
+    fcfs = Scheduler(8)
+    for scheduler in (lars, fcfs):
+        scheduler.waiting.extend([short, mid])
+        scheduler.resume(long)
+    assert [s.request_id for s in lars.order(10.0)] == ["long", "mid", "short"]
+    assert [s.request_id for s in fcfs.order(10.0)] == ["long", "mid", "short"]
+    # A tighter target for the short one (its own): slack 9 + 1.2 - 10 - 0.5 = -0.3, relative -0.6: it goes first.
+    short.request.ttft_target_s = 1.2
+    tight = Slack(lambda s: s.request.ttft_target_s or 20.0, slack.total_s, slack.remaining_s)
+    urgent = Scheduler(8, policy="lars", slack=tight)
+    urgent.waiting.extend([short, mid])
+    urgent.resume(long)
+    assert [s.request_id for s in urgent.order(10.0)] == ["short", "long", "mid"]
+
+
+def test_no_request_starves_under_lars_a_long_one_among_a_stream_of_urgent_short_ones():
+    """Every short request is more urgent than the long one (tight own targets); each prefill step one short
+    arrives. The long one still gets a chunk at least every ``starve_after + 1`` prefill steps."""
+    scheduler = Scheduler(64, policy="lars", slack=Slack(lambda s: s.request.ttft_target_s or 1e6,
+                                                         lambda s: s.prompt_len / 1000,
+                                                         lambda s: (s.prompt_len - s.prefilled) / 1000),
+                          starve_after=4)
+    scheduler.add(_seq("long", 100000, 0.0))
+    now, turns, prefill_steps = 0.0, [], 0
+    while prefill_steps < 60:
+        arriving = _seq(f"s{prefill_steps}", 50, now)
+        arriving.request.ttft_target_s = 0.1
+        scheduler.add(arriving)
+        work = scheduler.schedule(now)
+        now += 0.05
+        if isinstance(work, DecodeWork):
+            continue
+        prefill_steps += 1
+        assert isinstance(work, PrefillWork)
+        if work.seq.request_id == "long":
+            turns.append(prefill_steps)
+            work.seq.prefilled += 1000
+            scheduler.resume(work.seq)
+        else:
+            scheduler.start_decoding(work.seq)
+            scheduler.finish(work.seq)
+    gaps = [b - a for a, b in zip([0, *turns], turns)]
+    assert turns and max(gaps) <= 5, turns
+    # and the short ones do not wait behind it: most prefill steps go to them
+    assert len(turns) <= prefill_steps // 5 + 1
+
+
+def test_fcfs_keeps_a_chunked_prompt_in_line_and_lars_needs_a_slack():
+    scheduler = Scheduler(8)
+    long, short = _seq("long", 5000, 0.0, 1000), _seq("short", 10, 1.0)
+    scheduler.resume(long)
+    scheduler.add(short)
+    assert scheduler.schedule(2.0).seq is long
+    with pytest.raises(ValueError, match="cost model"):
+        Scheduler(8, policy="lars")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Scheduler(8, policy="edf")
+
+
+def test_a_long_prefill_yields_part_of_its_budget_by_its_relative_slack():
+    assert yielded_share(0.2) == pytest.approx(0.8)
+    assert yielded_share(0.9) == 0.5 and yielded_share(-1.0) == 1.0
+
+
+def _kill_worker_and_wait(tmp_path: Path, scenario: dict, timeout_s: float) -> tuple[dict, float]:
+    procs, out = _start_ranks(scenario, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(scenario["ready"]).exists():
+            assert time.monotonic() < deadline and all(q.poll() is None for q in procs), "never got ready"
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        outputs = wait_all(procs[1:], timeout_s + 30)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait(10)
+    assert procs[1].returncode == 3, outputs
+    return json.loads(Path(f"{out}.1").read_text()), killed_at
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_during_a_chunked_prefill_ends_every_request_with_an_error_in_bound(tmp_path):
+    timeout_s = 5.0
+    scenario = {"name": "serve", "ready": str(tmp_path / "ready"), "ready_when": "chunking", "prompt_tokens": 2400,
+                "run": {"model": "tiny-llama", "threads": 1, "timeout_s": timeout_s},
+                "engine": {"chunk_tokens": 16, "pack_tokens": 0, "degree": "2"}}
+    front, killed_at = _kill_worker_and_wait(tmp_path, scenario, timeout_s)
+    assert front["healthy"] is False
+    assert [front[f"r{i}"]["finish_reason"] for i in range(3)] == ["error"] * 3, front
+    assert max(front[f"r{i}"]["at_s"] for i in range(3)) - killed_at < timeout_s + 10
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_during_a_kvp_decode_ends_every_request_with_an_error_in_bound(tmp_path):
+    timeout_s = 5.0
+    scenario = {"name": "serve", "ready": str(tmp_path / "ready"),
+                "run": {"model": "tiny-llama", "threads": 1, "timeout_s": timeout_s, "partition": "even",
+                        "decode": "kvp"},
+                "engine": {"degree": "2", "pack_tokens": 0}}
+    front, killed_at = _kill_worker_and_wait(tmp_path, scenario, timeout_s)
+    assert front["healthy"] is False and "kvp" in [front[f"r{i}"]["decode"] for i in range(3)]
+    assert [front[f"r{i}"]["finish_reason"] for i in range(3)] == ["error"] * 3, front
+    assert max(front[f"r{i}"]["at_s"] for i in range(3)) - killed_at < timeout_s + 10
