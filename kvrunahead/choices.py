@@ -14,6 +14,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Where the tokens after the first are decoded: on the last rank with the whole cache gathered there (the chain
 # leaves it there), or KV-cache parallel (kvrunahead/kvp.py: each rank keeps its part, attention merged per layer).
 DECODES = ("gathered", "kvp")
+# The server may also choose per request: KVP where the cost model predicts its decode step faster.
+SERVE_DECODES = ("auto", *DECODES)
 DEVICES = ("auto", "cpu", "cuda")
 # Which waiting prefill the server runs next (serve/scheduler.py): first come, first served, or Medha's
 # length-aware relative slack.

@@ -193,6 +193,7 @@ def chunked(scenario: dict, world, out: dict) -> None:
     engine = Engine(cfg, world)
     if not engine.is_front:
         engine.worker_loop()
+        out["partial_left"] = len(engine.ctx.partial)
         return
     params = SamplingParams(max_tokens=scenario["max_tokens"])
     out["tokens"], out["ref_tokens"], out["max_abs_logit_diff"], out["chunks"] = [], [], [], []
@@ -207,7 +208,7 @@ def chunked(scenario: dict, world, out: dict) -> None:
         out["ref_tokens"].append(ref[0, len(ids):].tolist())
         out["max_abs_logit_diff"].append(float((engine.last_prefill_logits - ref_logits).abs().max()))
         out["chunks"].append(figures.chunks)
-    out["partial_left"] = len(engine._partial)
+    out["partial_left"] = len(engine.ctx.partial)
     engine.shutdown()
 
 

@@ -17,10 +17,13 @@ from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
 from kvrunahead.serve.chunking import ChunkPlanner, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.placement import kvp_predicted_faster
+from kvrunahead.serve.replay import Arrival, replay
 from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Slack, relative_slack
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
 from kvrunahead.sim.costmodel import CostModel
-from kvrunahead.sim.profile import resolve_profile
+from kvrunahead.sim.optimize import balanced_boundaries
+from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import SimError, simulate, simulate_chunk
 from tests.helpers import wait_all
@@ -29,10 +32,8 @@ from tests.test_serve_engine import _start_ranks
 PROMPTS = [list(range(3, 60)), [5] + list(range(100, 140))]
 
 
-def _cost(model: str = "smollm2-135m") -> CostModel:
-    profile, _ = resolve_profile(None, 1)
-    profile, used, _ = profile.for_network(None)
-    return CostModel(shape_from_config(resolve_config(model), "float32"), profile, used)
+def _cost() -> CostModel:
+    return _shipped_cost(1)
 
 
 @pytest.mark.timeout(300)
@@ -51,10 +52,11 @@ def test_a_prompt_prefilled_in_chunks_answers_as_the_whole_prompt_in_one_process
     for ids, chunks in zip(PROMPTS, r["chunks"]):
         assert [c["start"] for c in chunks] == list(range(0, len(ids), chunk))
         assert chunks[-1]["end"] == len(ids)
-        for c in chunks:
-            ranks = p if c["end"] - c["start"] >= p and p > 1 else 1
-            assert len(c["cuts"]) == ranks + 1 and c["cuts"][0] == c["start"] and c["cuts"][-1] == c["end"]
-    assert r["partial_left"] == 0
+        for c in chunks:  # a chunk shorter than the ranks runs on the front alone
+            alone = [c["start"]] * p + [c["end"]]
+            assert c["cuts"] == alone if c["end"] - c["start"] < p else (len(c["cuts"]) == p + 1 and c["cuts"][
+                0] == c["start"] and c["cuts"][-1] == c["end"] and c["cuts"] == sorted(set(c["cuts"])))
+    assert all(json.loads(Path(f"{out}.{rank}").read_text())["partial_left"] == 0 for rank in range(p))
 
 
 @pytest.mark.timeout(300)
@@ -80,11 +82,11 @@ def test_a_request_cancelled_between_its_chunks_frees_the_chunks_cache():
     engine.add(Request("long", list(range(3, 60)), SamplingParams(max_tokens=4)))
     engine.step()
     engine.step()
-    assert "long" in engine._partial and engine.scheduler.prefilling
+    assert "long" in engine.ctx.partial and engine.scheduler.prefilling
     engine.cancel("long")
     events = engine.step()
     assert [(e.request_id, e.finish_reason) for e in events if isinstance(e, Finished)] == [("long", "cancelled")]
-    assert not engine._partial and not engine.scheduler.in_flight
+    assert not engine.ctx.partial and not engine.scheduler.in_flight
 
 
 def test_decodes_run_between_a_long_prompts_chunks():
@@ -98,7 +100,7 @@ def test_decodes_run_between_a_long_prompts_chunks():
         with engine._lock:
             prefilling = bool(engine.scheduler.prefilling)
         events = engine.step()
-        kinds.append(("long" in engine._partial or prefilling, any(e.request_id == "short" for e in events)))
+        kinds.append(("long" in engine.ctx.partial or prefilling, any(e.request_id == "short" for e in events)))
     # while the long prompt was between chunks, every other step advanced the short request
     during = [short for chunking, short in kinds if chunking]
     assert sum(during) >= len(during) // 2 - 1 and len(during) >= 6
@@ -112,16 +114,17 @@ def test_chunking_and_lars_need_a_full_attention_model_with_a_cost_model():
         _engine(step_budget_ms=-1)
 
 
-def test_a_chunk_after_a_held_prefix_is_priced_with_its_transfer_and_a_chunk_from_zero_as_the_chain():
+def test_a_chunk_is_priced_with_its_own_positions_on_the_chain_and_the_catch_up_after_it():
     cost = _cost()
-    assert simulate_chunk(cost, (0, 900, 1500)).ttft_s == pytest.approx(
-        simulate(cost, "kvr", 1500, 2, (0, 900, 1500)).ttft_s)
-    after = simulate_chunk(cost, (4000, 4300, 4500)).ttft_s
-    local = simulate_chunk(cost, (4000, 4500)).ttft_s  # one rank: the prefix is local, nothing moves
-    assert simulate_chunk(cost, (8000, 8300, 8500)).ttft_s > after > 0 and local > 0
-    assert simulate_chunk(cost, (4000, 4300, 4500)).link_bytes["1->0"] == cost.kv_bytes(4000) * cost.layers
+    first = simulate_chunk(cost, (0, 900, 1500))
+    assert first.ttft_s > simulate(cost, "kvr", 1500, 2, (0, 900, 1500)).ttft_s  # the same chain, then the catch-up
+    later = simulate_chunk(cost, (4000, 4300, 4500))
+    assert later.link_bytes == {"0->1": cost.kv_bytes(300) * cost.layers, "1->0": cost.kv_bytes(200) * cost.layers}
+    assert simulate_chunk(cost, (8000, 8300, 8500)).ttft_s > later.ttft_s > 0  # more keys to attend
+    alone = simulate_chunk(cost, (4000, 4000, 4001))  # shorter than the ranks: on the front alone
+    assert alone.link_bytes == {"1->0": cost.kv_bytes(1) * cost.layers} and alone.ranks[0].compute_s < alone.ttft_s
     with pytest.raises(SimError):
-        simulate_chunk(cost, (5, 5, 9))
+        simulate_chunk(cost, (5, 5, 9, 9))
 
 
 def test_the_chunks_fit_the_budget_and_shrink_as_the_cache_grows():
@@ -268,3 +271,43 @@ def test_a_worker_killed_during_a_kvp_decode_ends_every_request_with_an_error_in
     assert front["healthy"] is False and "kvp" in [front[f"r{i}"]["decode"] for i in range(3)]
     assert [front[f"r{i}"]["finish_reason"] for i in range(3)] == ["error"] * 3, front
     assert max(front[f"r{i}"]["at_s"] for i in range(3)) - killed_at < timeout_s + 10
+
+
+def _shipped_cost(threads: int) -> CostModel:
+    profile = HardwareProfile.load(SHIPPED_DIR / f"cpu-t{threads}.json")
+    return CostModel(shape_from_config(resolve_config("smollm2-135m"), "float32"), profile)
+
+
+def test_a_decode_step_is_read_bound_and_kvp_splits_its_attention_for_an_exchange_per_layer():
+    cost = _shipped_cost(1)
+    s = cost.shape
+    weights = cost.layers * s.layer_params * s.dtype_bytes / cost.profile.memory_Bps
+    assert cost.decode_step_s([1]) >= weights  # one token reads every weight once
+    assert cost.decode_step_s([32768], parts=2) < cost.decode_step_s([32768])  # half the K,V read per rank
+    exchange = cost.layers * (cost.link.latency_s + s.heads * (s.head_dim + 1) * 4 / cost.link.bandwidth_Bps)
+    assert cost.decode_step_s([2], parts=2) - cost.decode_step_s([2]) == pytest.approx(exchange, rel=0.05)
+    assert cost.decode_step_s([100, 200]) < cost.decode_step_s([100]) + cost.decode_step_s([200])  # one batch
+
+
+def test_auto_decode_chooses_kvp_for_long_contexts_only_where_the_cost_model_says_so():
+    chain, solo = _shipped_cost(1), _shipped_cost(2)
+    assert not kvp_predicted_faster(chain, solo, 1024, 2)
+    assert kvp_predicted_faster(chain, solo, 32768, 2)
+    crossing = next(n for n in range(1024, 65536, 512) if kvp_predicted_faster(chain, solo, n, 2))
+    assert all(kvp_predicted_faster(chain, solo, n, 2) for n in range(crossing, 65536, 4096))
+
+
+def test_the_replay_schedules_a_trace_as_the_engine_would_and_lars_shortens_the_short_requests_wait():
+    config = resolve_config("smollm2-135m")
+    cost = _shipped_cost(1)
+    trace = [Arrival(0.0, 12000, 4, "long")] + [Arrival(0.5 + i, 200, 8) for i in range(20)]
+    fcfs = replay(trace, cost, 2, prompt_work(config))
+    lars = replay(trace, cost, 2, prompt_work(config), "lars", budget_s=1.0)
+    for run in (fcfs, lars):
+        assert all(r.ttft_s is not None and r.e2e_s >= r.ttft_s and r.output_tokens == a.output_tokens
+                   for r, a in zip(run, trace))
+    whole = simulate(cost, "kvr", 12032, 2, balanced_boundaries(cost, 12032, 2, "split")).ttft_s
+    assert fcfs[0].ttft_s == pytest.approx(whole)  # the long one first and whole; every short one waits for it
+    assert min(r.ttft_s for r in fcfs[1:]) > 0.5 * whole
+    assert max(r.ttft_s for r in lars[1:]) < min(r.ttft_s for r in fcfs[1:])
+    assert lars[0].ttft_s > fcfs[0].ttft_s  # the long one pays for its chunks and the short ones' turns

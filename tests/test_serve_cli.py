@@ -199,3 +199,12 @@ def test_bad_input_overload_and_a_disconnect_on_real_ranks_leave_the_server_serv
             assert time.monotonic() < deadline, "the disconnected request was never cancelled"
             time.sleep(0.2)
         assert httpx.post(post, json=good, timeout=60).status_code == 200
+
+
+def test_chunking_and_lars_flags_that_cannot_run_are_one_line_and_exit_2():
+    cmd = [sys.executable, "-m", "kvrunahead.serve.cli"]
+    for args, says in ((["--model", "tiny-gemma3", "--step-budget-ms", "500"], "sliding-window layers"),
+                       (["--model", MODEL, "--chunk-tokens", "-1"], "--chunk-tokens must be 0 (off) or more"),
+                       (["--model", MODEL, "--schedule", "lars", "--ttft-slo-s", "0"], "must be positive")):
+        r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr

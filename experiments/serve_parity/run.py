@@ -2,6 +2,8 @@
 the one-shot run's, interleaved (issue 26's "Done when" and its first target).
 
     python experiments/serve_parity/run.py --ctx 1k,16k --repeats 3 --out experiments/serve_parity
+    python experiments/serve_parity/run.py --ctx 16k --repeats 1 --serve-args "--decode kvp" \
+        --out experiments/serve_parity/kvp16k      # the server decoding KV-cache parallel
 
 For each length: a plain-text prompt file of that many tokens (the shipped text, repeated), `kvr-prefill --nproc 2
 --no-chat --prompt-file F --json` and one `/v1/completions` request to a `kvr-serve --nproc 2` started once, the two
@@ -60,11 +62,11 @@ def served(client: OpenAI, text: str, new_tokens: int) -> dict:
     figures = resp.model_extra["kvrunahead"]
     return {"ttft_s": figures["ttft_s"], "client_e2e_s": time.perf_counter() - t0, "text": resp.choices[0].text,
             "tokens": resp.usage.prompt_tokens, "boundaries": figures["partition"], "degree": figures["degree"],
-            "degree_source": figures["degree_source"]}
+            "degree_source": figures["degree_source"], "decode": figures.get("decode")}
 
 
-def start_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port)], env=ENV,
+def start_server(port: int, extra: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen(["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port), *extra], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", default="experiments/serve_parity")
+    ap.add_argument("--serve-args", default="", help="more kvr-serve flags, e.g. '--decode kvp'")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +94,7 @@ def main() -> None:
     env = environment(DEFAULT_MODEL, "torch", 1, "loopback")
     env["command"] = " ".join([sys.executable, *sys.argv])
     port = free_port()
-    server = start_server(port)
+    server = start_server(port, args.serve_args.split())
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=900)
     try:
         with open(out / "runs.jsonl", "a") as rows:
@@ -102,7 +105,7 @@ def main() -> None:
                     for kind in ("kvr-prefill", "kvr-serve"):
                         r = one_shot(path, args.new_tokens) if kind == "kvr-prefill" else \
                             served(client, path.read_text(), args.new_tokens)
-                        row = {"ctx": ctx, "kind": kind, "index": i, **r, **env}
+                        row = {"ctx": ctx, "kind": kind, "index": i, **r, **env, "serve_args": args.serve_args}
                         rows.write(json.dumps(row) + "\n")
                         rows.flush()
                         print(f"{ctx} {kind} #{i}: TTFT {r['ttft_s']:.3f} s {r['text']!r}", flush=True)

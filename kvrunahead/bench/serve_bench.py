@@ -227,6 +227,7 @@ class Outcome:
     error: str | None = None  # the kind: timeout, connect, http_<status>, stream_error, bad_stream, empty, ...
     error_detail: str | None = None
     usage_reported: bool = False  # output_tokens from the server's usage (else counted content chunks)
+    server: dict | None = None  # the server's own figures of the request, where it sends any (kvr-serve: kvrunahead)
 
 
 def _body(target: Target, req: Request) -> tuple[str, dict]:
@@ -268,6 +269,8 @@ async def _stream(client, target: Target, req: Request, out: Outcome, sent: floa
                 chunks += 1
                 if out.ttft_s is None:
                     out.ttft_s = time.perf_counter() - sent
+            if chunk.get("kvrunahead"):
+                out.server = chunk["kvrunahead"]
             if (chunk.get("usage") or {}).get("completion_tokens") is not None:
                 out.output_tokens, out.usage_reported = chunk["usage"]["completion_tokens"], True
                 out.prompt_tokens = chunk["usage"].get("prompt_tokens") or out.prompt_tokens

@@ -38,6 +38,10 @@ class ChainLink:
     ``own_only``: a full layer keeps only this rank's own positions once its attention has them all (the KVP
     decode's shard, kvrunahead/kvp.py): the prefix received dies with the layer's attention, so the last rank never
     holds the whole prompt's K,V at once.
+
+    ``base``: every rank holds the first B positions already (the chunks before this one of a chunked prefill,
+    serve/chunking.py; full-attention layers only): the chain carries only what comes after them, [B, start) to
+    this rank and [B, end) on, so a chunk's traffic does not grow with the prompt.
     """
 
     transport: Transport
@@ -47,6 +51,9 @@ class ChainLink:
     lookahead: int = 1
     holder: int | None = None
     own_only: bool = False
+    base: list[torch.Tensor] | None = None  # per layer [2, 1, heads, B, head_dim]: positions [0, B) held already
+    keep_whole: bool = False  # keep each layer's K,V after the exchange in ``whole`` (the next chunk's base)
+    whole: dict = field(default_factory=dict)
     _pending: dict = field(default_factory=dict)
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
 
@@ -60,8 +67,12 @@ class ChainLink:
         return self.rank - 1 if self.rank > 0 else self.holder
 
     @property
+    def base_len(self) -> int:
+        return self.base[0].shape[-2] if self.base else 0
+
+    @property
     def has_prev(self) -> bool:
-        return self.rank > 0 or self.holder is not None
+        return (self.rank > 0 and self.prefix_len > self.base_len) or self.holder is not None
 
     @property
     def has_next(self) -> bool:
@@ -76,7 +87,7 @@ class ChainLink:
         if not self.has_prev or layer >= self.layout.num_layers or layer in self._pending:
             return
         # The buffer shape follows from the partition and the window alone: no per-layer shape handshake.
-        tokens = self.layout.kept(layer, self.prefix_len)
+        tokens = self.layout.kept(layer, self.prefix_len) - self.base_len
         buf = torch.empty(self.layout.kv_shape(layer, tokens), dtype=self.layout.dtype, device=self.device)
         self._pending[layer] = (self.transport.irecv(buf, self.prev, tag=layer), buf)
 
@@ -92,10 +103,13 @@ class ChainLink:
     def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
         """Prepend the predecessor's prefix to ``local_kv``, forward what the successor's cache keeps of the
         result, return the result."""
-        kv = torch.cat((self.prefix(layer), local_kv), dim=-2) if self.has_prev else local_kv.contiguous()
+        parts = ([self.base[layer]] if self.base else []) + ([self.prefix(layer)] if self.has_prev else [])
+        kv = torch.cat((*parts, local_kv), dim=-2) if parts else local_kv.contiguous()
+        if self.keep_whole:
+            self.whole[layer] = kv
         if self.has_next:
-            out = kv[..., kv.shape[-2] - self.layout.kept(layer, self.handed_on(local_kv.shape[-2])):, :]
-            out = out.contiguous()
+            handed = self.layout.kept(layer, self.handed_on(local_kv.shape[-2])) - self.base_len
+            out = kv[..., kv.shape[-2] - handed:, :].contiguous()
             self.transport.isend(out, self.rank + 1, tag=layer)
             kind = self.layout.kind(layer)
             self.bytes_sent_by_kind[kind] = self.bytes_sent_by_kind.get(kind, 0) + nbytes(out)

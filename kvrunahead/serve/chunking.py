@@ -35,10 +35,10 @@ class ChunkPlanner:
     _whole: dict[int, float] = field(default_factory=dict)
 
     def cuts(self, done: int, end: int) -> tuple[int, ...]:
-        """The chunk's rank boundaries: its new tokens cut by their work with the positions before them priced in
-        (one rank: the whole chunk)."""
-        if self.world_size == 1 or end - done < self.world_size:
-            return (done, end)
+        """The chunk's rank boundaries: its new tokens cut by their work with the positions before them priced in;
+        a chunk shorter than the ranks runs on the front alone (every part but the last empty)."""
+        if end - done < self.world_size:
+            return (done,) * self.world_size + (end,)
         return cuts_after_cached(done, end, self.world_size, self.work)
 
     def predict_s(self, done: int, end: int) -> float:

@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from kvrunahead.choices import DECODES, SCHEDULES
+from kvrunahead.choices import SCHEDULES, SERVE_DECODES
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 
@@ -178,8 +178,10 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Prompts waiting together are prefilled as one packed sequence (each seeing only itself; "
                    "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "
                    "and /metrics' kvr_packed_requests show it.")
-@click.option("--decode", type=click.Choice(DECODES), default="gathered", show_default=True,
-              help="How a prompt prefilled over the chain decodes: gathered = on the front, which the chain leaves "
+@click.option("--decode", type=click.Choice(SERVE_DECODES), default="auto", show_default=True,
+              help="How a prompt prefilled over the chain decodes: auto = per request, kvp where the cost model "
+                   "predicts its decode step faster so (long contexts), else gathered; gathered = on the front, which "
+                   "the chain leaves "
                    "holding the whole cache; kvp = every rank keeps its own part and attends it, the partial "
                    "outputs merged per layer (KV-cache parallelism; packed, prefix-cached and one-rank prefills "
                    "decode gathered). kvrunahead.decode shows which.")

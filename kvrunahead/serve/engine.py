@@ -120,8 +120,7 @@ class Engine:
         self.last_prefill_ranks: list = []  # every rank's RankStats of the last prefill (kvr-prefill's report)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
-        self._unfreed: list[str] = []  # KVP requests ended whose shards the workers still hold
-        self._partial: dict = {}  # request id -> the front's cache of a chunked prefill's chunks so far
+        self._unfreed: list[str] = []  # requests ended whose KVP shards or chunks the workers still hold
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -246,12 +245,10 @@ class Engine:
             share = yielded_share(self.scheduler.slack.of(seq, time.monotonic())) if lars else 1.0
         end = self.chunks.end(n, done, self.chunks.budget_s * share)
         cuts, t0 = self.chunks.cuts(done, end), time.monotonic()
-        outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, done, end, seq.rope,
-                                       self._partial.pop(seq.request_id, None), cuts)
+        outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, cuts, seq.rope, end == n)
         seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, self.chunks.budget_s * share))
         seq.prefilled = end
-        if end < n:  # the rest of the prompt waits for its turn
-            self._partial[seq.request_id] = outcome.cache
+        if end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
             with self._lock:
                 self.scheduler.resume(seq)
             return None
@@ -332,8 +329,8 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
-        self._partial.pop(seq.request_id, None)
-        if self.ctx.shards.pop(seq.request_id, None) is not None:
+        held = self.ctx.partial.pop(seq.request_id, None), self.ctx.shards.pop(seq.request_id, None)
+        if any(x is not None for x in held) and self.ctx.world_size > 1:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)
         return seq.finished(reason, error, bad_input)
@@ -344,9 +341,10 @@ class Engine:
         return plan
 
     def _free_shards(self) -> None:
-        """Tell the workers which KVP requests ended (before the next plan that needs every rank)."""
+        """Tell the workers which requests holding state on them ended (KVP shards, chunked prefills' positions),
+        before the next plan that needs every rank."""
         if self._unfreed and self.healthy:
-            self._sent(executor.KvpFree(tuple(self._unfreed)))
+            self._sent(executor.Drop(tuple(self._unfreed)))
         self._unfreed = []
 
     def _reap_cancelled(self) -> list[Event]:

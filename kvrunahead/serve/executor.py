@@ -80,8 +80,28 @@ class KvpStep:
 
 
 @dataclass(frozen=True)
-class KvpFree:
-    """The requests whose shards every rank drops (finished, cancelled)."""
+class ChunkPlan:
+    """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) over the chain, every rank
+    holding the positions before them (``RankContext.partial``); ``cuts`` with every part but the last empty: on
+    the front alone. After it the front sends each worker the positions of the chunk it lacks, so every rank holds
+    [0, cuts[-1]) for the next chunk; after the ``last`` the workers drop theirs and the front decodes."""
+
+    request_id: str
+    ids: list[int]  # the prompt up to the chunk's end
+    cuts: tuple[int, ...]
+    attention: str
+    rope: RopeExtension | None = None
+    last: bool = False
+
+    @property
+    def alone(self) -> bool:
+        return self.cuts[0] == self.cuts[-2]
+
+
+@dataclass(frozen=True)
+class Drop:
+    """The requests whose state every rank drops: KVP shards, a chunked prefill's positions (finished,
+    cancelled)."""
 
     request_ids: tuple[str, ...]
 
@@ -96,7 +116,7 @@ class Shutdown:
     """Ends every worker's loop (the server is stopping)."""
 
 
-Plan = PrefillPlan | PackedPlan | KvpStep | KvpFree | Ping | Shutdown
+Plan = PrefillPlan | PackedPlan | ChunkPlan | KvpStep | Drop | Ping | Shutdown
 
 
 @dataclass
@@ -120,6 +140,7 @@ class RankContext:
     threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
     solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
     shards: dict = field(default_factory=dict)  # request id -> (ShardCache, RopeExtension): KVP decodes in flight
+    partial: dict = field(default_factory=dict)  # request id -> per layer [2, 1, heads, n, head_dim]: chunked so far
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads
@@ -225,6 +246,51 @@ def _gathered(ctx: RankContext, mine: list[tuple[int, int]], total_s: float, sta
     if ctx.rank != ctx.front:
         return None  # a worker's cache dies here: decode happens on the front alone
     return PrefillOutcome(logits, cache, all_stats)
+
+
+def chunk_prefill(ctx: RankContext, plan: ChunkPlan) -> PrefillOutcome | None:
+    """This rank's part of one chunk (``ChunkPlan``): the chain over the chunk's positions with every rank's held
+    positions as the base, then the catch-up; the front gets the outcome (its cache holds [0, cuts[-1]))."""
+    ctx.use_threads(solo=plan.alone)
+    ctx.transport.reset_stats()
+    lm, layout = ctx.model(plan.rope)
+    front = ctx.rank == ctx.front
+    start, end = (plan.cuts[0], plan.cuts[0]) if plan.alone and not front else plan.cuts[ctx.rank:ctx.rank + 2]
+    base = ctx.partial.pop(plan.request_id, None)
+    link = ChainLink(ctx.transport, start, layout, ctx.device, base=base, keep_whole=not plan.last)
+    liveness.patient_barrier("the other ranks to start the chunk")
+    t0 = time.perf_counter()
+    logits, cache = None, None
+    if end > start:
+        logits, cache = kvr_prefill(lm.model, torch.tensor([plan.ids[start:end]], device=ctx.device), link,
+                                    plan.attention)
+    if not plan.last:
+        whole = [link.whole[i] for i in range(layout.num_layers)] if end > start else base
+        ctx.partial[plan.request_id] = _catch_up(ctx, plan, layout, whole, end)
+    return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
+
+
+def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[torch.Tensor] | None, held: int
+              ) -> list[torch.Tensor]:
+    """The front sends each worker the chunk's positions after those it holds ([held, cuts[-1]), every layer);
+    every rank returns its K,V of [0, cuts[-1]) per layer."""
+    end = plan.cuts[-1]
+    if ctx.rank == ctx.front:
+        for worker in range(ctx.world_size - 1):
+            theirs = plan.cuts[0] if plan.alone else plan.cuts[worker + 1]
+            for layer, kv in enumerate(whole):
+                ctx.transport.isend(kv[..., theirs:end, :].contiguous(), worker, tag=layer)
+        ctx.transport.drain()
+        return whole
+    received = []
+    for layer in range(layout.num_layers):
+        buf = torch.empty(layout.kv_shape(layer, end - held), dtype=layout.dtype, device=ctx.device)
+        received.append((ctx.transport.irecv(buf, ctx.front, tag=layer), buf))
+    out = []
+    for layer, (req, buf) in enumerate(received):
+        ctx.transport.wait(req, f"the chunk's K,V of layer {layer} from the front")
+        out.append(torch.cat((whole[layer], buf), dim=-2) if whole is not None else buf)
+    return out
 
 
 def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None = None) -> PrefillOutcome:
@@ -338,9 +404,12 @@ def worker_loop(ctx: RankContext) -> None:
             packed_chain_prefill(ctx, plan)
         elif isinstance(plan, KvpStep):
             kvp_step(ctx, plan)
-        elif isinstance(plan, KvpFree):
+        elif isinstance(plan, ChunkPlan):
+            chunk_prefill(ctx, plan)
+        elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
                 ctx.shards.pop(request_id, None)
+                ctx.partial.pop(request_id, None)
 
 
 class Heartbeat:

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvrunahead.errors import InputError
+from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.policy import RunConfig, choose_partition
 from kvrunahead.search.tables import TableError
+from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext
+from kvrunahead.serve.executor import ChunkPlan, Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 
 
@@ -40,6 +40,12 @@ class Placed:
     decode: str = "gathered"  # kvp: every rank keeps its own part of the cache and decodes on it
 
 
+def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: int) -> bool:
+    """Whether the cost model predicts a decode step over an ``n``-token context faster KV-cache parallel over the
+    chain's ranks (``chain``: a rank's threads) than on the front alone with every core (``solo``)."""
+    return chain.decode_step_s([n], world_size) < solo.decode_step_s([n])
+
+
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
                  local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat) -> None:
@@ -49,6 +55,8 @@ class Placement:
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries)
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
+        self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
+        self.kvp_possible = why_not_inserted(model_config, "the KVP decode") is None
 
     def cacheable(self, rope) -> bool:
         """Full-attention models' prompts within the trained positions (a sliding layer's cache keeps its window
@@ -65,10 +73,23 @@ class Placement:
         if choice.degree == 1:
             return executor.single_prefill(self.ctx, ids, rope), Placed(1, (0, len(ids)), "one rank", choice.source)
         partition, source = self.partition(len(ids))
-        kvp = self.run.decode == "kvp"
+        kvp = self.decodes_kvp(len(ids))
         plan = PrefillPlan(request_id, ids, partition.boundaries, self.attention, rope, kvp=kvp)
         return self._chain(plan), Placed(choice.degree, partition.boundaries, source, choice.source,
                                          decode="kvp" if kvp else "gathered")
+
+    def decodes_kvp(self, n: int) -> bool:
+        """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
+        or with ``auto`` where the cost model predicts its decode step faster so than on the front alone with the
+        whole cache (long contexts, where attention dominates the step)."""
+        if self.run.decode != "auto":
+            return self.run.decode == "kvp"
+        if n not in self._kvp:
+            chain, _ = self.degrees.cost_model(self.degrees.threads)
+            solo, _ = self.degrees.cost_model(self.degrees.solo_threads)
+            self._kvp[n] = (self.kvp_possible and chain is not None and solo is not None
+                            and kvp_predicted_faster(chain, solo, n, self.ctx.world_size))
+        return self._kvp[n]
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
                       ) -> tuple[PrefillOutcome, Placed]:
@@ -84,18 +105,16 @@ class Placement:
         outcome = self._chain(plan, self.prefixes.held(entry, cached))
         return outcome, Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached)
 
-    def chunk(self, request_id: str, ids: list[int], done: int, end: int, rope, cache, cuts: tuple[int, ...]
+    def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, last: bool
               ) -> PrefillOutcome:
-        """One chunk of a chunked prefill (serve/chunking.py): positions [done, end) of ``ids`` after the first
-        ``done``, whose K,V the front's ``cache`` holds (None for the first chunk), cut over the chain at ``cuts``;
-        the outcome's cache holds [0, end) on the front."""
-        if self.ctx.world_size == 1 or len(cuts) == 2:
-            if cache is None:
-                return executor.single_prefill(self.ctx, ids[:end], rope)
-            return executor.suffix_prefill(self.ctx, cache, ids[:end], done, rope)
-        plan = PrefillPlan(request_id, ids[:end], cuts, self.attention, rope, cached=done)
-        held = [torch.stack((layer.keys, layer.values)) for layer in cache.layers] if cache is not None else None
-        return self._chain(plan, held)
+        """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) of ``ids`` cut over
+        the chain at ``cuts``, every rank holding the positions before them; the outcome's cache holds [0, cuts[-1])
+        on the front."""
+        plan = ChunkPlan(request_id, ids[:cuts[-1]], cuts, self.attention, rope, last)
+        if self.ctx.world_size > 1:
+            executor.send_plan(self.ctx, plan)
+            self.heartbeat.sent()
+        return executor.chunk_prefill(self.ctx, plan)
 
     def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]) -> tuple[list[PrefillOutcome], Placed]:
         """One packed prefill of several prompts: over the chain, cut by the packed work at prompt edges, or on

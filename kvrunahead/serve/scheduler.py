@@ -152,14 +152,15 @@ class Scheduler:
         return None
 
     def order(self, now: float) -> list[Sequence]:
-        """The prefills in the order the policy takes them: those passed over ``starve_after`` times first (by
-        arrival), then by arrival (fcfs) or by relative slack (lars)."""
+        """The prefills in the order the policy takes them: by arrival (fcfs), or those passed over ``starve_after``
+        times first (by arrival), then by relative slack (lars)."""
         candidates = [*self.prefilling, *self.waiting]
 
         def key(seq: Sequence):
+            if self.policy == "fcfs":  # arrival order is total: nobody starves
+                return (False, 0.0, seq.request.arrival_s)
             starved = seq.passed_over >= self.starve_after
-            slack = 0.0 if starved or self.policy == "fcfs" else self.slack.of(seq, now)
-            return (not starved, slack, seq.request.arrival_s)
+            return (not starved, 0.0 if starved else self.slack.of(seq, now), seq.request.arrival_s)
 
         return sorted(candidates, key=key)
 

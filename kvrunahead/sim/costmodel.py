@@ -83,6 +83,22 @@ class CostModel:
         s, p = self.shape, self.profile
         return max(2.0 * s.hidden * s.vocab / p.matmul_flops_per_s, s.lm_head_bytes / p.memory_Bps)
 
+    def decode_step_s(self, contexts: list[int], parts: int = 1) -> float:
+        """One decode step of ``len(contexts)`` requests, each new token attending its context: on one rank
+        (``parts`` 1), or KV-cache parallel over ``parts`` ranks, each attending its share of every context and
+        exchanging (output, log-sum-exp) per layer with the others (kvrunahead/kvp.py), latency-bound. A step of a
+        few tokens is bound by reading the weights and the K,V, not by its FLOPs: each part takes the longer."""
+        s, memory = self.shape, self.profile.memory_Bps
+        b = len(contexts)
+        linear = max(self.qkv_s(b) + self.other_s(b), s.layer_params * s.dtype_bytes / memory)
+        shares = [-(-c // parts) for c in contexts]
+        attend = sum(max(self.full_s(1, n), self.kv_bytes(n) / memory) for n in shares)
+        exchange = 0.0
+        if parts > 1:
+            nbytes = b * s.heads * (s.head_dim + 1) * 4
+            exchange = (parts - 1) * (self.link.latency_s + nbytes / self.link.bandwidth_Bps)
+        return self.layers * (linear + attend + exchange) + b * self.lm_head_s()
+
     def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""
         copy = self.copy_s(self.kv_bytes(prefix + tokens)) if prefix else 0.0

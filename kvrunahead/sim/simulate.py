@@ -135,48 +135,54 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
 
 
 def simulate_chunk(model: CostModel, boundaries: tuple[int, ...], attention: str = "split") -> SimResult:
-    """One chunk of a chunked prefill: positions [b[0], b[-1]) over the chain after the first ``b[0]``, whose K,V
-    the last rank (the server's front) holds and sends rank 0 as its prefix, every layer in the background (on one
-    rank the prefix is local). What ``serve.chunking`` prices a chunk with, and what its step times are checked
-    against."""
+    """One chunk of a chunked prefill (serve/chunking.py): positions [b[0], b[-1]) over the chain, every rank
+    holding the first ``b[0]`` already, so the chain carries only the chunk's own positions; then the last rank
+    sends each other rank the chunk's positions it lacks (the catch-up). Every part but the last empty: the last
+    rank alone. The step ends when every rank is done (the front gathers their figures)."""
     b = tuple(boundaries)
     p = len(b) - 1
-    if p < 1 or b[0] < 0 or any(y <= x for x, y in zip(b, b[1:])):
-        raise SimError(f"boundaries {b} are not a chunk's cuts over at least one rank")
+    alone = b[0] == b[-2]
+    if p < 1 or b[0] < 0 or b[-1] <= b[-2] or (not alone and any(y <= x for x, y in zip(b, b[1:]))):
+        raise SimError(f"boundaries {b} are not a chunk's cuts over {p} ranks")
     links = Links(model.link, p)
     clock = _Clock(p, [b[r + 1] - b[r] for r in range(p)], False)
-    _kvr(model, clock, links, b, attention, comm=True)
+    if alone:
+        for layer in range(model.layers):
+            clock.compute(p - 1, layer, model.rank_layer_s(attention, b[-1] - b[0], b[0]))
+    else:
+        _kvr(model, clock, links, b, attention, comm=True, base=b[0])
     clock.compute(p - 1, model.layers, model.lm_head_s())
+    for r in range(p - 1):  # the catch-up, from the front once it is done
+        nbytes = model.kv_bytes(b[-1] - (b[0] if alone else b[r + 1])) * model.layers
+        arrival = links.send(p - 1, r, clock.t[p - 1], nbytes)
+        clock.compute(p - 1, model.layers, model.transfer_cpu_s(nbytes))
+        clock.wait_until(r, model.layers, arrival)
+        clock.compute(r, model.layers, model.transfer_cpu_s(nbytes) + model.copy_s(model.kv_bytes(b[-1])))
     for r in clock.ranks:
         r.end_s = clock.t[r.rank]
     link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
-    return SimResult("kvr", b[-1], p, b, clock.t[p - 1], clock.ranks, link_bytes)
+    return SimResult("kvr", b[-1], p, b, max(clock.t), clock.ranks, link_bytes)
 
 
-def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], attention: str, comm: bool) -> None:
-    """The chain; with ``b[0] > 0`` the last rank holds the first ``b[0]`` positions and sends them to rank 0
+def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], attention: str, comm: bool,
+         base: int = 0) -> None:
+    """The chain; every rank holding the first ``base`` positions already, the messages carry what follows them
     (``simulate_chunk``)."""
     p = len(b) - 1
     posted = [0.0] * p  # when each rank's receive for the current layer was posted
-    held = b[0] > 0 and p > 1 and comm
     for layer in range(model.layers):
         arrival = 0.0
-        if held:  # the front's isends of every layer go out at once; rank 0 takes them in order
-            held_at = links.send(p - 1, 0, 0.0, model.kv_bytes(b[0]))
         for i in range(p):
             n, prefix = b[i + 1] - b[i], b[i]
             clock.compute(i, layer, model.qkv_s(n))
-            if i == 0 and held:
-                clock.wait_until(0, layer, held_at)
-                clock.compute(0, layer, model.transfer_cpu_s(model.kv_bytes(prefix)))
             if i > 0 and comm:
                 clock.wait_until(i, layer, arrival)
                 posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in
-                clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(prefix)))
+                clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(prefix - base)))
             if prefix:
                 clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n)))
             if i < p - 1 and comm:
-                nbytes = model.kv_bytes(b[i + 1])
+                nbytes = model.kv_bytes(b[i + 1] - base)
                 start = max(clock.t[i], posted[i + 1], links.free_at.get((i, i + 1), 0.0))
                 arrival = links.send(i, i + 1, start, nbytes)
                 clock.sent(i, layer, start, arrival, nbytes)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Long and short requests together on kvr-serve --nproc 2 (2 ranks of 1 thread): first come, first served with
+# each prompt prefilled in one step (fcfs) against chunked prefill within a step budget with the LARS order (lars),
+# the same requests (kvr-serve-bench --seed) at each rate. One server runs at a time; the policies alternate per
+# rate. Resumable: a part whose rows are complete is skipped (kvr-serve-bench --resume). Then report.py writes
+# summary.md and the plots.
+# Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1500)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=experiments/mixed_workload
+RATES=${RATES:-0.25 0.5}
+REQUESTS=${REQUESTS:-60}
+DURATION=${DURATION:-240}
+BUDGET_MS=${BUDGET_MS:-1500}
+PORT=8131
+
+wait_up() {  # $1 pid
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    kill -0 "$1" 2>/dev/null || { echo "the server died; see $OUT/server.log" >&2; return 1; }
+    sleep 1
+  done
+  echo "the server was not up in 300 s" >&2; return 1
+}
+stop_server() { kill -TERM -- "-$1" 2>/dev/null || true; for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done; kill -KILL -- "-$1" 2>/dev/null || true; }
+policy_args() {
+  case $1 in
+    fcfs) echo "--schedule fcfs" ;;
+    lars) echo "--schedule lars --step-budget-ms $BUDGET_MS" ;;
+  esac
+}
+
+for rate in $RATES; do
+  for policy in fcfs lars; do
+    dir="$OUT/rate$rate/$policy"
+    if [ -f "$dir/summary.csv" ] && python3 -c "import csv,sys; sys.exit(0 if list(csv.DictReader(open('$dir/summary.csv'))) else 1)"; then
+      echo "rate $rate $policy: done"; continue
+    fi
+    # shellcheck disable=SC2046
+    OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 --port $PORT $(policy_args "$policy") \
+      > "$OUT/server.log" 2>&1 &
+    pid=$!
+    trap "stop_server $pid" EXIT
+    wait_up "$pid"
+    kvr-serve-bench --base-url "http://127.0.0.1:$PORT/v1" --label "$policy" --out "$dir" --resume \
+      --tokenizer smollm2-135m --seed 0 --rate "$rate" --requests "$REQUESTS" --duration "$DURATION" \
+      --long-share 0.05 --long-tokens 8k-16k --long-max-tokens 16 --max-tokens-cap 64 --max-prompt-tokens 1024 \
+      --timeout 900
+    stop_server "$pid"; trap - EXIT
+  done
+done
+python3 "$OUT/report.py" "$OUT"
