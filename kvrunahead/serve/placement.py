@@ -20,11 +20,11 @@ from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.policy import RunConfig, choose_partition
 from kvrunahead.search.tables import TableError
-from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import ChunkPlan, Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
+from kvrunahead.sim.costmodel import CostModel
 
 
 @dataclass(frozen=True)
