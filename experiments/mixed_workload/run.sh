@@ -4,14 +4,15 @@
 # the same requests (kvr-serve-bench --seed) at each rate. One server runs at a time; the policies alternate per
 # rate. Resumable: a part whose rows are complete is skipped (kvr-serve-bench --resume). Then report.py writes
 # summary.md and the plots.
-# Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1500)
+# Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1000 SEED=14)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=experiments/mixed_workload
 RATES=${RATES:-0.25 0.5}
 REQUESTS=${REQUESTS:-60}
 DURATION=${DURATION:-240}
-BUDGET_MS=${BUDGET_MS:-1500}
+BUDGET_MS=${BUDGET_MS:-1000}
+SEED=${SEED:-14}
 PORT=8131
 
 wait_up() {  # $1 pid
@@ -43,7 +44,7 @@ for rate in $RATES; do
     trap "stop_server $pid" EXIT
     wait_up "$pid"
     kvr-serve-bench --base-url "http://127.0.0.1:$PORT/v1" --label "$policy" --out "$dir" --resume \
-      --tokenizer smollm2-135m --seed 0 --rate "$rate" --requests "$REQUESTS" --duration "$DURATION" \
+      --tokenizer smollm2-135m --seed "$SEED" --rate "$rate" --requests "$REQUESTS" --duration "$DURATION" \
       --long-share 0.05 --long-tokens 8k-16k --long-max-tokens 16 --max-tokens-cap 64 --max-prompt-tokens 1024 \
       --timeout 900
     stop_server "$pid"; trap - EXIT
