@@ -51,3 +51,4 @@ for rate in $RATES; do
   done
 done
 python3 "$OUT/report.py" "$OUT"
+python3 "$OUT/predict.py" "$OUT" --budget-ms "$BUDGET_MS"

@@ -233,8 +233,8 @@ class Engine:
         return outcome
 
     def _chunk(self, seq: Sequence) -> PrefillOutcome | None:
-        """The next chunk of a long prompt (serve/chunking.py); the outcome once its last chunk ran, else None (the
-        front keeps the cache so far, and the sequence waits for its next turn)."""
+        """The next chunk of a long prompt (serve/chunking.py); the outcome once its last chunk ran, else None
+        (every rank keeps the positions so far, and the sequence waits for its next turn)."""
         n, done = seq.prompt_len, seq.prefilled
         if not done:
             seq.prefill_start_s = time.monotonic()
