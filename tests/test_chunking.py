@@ -3,9 +3,6 @@ chunks answers as the whole prompt in one process, for any chunking over 1-3 rea
 the cost model prices; LARS's order on hand-computed slacks; no request starves."""
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,7 @@ from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import SimError, simulate, simulate_chunk
 from tests.helpers import wait_all
-from tests.test_serve_engine import _start_ranks
+from tests.test_serve_engine import _kill_worker_and_wait, _start_ranks
 
 PROMPTS = [list(range(3, 60)), [5] + list(range(100, 140))]
 
@@ -227,25 +224,6 @@ def test_fcfs_keeps_a_chunked_prompt_in_line_and_lars_needs_a_slack():
 def test_a_long_prefill_yields_part_of_its_budget_by_its_relative_slack():
     assert yielded_share(0.2) == pytest.approx(0.8)
     assert yielded_share(0.9) == 0.5 and yielded_share(-1.0) == 1.0
-
-
-def _kill_worker_and_wait(tmp_path: Path, scenario: dict, timeout_s: float) -> tuple[dict, float]:
-    procs, out = _start_ranks(scenario, tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while not Path(scenario["ready"]).exists():
-            assert time.monotonic() < deadline and all(q.poll() is None for q in procs), "never got ready"
-            time.sleep(0.05)
-        killed_at = time.monotonic()
-        os.kill(procs[0].pid, signal.SIGKILL)
-        outputs = wait_all(procs[1:], timeout_s + 30)
-    finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait(10)
-    assert procs[1].returncode == 3, outputs
-    return json.loads(Path(f"{out}.1").read_text()), killed_at
 
 
 @pytest.mark.timeout(180)

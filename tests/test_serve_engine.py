@@ -291,16 +291,14 @@ def _wait_ready(ready: Path, procs, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(180)
-def test_a_killed_worker_ends_every_request_with_an_error_within_the_timeout(tmp_path):
-    timeout_s = 5.0
-    ready = tmp_path / "ready"
-    scenario = {"name": "serve", "ready": str(ready),
-                "run": {"model": "tiny-llama", "threads": 1, "timeout_s": timeout_s, "partition": "even"}}
+def _kill_worker_and_wait(tmp_path: Path, scenario: dict, timeout_s: float, settle_s: float = 0.0
+                          ) -> tuple[dict, float]:
+    """Start the scenario on 2 ranks, kill the worker once the front writes ``scenario["ready"]`` (and
+    ``settle_s`` later); the front's JSON and when the worker was killed. The front must exit unhealthy (3)."""
     procs, out = _start_ranks(scenario, tmp_path)
     try:
-        _wait_ready(ready, procs, "never started decoding")
-        time.sleep(0.5)
+        _wait_ready(Path(scenario["ready"]), procs, "never got ready")
+        time.sleep(settle_s)
         killed_at = time.monotonic()
         os.kill(procs[0].pid, signal.SIGKILL)
         outputs = wait_all(procs[1:], timeout_s + 30)
@@ -309,8 +307,16 @@ def test_a_killed_worker_ends_every_request_with_an_error_within_the_timeout(tmp
             if q.poll() is None:
                 q.kill()
                 q.wait(10)
-    front = json.loads(Path(f"{out}.1").read_text())
     assert procs[1].returncode == 3, outputs
+    return json.loads(Path(f"{out}.1").read_text()), killed_at
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_ends_every_request_with_an_error_within_the_timeout(tmp_path):
+    timeout_s = 5.0
+    scenario = {"name": "serve", "ready": str(tmp_path / "ready"),
+                "run": {"model": "tiny-llama", "threads": 1, "timeout_s": timeout_s, "partition": "even"}}
+    front, killed_at = _kill_worker_and_wait(tmp_path, scenario, timeout_s, settle_s=0.5)
     assert front["healthy"] is False
     assert [front[f"r{i}"]["finish_reason"] for i in range(3)] == ["error"] * 3, front
     assert front["done_s"] - killed_at < timeout_s + 10

@@ -46,8 +46,11 @@ NULL_ATTENTION = "kvrunahead_null"
 LINEAR_TOKENS = (256, 1024, 2048, 4096, 8192, 16384)
 LINEAR_LAYERS = 4  # decoder layers timed (the first ones of the model): per-layer cost at a fraction of the time
 # (queries, keys) of the attention kernels: the parts and prefixes of 1k-16k prompts at p = 2-8.
+# Prefills' blocks, and a chunked prefill's (serve/chunking.py): a few dozen queries against a long prefix, where
+# the keys' cost no longer hides behind the pairs'.
 ATTENTION_SHAPES = ((256, 256), (512, 512), (1024, 1024), (512, 2048), (2048, 2048), (1024, 4096),
-                    (2048, 4096), (4096, 4096), (2048, 8192), (8192, 8192), (4096, 16384), (8192, 16384))
+                    (2048, 4096), (4096, 4096), (2048, 8192), (8192, 8192), (4096, 16384), (8192, 16384),
+                    (32, 4096), (64, 8192), (32, 16384), (128, 16384))
 LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 LARGE_MESSAGE = 1 << 22
 
