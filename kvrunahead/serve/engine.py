@@ -33,8 +33,9 @@ from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor
 from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit, yielded_share
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, Shutdown
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext
 from kvrunahead.serve.placement import Placement
+from kvrunahead.serve.plans import Drop, KvpStep, Shutdown
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work, taken
 from kvrunahead.serve.sequence import (
@@ -211,7 +212,7 @@ class Engine:
             self.heartbeat.maybe_ping()
             tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
             kvp = tuple((r, t) for r, t in tokens.items() if r in self.ctx.shards)  # every rank takes part
-            logits = executor.kvp_step(self.ctx, self._sent(executor.KvpStep(kvp))) if kvp else {}
+            logits = executor.kvp_step(self.ctx, self._sent(KvpStep(kvp))) if kvp else {}
             rest = {r: t for r, t in tokens.items() if r not in self.ctx.shards}
             if rest:
                 self.ctx.use_threads(solo=True)
@@ -344,7 +345,7 @@ class Engine:
         """Tell the workers which requests holding state on them ended (KVP shards, chunked prefills' positions),
         before the next plan that needs every rank."""
         if self._unfreed and self.healthy:
-            self._sent(executor.Drop(tuple(self._unfreed)))
+            self._sent(Drop(tuple(self._unfreed)))
         self._unfreed = []
 
     def _reap_cancelled(self) -> list[Event]:

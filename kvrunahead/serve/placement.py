@@ -22,7 +22,8 @@ from kvrunahead.policy import RunConfig, choose_partition
 from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import ChunkPlan, Heartbeat, PackedPlan, PrefillOutcome, PrefillPlan, RankContext
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext
+from kvrunahead.serve.plans import ChunkPlan, PackedPlan, PrefillPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
 
