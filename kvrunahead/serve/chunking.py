@@ -2,9 +2,10 @@
 
 A prompt whose prefill the cost model (kvrunahead/sim) predicts to take longer than ``--step-budget-ms`` is
 prefilled in chunks, one per engine step, so that decodes and short prompts run between them. Each chunk is a
-chain prefill of its new tokens after the positions before it, whose K,V the front holds and sends rank 0
-(``simulate_chunk`` prices exactly that); the chunk is the longest that the model predicts to fit the step's
-budget. As the cache grows each new token attends to more keys, so the chunks shrink along the prompt.
+chain prefill of its new tokens after the positions before it, whose K,V every rank holds already (the chain
+carries only the chunk's own positions; the front then sends each worker those it lacks: ``simulate_chunk``
+prices exactly that); the chunk is the longest that the model predicts to fit the step's budget. As the cache
+grows each new token attends to more keys, so the chunks shrink along the prompt.
 """
 
 from __future__ import annotations
