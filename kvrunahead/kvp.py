@@ -29,9 +29,14 @@ from kvrunahead.transport import Transport
 IMPLEMENTATION = "kvrunahead_kvp"
 
 
+def why_not_kvp(config) -> str | None:
+    """Why the KVP decode cannot run the model exactly, or None."""
+    return why_not_inserted(config, "the KVP decode")
+
+
 def check_kvp(config) -> None:
     """NotImplementedError with one line where the KVP decode cannot run the model exactly."""
-    why = why_not_inserted(config, "the KVP decode")
+    why = why_not_kvp(config)
     if why:
         raise NotImplementedError(why)
 

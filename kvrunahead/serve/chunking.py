@@ -93,6 +93,14 @@ class ChunkPlanner:
         return lo
 
 
+def chunk_budget(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
+    """The seconds ``seq``'s next chunk may take: the step budget, less what a long prefill yields by its relative
+    slack while others wait under LARS (``scheduler``: the serve.scheduler.Scheduler deciding)."""
+    if scheduler.policy == "lars" and scheduler.others_waiting(seq):
+        return planner.budget_s * yielded_share(scheduler.slack.of(seq, now))
+    return planner.budget_s
+
+
 def yielded_share(relative_slack: float) -> float:
     """The share of the step's budget a long prefill takes while others wait (Medha's space sharing): ``1 - rho``
     of it, between ``YIELD_FLOOR`` and all of it; a request behind its deadline keeps all."""

@@ -31,7 +31,7 @@ from kvrunahead.policy import (
 from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor
-from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit, yielded_share
+from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext
 from kvrunahead.serve.placement import Placement
@@ -242,12 +242,11 @@ class Engine:
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
                                          [0, n], "chunked prefill", self.chunks.describe())
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
-            lars = self.scheduler.policy == "lars" and self.scheduler.others_waiting(seq)
-            share = yielded_share(self.scheduler.slack.of(seq, time.monotonic())) if lars else 1.0
-        end = self.chunks.end(n, done, self.chunks.budget_s * share)
+            budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
+        end = self.chunks.end(n, done, budget)
         cuts, t0 = self.chunks.cuts(done, end), time.monotonic()
         outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, cuts, seq.rope, end == n)
-        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, self.chunks.budget_s * share))
+        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, budget))
         seq.prefilled = end
         if end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
             with self._lock:

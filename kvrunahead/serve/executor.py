@@ -242,11 +242,10 @@ def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
 
 
 @torch.no_grad()
-def suffix_prefill(ctx: RankContext, cache: DynamicCache, ids: list[int], cached: int,
-                   rope: RopeExtension | None = None) -> PrefillOutcome:
+def suffix_prefill(ctx: RankContext, cache: DynamicCache, ids: list[int], cached: int) -> PrefillOutcome:
     """The prompt's tokens after the ``cached`` ones that ``cache`` already holds, on the front alone."""
     ctx.use_threads(solo=True)
-    model = ctx.model(rope)[0].model
+    model = ctx.lm.model
     new = torch.tensor([ids[cached:]], device=ctx.device)
     positions = torch.arange(cached, len(ids), device=ctx.device).unsqueeze(0)
     t0 = time.perf_counter()

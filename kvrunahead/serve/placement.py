@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrunahead.errors import InputError
-from kvrunahead.modes.attention import why_not_inserted
+from kvrunahead.kvp import why_not_kvp
 from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.policy import RunConfig, choose_partition
@@ -57,7 +57,7 @@ class Placement:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
         self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
-        self.kvp_possible = why_not_inserted(model_config, "the KVP decode") is None
+        self.kvp_possible = why_not_kvp(model_config) is None
 
     def cacheable(self, rope) -> bool:
         """Full-attention models' prompts within the trained positions (a sliding layer's cache keeps its window

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrunahead.serve.chunking import ChunkPlanner, lars_slack, yielded_share
+from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, lars_slack
 from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler
 from kvrunahead.serve.sequence import Request, Sequence
 from kvrunahead.sim.costmodel import CostModel
@@ -113,10 +113,7 @@ def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callabl
         seq = work.seq
         n = seq.prompt_len
         if seq.prefilled or planner.chunked(n):
-            share = 1.0
-            if policy == "lars" and scheduler.others_waiting(seq):
-                share = yielded_share(slack.of(seq, now))
-            end = planner.end(n, seq.prefilled, budget_s * share)
+            end = planner.end(n, seq.prefilled, chunk_budget(planner, scheduler, seq, now))
             now += planner.predict_s(seq.prefilled, end)
             seq.prefilled = end
             if end < n:

@@ -61,7 +61,6 @@ def taken(work: Work | None) -> list[Sequence]:
     return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
 
 
-POLICIES = SCHEDULES
 STARVE_AFTER = 8  # prefill steps a request may be passed over in a row before it goes next
 
 
@@ -88,8 +87,8 @@ class Slack:
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
                  starve_after: int = STARVE_AFTER) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(POLICIES)}")
+        if policy not in SCHEDULES:
+            raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
             raise ValueError("the lars schedule needs each request's predicted work (a cost model)")
         self.max_queue = max_queue
