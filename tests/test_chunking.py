@@ -12,7 +12,7 @@ from kvrunahead.launcher import World
 from kvrunahead.model.load import resolve_config
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
-from kvrunahead.serve.chunking import ChunkPlanner, yielded_share
+from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.replay import Arrival, replay
@@ -224,6 +224,20 @@ def test_fcfs_keeps_a_chunked_prompt_in_line_and_lars_needs_a_slack():
 def test_a_long_prefill_yields_part_of_its_budget_by_its_relative_slack():
     assert yielded_share(0.2) == pytest.approx(0.8)
     assert yielded_share(0.9) == 0.5 and yielded_share(-1.0) == 1.0
+
+
+def test_a_prefill_yields_to_shorter_waiting_ones_only():
+    """Under LARS the long prompt's chunk shrinks while a short one waits; the short one's keeps the whole budget
+    with the long one waiting (a yield to a longer prompt would only cut the short one into more chunks)."""
+    planner = ChunkPlanner(_cost(), 2, "split", prompt_work(resolve_config("smollm2-135m")), 1.0)
+    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(100.0))
+    long, short = _seq("long", 16000, 0.0, 2000), _seq("short", 600, 1.0)
+    scheduler.resume(long)
+    scheduler.add(short)
+    assert chunk_budget(planner, scheduler, long, 2.0) == pytest.approx(0.5)  # slack 100 s: the floor
+    assert chunk_budget(planner, scheduler, short, 2.0) == 1.0
+    scheduler.policy = "fcfs"  # first come, first served never yields
+    assert chunk_budget(planner, scheduler, long, 2.0) == 1.0
 
 
 @pytest.mark.timeout(180)

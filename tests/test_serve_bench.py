@@ -135,6 +135,15 @@ def test_summary_splits_short_and_long_and_counts_errors_apart():
     assert s.errors == "http_500:1;timeout:2"
     assert (s.requests_per_s, s.output_tokens_per_s) == pytest.approx((0.7, 7.7))
     assert s.tpot_p50_s == pytest.approx(0.01)
+    assert (s.ttft_slo_s, s.short_slo_met) == (None, None)
+
+
+def test_ttft_objective_counts_failed_short_requests_as_missed():
+    rows = [_row("short", t) for t in (0.1, 0.2, 0.3, 0.4, 0.5)] + [_row("long", 2.0)]
+    rows += [_row("short", None, 0, None, "timeout")]
+    s = summarize_rate(rows, wall_s=10.0, rate=1.0, ttft_slo_s=0.3)
+    assert s.short_slo_met == pytest.approx(3 / 6)  # 0.1, 0.2, 0.3 of six shorts; the long one is not counted
+    assert summarize_rate(rows[5:6], wall_s=1.0, ttft_slo_s=0.3).short_slo_met is None  # no short request
 
 
 # ---- end to end against a fake OpenAI-compatible server --------------------------------------------------------

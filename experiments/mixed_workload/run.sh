@@ -4,15 +4,19 @@
 # the same requests (kvr-serve-bench --seed) at each rate. One server runs at a time; the policies alternate per
 # rate. Resumable: a part whose rows are complete is skipped (kvr-serve-bench --resume). Then report.py writes
 # summary.md and the plots.
-# Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1000 SEED=14)
+# Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1000 SEED=14
+#        TTFT_SLO_S=2 LONG_TOKENS=8k-16k OUT=experiments/mixed_workload)
+# One long document among short requests (seed 10: 32 requests, the 6th a 16k document): OUT=experiments/mixed_workload/light RATES=0.1 DURATION=300 SEED=10 bash experiments/mixed_workload/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=experiments/mixed_workload
+OUT=${OUT:-experiments/mixed_workload}
 RATES=${RATES:-0.25 0.5}
 REQUESTS=${REQUESTS:-60}
 DURATION=${DURATION:-240}
 BUDGET_MS=${BUDGET_MS:-1000}
 SEED=${SEED:-14}
+TTFT_SLO_S=${TTFT_SLO_S:-2}  # kvr-serve's default --ttft-slo-s; the bench's summary gives the share of short requests within it
+LONG_TOKENS=${LONG_TOKENS:-8k-16k}
 PORT=8131
 
 wait_up() {  # $1 pid
@@ -38,17 +42,17 @@ for rate in $RATES; do
       echo "rate $rate $policy: done"; continue
     fi
     # shellcheck disable=SC2046
-    OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 --port $PORT $(policy_args "$policy") \
+    OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 --port $PORT $(policy_args "$policy") --ttft-slo-s "$TTFT_SLO_S" \
       > "$OUT/server.log" 2>&1 &
     pid=$!
     trap "stop_server $pid" EXIT
     wait_up "$pid"
     kvr-serve-bench --base-url "http://127.0.0.1:$PORT/v1" --label "$policy" --out "$dir" --resume \
       --tokenizer smollm2-135m --seed "$SEED" --rate "$rate" --requests "$REQUESTS" --duration "$DURATION" \
-      --long-share 0.05 --long-tokens 8k-16k --long-max-tokens 16 --max-tokens-cap 64 --max-prompt-tokens 1024 \
-      --timeout 900
+      --long-share 0.05 --long-tokens "$LONG_TOKENS" --long-max-tokens 16 --max-tokens-cap 64 --max-prompt-tokens 1024 \
+      --timeout 900 --ttft-slo-s "$TTFT_SLO_S"
     stop_server "$pid"; trap - EXIT
   done
 done
-python3 "$OUT/report.py" "$OUT"
-python3 "$OUT/predict.py" "$OUT" --budget-ms "$BUDGET_MS"
+python3 experiments/mixed_workload/report.py "$OUT"
+python3 experiments/mixed_workload/predict.py "$OUT" --budget-ms "$BUDGET_MS"

@@ -359,6 +359,8 @@ class RateSummary:
     ttft_short_p50_s: float | None
     ttft_short_p90_s: float | None
     ttft_short_p99_s: float | None
+    ttft_slo_s: float | None  # the TTFT objective given (kvr-serve-bench --ttft-slo-s), if any
+    short_slo_met: float | None  # share of the short requests answered within it (failed ones count as missed)
     long_n: int
     ttft_long_p50_s: float | None
     ttft_long_p90_s: float | None
@@ -369,9 +371,13 @@ class RateSummary:
 
 
 def summarize_rate(rows: list[dict], wall_s: float, label: str = "", base_url: str = "",
-                   rate: float = 0.0) -> RateSummary:
-    """The summary of one rate's rows (dicts with Outcome's fields); failed requests count only as errors."""
+                   rate: float = 0.0, ttft_slo_s: float | None = None) -> RateSummary:
+    """The summary of one rate's rows (dicts with Outcome's fields); failed requests count only as errors,
+    except against ``ttft_slo_s``, where a failed short request is one that missed it."""
     ok = [r for r in rows if not r.get("error")]
+    shorts = [r for r in rows if r["kind"] == "short"]
+    met = (None if ttft_slo_s is None or not shorts else
+           sum(not r.get("error") and r["ttft_s"] <= ttft_slo_s for r in shorts) / len(shorts))
 
     def ttft(kind: str, q: float) -> float | None:
         return percentile([r["ttft_s"] for r in ok if r["kind"] == kind], q)
@@ -385,6 +391,7 @@ def summarize_rate(rows: list[dict], wall_s: float, label: str = "", base_url: s
         requests_per_s=len(ok) / wall, output_tokens_per_s=sum(r["output_tokens"] for r in ok) / wall,
         short_n=sum(r["kind"] == "short" for r in ok),
         ttft_short_p50_s=ttft("short", 50), ttft_short_p90_s=ttft("short", 90), ttft_short_p99_s=ttft("short", 99),
+        ttft_slo_s=ttft_slo_s, short_slo_met=met,
         long_n=sum(r["kind"] == "long" for r in ok),
         ttft_long_p50_s=ttft("long", 50), ttft_long_p90_s=ttft("long", 90), ttft_long_p99_s=ttft("long", 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p90_s=percentile(tpot, 90),

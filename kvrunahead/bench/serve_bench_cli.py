@@ -115,8 +115,9 @@ def write_rows(path: Path, rows: list[dict], append: bool) -> None:
 
 # ---- the summary -----------------------------------------------------------------------------------------------
 
-def summaries(by_rate: dict[float, list[dict]], prov: Provenance) -> list[RateSummary]:
-    return [summarize_rate(rs, rs[0]["rate_wall_s"] if rs else 0.0, prov.label, prov.base_url, rate)
+def summaries(by_rate: dict[float, list[dict]], prov: Provenance,
+              ttft_slo_s: float | None = None) -> list[RateSummary]:
+    return [summarize_rate(rs, rs[0]["rate_wall_s"] if rs else 0.0, prov.label, prov.base_url, rate, ttft_slo_s)
             for rate, rs in sorted(by_rate.items())]
 
 
@@ -238,10 +239,13 @@ def _machine(model: str) -> tuple[dict, str]:
               help="Do not ask for usage in the last chunk (count content chunks as output tokens).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer token (default: $OPENAI_API_KEY).")
 @click.option("--out", "out_dir", default="experiments/serve_bench", show_default=True, type=click.Path())
+@click.option("--ttft-slo-s", type=float, default=None,
+              help="A TTFT objective, seconds: the summary adds the share of short requests answered within it "
+                   "(short_slo_met). Read only by the summary, so a --resume may change it.")
 @click.option("--resume", is_flag=True, help="Keep the rows of the rates already complete in --out (same options).")
 def cli(base_url, model, label, endpoint, rates, n_requests, duration_s, timeout_s, warmup, seed, long_share,
         long_tokens, long_max_tokens, max_tokens_cap, fixed_max_tokens, max_prompt_tokens, dataset, tokenizer,
-        no_stream_usage, api_key, out_dir, resume):
+        no_stream_usage, api_key, out_dir, ttft_slo_s, resume):
     """Open-loop load (Poisson arrivals, streamed requests) against an OpenAI-compatible server; TTFT
     percentiles of short and long requests, time per output token and throughput per rate.
 
@@ -259,6 +263,8 @@ def cli(base_url, model, label, endpoint, rates, n_requests, duration_s, timeout
         _check(spec, duration_s, timeout_s, max_prompt_tokens, base_url)
         if warmup < 0:
             raise ValueError(f"--warmup must not be negative, got {warmup}")
+        if ttft_slo_s is not None and ttft_slo_s <= 0:
+            raise ValueError(f"--ttft-slo-s must be positive, got {ttft_slo_s}")
     except (ValueError, PromptError) as e:
         common.fail(PROG, str(e))
     if model is None:
@@ -293,7 +299,7 @@ def cli(base_url, model, label, endpoint, rates, n_requests, duration_s, timeout
         outcomes, wall_s = asyncio.run(run_rate(target, plan[:len(arrivals)], arrivals, warmup))
         done[rate] = rows_of(outcomes, wall_s, rate, config, prov)
         write_rows(out / "rows.jsonl", done[rate], append=True)
-    summary = summaries(done, prov)
+    summary = summaries(done, prov, ttft_slo_s)
     click.echo(write_summary(summary, prov, out))
     plot_rates(summary, out)
     click.echo(f"wrote {out}/rows.jsonl, summary.csv/md and ttft_vs_rate.png", err=True)

@@ -95,8 +95,8 @@ class ChunkPlanner:
 
 def chunk_budget(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
     """The seconds ``seq``'s next chunk may take: the step budget, less what a long prefill yields by its relative
-    slack while others wait under LARS (``scheduler``: the serve.scheduler.Scheduler deciding)."""
-    if scheduler.policy == "lars" and scheduler.others_waiting(seq):
+    slack while shorter prefills wait under LARS (``scheduler``: the serve.scheduler.Scheduler deciding)."""
+    if scheduler.policy == "lars" and scheduler.shorter_waiting(seq):
         return planner.budget_s * yielded_share(scheduler.slack.of(seq, now))
     return planner.budget_s
 

@@ -163,8 +163,13 @@ class Scheduler:
 
         return sorted(candidates, key=key)
 
-    def others_waiting(self, seq: Sequence) -> bool:
-        return any(s is not seq for s in (*self.waiting, *self.prefilling))
+    def shorter_waiting(self, seq: Sequence) -> bool:
+        """Whether a prefill with less predicted work left than ``seq``'s waits (LARS): a long prefill yields part
+        of its step to shorter ones (Medha's space sharing); a short prompt never yields to a longer one, which
+        would only cut the short one into more chunks, each paying a step's fixed cost."""
+        left = self.slack.remaining_s
+        mine = left(seq)
+        return any(s is not seq and left(s) < mine for s in (*self.waiting, *self.prefilling))
 
     def resume(self, seq: Sequence) -> None:
         """A chunk of ``seq``'s prefill ran; the rest waits for its turn."""
