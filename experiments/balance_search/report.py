@@ -33,23 +33,39 @@ def balance(row: dict) -> float:
     return max(busy) / max(min(busy), 1e-9)
 
 
+OLD_REPEATS, WARMUP = 3, 1  # the golden-section search's --repeats per candidate; both searches' --warmup per length
+
+
+def runs_of(ctx: int) -> int | None:
+    """Prefills the balance search ran for one length: its checkpoint's timed runs and the warm-up."""
+    for name in ("loopback.search", "loopback-14k.search"):
+        path = HERE / "tables" / name / f"{ctx}.balance.json"
+        if path.exists():
+            return len(json.loads(path.read_text())["runs"]) + WARMUP
+    return None
+
+
 def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int, dict]) -> list[str]:
     lines = ["## Tables", "",
-             "| context | re-searched partition | balance (median of its runs) | candidates (runs) | old partition "
-             "| old candidates | candidates new / old |",
-             "|---|---|---|---|---|---|---|"]
+             "| context | re-searched partition | balance (median of its runs) | candidates | runs | old partition "
+             "| old candidates | old runs | candidates new / old | runs new / old |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for ctx in sorted(set(new) | set(heldout)):
         e = new.get(ctx) or heldout[ctx]
         o = old.get(ctx)
         ratio = f"{e['evaluations'] / o['evaluations']:.2f}" if o else "(no old entry: held out)"
+        runs, old_runs = runs_of(ctx), o["evaluations"] * OLD_REPEATS + WARMUP if o else None
         lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
-                     f"| {','.join(map(str, o['boundaries'])) if o else '-'} | {o['evaluations'] if o else '-'} "
-                     f"| {ratio} |")
+                     f"| {runs or '-'} | {','.join(map(str, o['boundaries'])) if o else '-'} "
+                     f"| {o['evaluations'] if o else '-'} | {old_runs or '-'} | {ratio} "
+                     f"| {f'{runs / old_runs:.2f}' if runs and old_runs else '-'} |")
     both = [c for c in new if c in old]
     if both:
         total_new, total_old = sum(new[c]["evaluations"] for c in both), sum(old[c]["evaluations"] for c in both)
         lines += ["", f"Candidates over the lengths both searched: {total_new} against {total_old} "
-                  f"({total_new / total_old:.2f} of the old search's; target at most 0.33). Entries within 2% "
+                  f"({total_new / total_old:.2f} of the old search's; target at most 0.33); runs "
+                  f"{sum(runs_of(c) or 0 for c in both)} against "
+                  f"{sum(old[c]['evaluations'] * OLD_REPEATS + WARMUP for c in both)}. Entries within 2% "
                   f"balance: {sum(new[c]['balance'] <= 1.02 for c in new)} of {len(new)}."]
     return lines
 
