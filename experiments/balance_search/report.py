@@ -45,6 +45,11 @@ def runs_of(ctx: int) -> int | None:
     return None
 
 
+def old_runs_of(entry: dict) -> int:
+    """Prefills the golden-section search ran for one entry: every candidate --repeats times and the warm-up."""
+    return entry["evaluations"] * OLD_REPEATS + WARMUP
+
+
 def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int, dict]) -> list[str]:
     lines = ["## Tables", "",
              "| context | re-searched partition | balance (median of its runs) | candidates | runs | old partition "
@@ -54,7 +59,7 @@ def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int,
         e = new.get(ctx) or heldout[ctx]
         o = old.get(ctx)
         ratio = f"{e['evaluations'] / o['evaluations']:.2f}" if o else "(no old entry: held out)"
-        runs, old_runs = runs_of(ctx), o["evaluations"] * OLD_REPEATS + WARMUP if o else None
+        runs, old_runs = runs_of(ctx), old_runs_of(o) if o else None
         lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
                      f"| {runs or '-'} | {','.join(map(str, o['boundaries'])) if o else '-'} "
                      f"| {o['evaluations'] if o else '-'} | {old_runs or '-'} | {ratio} "
@@ -65,7 +70,7 @@ def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int,
         lines += ["", f"Candidates over the lengths both searched: {total_new} against {total_old} "
                   f"({total_new / total_old:.2f} of the old search's; target at most 0.33); runs "
                   f"{sum(runs_of(c) or 0 for c in both)} against "
-                  f"{sum(old[c]['evaluations'] * OLD_REPEATS + WARMUP for c in both)}. Entries within 2% "
+                  f"{sum(old_runs_of(old[c]) for c in both)}. Entries within 2% "
                   f"balance: {sum(new[c]['balance'] <= 1.02 for c in new)} of {len(new)}."]
     return lines
 

@@ -25,7 +25,7 @@ POLICIES = ("fcfs", "lars")
 def slo_met(out: Path, rate: float, policy: str) -> str:
     """The bench's summary cell: the share of short requests within its --ttft-slo-s, where the run gave one."""
     path = out / f"rate{rate:g}" / policy / "summary.csv"
-    rows = list(csv.DictReader(open(path))) if path.exists() else []
+    rows = list(csv.DictReader(path.read_text().splitlines())) if path.exists() else []
     row = rows[0] if rows else {}
     if not row.get("short_slo_met"):
         return "-"
