@@ -2,6 +2,7 @@
 chunks answers as the whole prompt in one process, for any chunking over 1-3 real ranks; the chunks fit the budget
 the cost model prices; LARS's order on hand-computed slacks; no request starves."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from kvrunahead.launcher import World
 from kvrunahead.model.load import resolve_config
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
-from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, yielded_share
+from kvrunahead.serve.chunking import WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.replay import Arrival, replay
@@ -240,6 +241,26 @@ def test_a_prefill_yields_to_shorter_waiting_ones_only():
     assert chunk_budget(planner, scheduler, long, 2.0) == 1.0
 
 
+def test_lars_runs_a_prefill_whole_where_its_chunks_would_miss_its_deadline_and_cuts_it_where_they_would_not():
+    planner = ChunkPlanner(_cost(), 2, "split", prompt_work(resolve_config("smollm2-135m")), 1.0)
+    n = next(n for n in range(64, 16384, 64) if planner.predict_s(0, n) > 2.0)  # two budgets' work, just over
+    rest = planner.predict_s(0, n)
+    decoding = _seq("decoding", 4000, 0.0)
+    gap = planner.cost.decode_step_s([decoding.next_position])  # its 3 chunks have 2 decode steps between them
+    for target, whole in ((rest + gap, True), (rest + 3 * gap, False)):  # the chunks end after (before) the deadline
+        scheduler = Scheduler(8, policy="lars", slack=_linear_slack(target))
+        scheduler.start_decoding(decoding)
+        short = _seq("short", n, 1.0)
+        scheduler.add(short)
+        budget = chunk_budget(planner, scheduler, short, 1.0)
+        assert (budget, planner.end(n, 0, budget)) == ((rest, n) if whole else (1.0, planner.end(n, 0)))
+        assert planner.end(n, 0) < n
+    too_long = next(n for n in range(64, 65536, 256) if planner.predict_s(0, n) > WHOLE_CAP)
+    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(0.1))
+    scheduler.add(_seq("long", too_long, 1.0))
+    assert chunk_budget(planner, scheduler, scheduler.waiting[0], 1.0) == 1.0  # cut, whatever its deadline
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_killed_during_a_chunked_prefill_ends_every_request_with_an_error_in_bound(tmp_path):
     timeout_s = 5.0
@@ -287,6 +308,17 @@ def test_auto_decode_chooses_kvp_for_long_contexts_only_where_the_cost_model_say
     assert kvp_predicted_faster(chain, solo, 32768, 2)
     crossing = next(n for n in range(1024, 65536, 512) if kvp_predicted_faster(chain, solo, n, 2))
     assert all(kvp_predicted_faster(chain, solo, n, 2) for n in range(crossing, 65536, 4096))
+
+
+def test_auto_decode_keeps_short_contexts_in_the_front_batch_whatever_the_front_profile_fits():
+    # A calibrated 2-thread profile with a per-layer overhead the 1-thread one lacks (this machine's fit: 5 ms)
+    # makes a lone KVP step look faster at any length; a short context still joins the front's batch, which reads
+    # the weights once for every request, while a KVP request runs its own forward.
+    chain, solo = _shipped_cost(1), _shipped_cost(2)
+    slow_front = CostModel(solo.shape, dataclasses.replace(solo.profile, layer_s=0.005))
+    assert chain.decode_step_s([77], 2) < slow_front.decode_step_s([77])
+    assert not any(kvp_predicted_faster(chain, slow_front, n, 2) for n in (77, 1024, 4096))
+    assert kvp_predicted_faster(chain, slow_front, 32768, 2)
 
 
 def test_the_replay_schedules_a_trace_as_the_engine_would_and_lars_shortens_the_short_requests_wait():

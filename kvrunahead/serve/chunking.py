@@ -10,6 +10,7 @@ grows each new token attends to more keys, so the chunks shrink along the prompt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from kvrunahead.sim.simulate import simulate_chunk
 MIN_CHUNK = 64  # tokens: a shorter chunk spends its step on the layers' fixed costs and the prefix's transfer
 ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
 YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
+WHOLE_CAP = 3.0  # the most step budgets a prefill takes in one step where its deadline needs it whole (LARS)
 
 
 @dataclass
@@ -94,11 +96,30 @@ class ChunkPlanner:
 
 
 def chunk_budget(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
-    """The seconds ``seq``'s next chunk may take: the step budget, less what a long prefill yields by its relative
-    slack while shorter prefills wait under LARS (``scheduler``: the serve.scheduler.Scheduler deciding)."""
-    if scheduler.policy == "lars" and scheduler.shorter_waiting(seq):
+    """The seconds ``seq``'s next chunk may take (``scheduler``: the serve.scheduler.Scheduler deciding): the step
+    budget; under LARS less what a long prefill yields by its relative slack while shorter prefills wait, and more
+    where cutting the rest of a prefill would miss its TTFT deadline (``whole_if_due``)."""
+    if scheduler.policy != "lars":
+        return planner.budget_s
+    if scheduler.shorter_waiting(seq):
         return planner.budget_s * yielded_share(scheduler.slack.of(seq, now))
-    return planner.budget_s
+    return max(planner.budget_s, whole_if_due(planner, scheduler, seq, now))
+
+
+def whole_if_due(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
+    """The predicted seconds of the rest of ``seq``'s prefill where it should run in one step, else 0: where its
+    chunks, each followed by a decode step of the running requests, would end after its TTFT deadline, and the rest
+    takes at most ``WHOLE_CAP`` step budgets (what it then holds the decodes back by). A prompt of a few hundred
+    tokens cut into chunks pays each step's fixed costs and a decode step between them; a long document with its
+    deadline minutes away is still cut to the budget."""
+    rest = planner.predict_s(seq.prefilled, seq.prompt_len)
+    if not planner.budget_s < rest <= WHOLE_CAP * planner.budget_s:
+        return 0.0
+    running = [s.next_position for s in scheduler.running]
+    gap = planner.cost.decode_step_s(running) if running else 0.0
+    chunked_end = now + rest + (math.ceil(rest / planner.budget_s) - 1) * gap
+    deadline = seq.request.arrival_s + scheduler.slack.target_s(seq)
+    return rest if chunked_end > deadline else 0.0
 
 
 def yielded_share(relative_slack: float) -> float:

@@ -179,9 +179,9 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "
                    "and /metrics' kvr_packed_requests show it.")
 @click.option("--decode", type=click.Choice(SERVE_DECODES), default="auto", show_default=True,
-              help="How a prompt prefilled over the chain decodes: auto = per request, kvp where the cost model "
-                   "predicts its decode step faster so (long contexts), else gathered; gathered = on the front, which "
-                   "the chain leaves "
+              help="How a prompt prefilled over the chain decodes: auto = per request, kvp where reading its K,V "
+                   "outweighs reading the weights and the cost model predicts the KVP step faster (long contexts), "
+                   "else gathered (in the front's batch); gathered = on the front, which the chain leaves "
                    "holding the whole cache; kvp = every rank keeps its own part and attends it, the partial "
                    "outputs merged per layer (KV-cache parallelism; packed, prefix-cached and one-rank prefills "
                    "decode gathered). kvrunahead.decode shows which.")
@@ -196,7 +196,8 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Which waiting prefill goes next: fcfs = first come, first served; lars = least relative slack "
                    "(the time to the request's TTFT target less its predicted remaining prefill, per second of its "
                    "whole prefill), no request passed over more than 8 prefill steps in a row. With lars a long "
-                   "prefill yields part of the step budget while others wait.")
+                   "prefill yields part of the step budget while shorter ones wait, and a prefill of up to 3 budgets "
+                   "runs whole where its chunks would miss its TTFT target.")
 @click.option("--ttft-slo-s", type=float, default=2.0, show_default=True,
               help="LARS's default TTFT target: the larger of this and --ttft-slo-factor times the request's "
                    "predicted prefill alone (a request may ask its own: ttft_target_s in the body).")

@@ -42,9 +42,13 @@ class Placed:
 
 
 def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: int) -> bool:
-    """Whether the cost model predicts a decode step over an ``n``-token context faster KV-cache parallel over the
-    chain's ranks (``chain``: a rank's threads) than on the front alone with every core (``solo``)."""
-    return chain.decode_step_s([n], world_size) < solo.decode_step_s([n])
+    """Whether an ``n``-token context should decode KV-cache parallel over the chain's ranks (``chain``: a rank's
+    threads) rather than on the front with every core (``solo``): where reading its K,V outweighs reading the
+    weights in a decode step on the front (attention dominates; below that a gathered request joins the front's
+    batch, which reads the weights once for all, while each KVP request runs a forward of its own), and the KVP
+    step is predicted faster than the front's."""
+    attention_dominates = solo.decode_attention_s(n) >= solo.decode_linear_s(1)
+    return attention_dominates and chain.decode_step_s([n], world_size) < solo.decode_step_s([n])
 
 
 class Placement:

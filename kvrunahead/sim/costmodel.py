@@ -88,16 +88,23 @@ class CostModel:
         (``parts`` 1), or KV-cache parallel over ``parts`` ranks, each attending its share of every context and
         exchanging (output, log-sum-exp) per layer with the others (kvrunahead/kvp.py), latency-bound. A step of a
         few tokens is bound by reading the weights and the K,V, not by its FLOPs: each part takes the longer."""
-        s, memory = self.shape, self.profile.memory_Bps
+        s = self.shape
         b = len(contexts)
-        linear = max(self.qkv_s(b) + self.other_s(b), s.layer_params * s.dtype_bytes / memory)
-        shares = [-(-c // parts) for c in contexts]
-        attend = sum(max(self.full_s(1, n), self.kv_bytes(n) / memory) for n in shares)
+        attend = sum(self.decode_attention_s(-(-c // parts)) for c in contexts)
         exchange = 0.0
         if parts > 1:
             nbytes = b * s.heads * (s.head_dim + 1) * 4
             exchange = (parts - 1) * (self.link.latency_s + nbytes / self.link.bandwidth_Bps)
-        return self.layers * (linear + attend + exchange) + b * self.lm_head_s()
+        return self.layers * (self.decode_linear_s(b) + attend + exchange) + b * self.lm_head_s()
+
+    def decode_linear_s(self, tokens: int) -> float:
+        """One layer's projections and MLP for ``tokens`` decoding tokens: the weights read once, or the FLOPs."""
+        s = self.shape
+        return max(self.qkv_s(tokens) + self.other_s(tokens), s.layer_params * s.dtype_bytes / self.profile.memory_Bps)
+
+    def decode_attention_s(self, context: int) -> float:
+        """One layer's attention of one new token over ``context`` keys: the K,V read once, or the FLOPs."""
+        return max(self.full_s(1, context), self.kv_bytes(context) / self.profile.memory_Bps)
 
     def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""
