@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
 from kvrunahead.model.load import resolve_config
+from kvrunahead.modes.kvr import HeldKV
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
 from kvrunahead.serve.chunking import WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
@@ -335,3 +337,15 @@ def test_the_replay_schedules_a_trace_as_the_engine_would_and_lars_shortens_the_
     assert min(r.ttft_s for r in fcfs[1:]) > 0.5 * whole
     assert max(r.ttft_s for r in lars[1:]) < min(r.ttft_s for r in fcfs[1:])
     assert lars[0].ttft_s > fcfs[0].ttft_s  # the long one pays for its chunks and the short ones' turns
+
+
+def test_held_kv_grows_in_place_and_keeps_what_it_handed_out():
+    parts = [torch.randn(2, 1, 3, n, 4) for n in (5, 1, 7, 2, 9)]
+    held = HeldKV(parts[0].clone())
+    before = held.kv
+    for k in range(1, len(parts)):
+        got = held.append(*parts[k:k + 1])
+        assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
+    assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
+    assert held.n == sum(p.shape[-2] for p in parts) and held.append().shape[-2] == held.n
+

@@ -35,7 +35,7 @@ from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.modes import MODES, Step
-from kvrunahead.modes.kvr import ChainLink, kvr_prefill, send_held_prefix
+from kvrunahead.modes.kvr import ChainLink, HeldKV, kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
@@ -69,7 +69,7 @@ class RankContext:
     threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
     solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
     shards: dict = field(default_factory=dict)  # request id -> (ShardCache, RopeExtension): KVP decodes in flight
-    partial: dict = field(default_factory=dict)  # request id -> per layer [2, 1, heads, n, head_dim]: chunked so far
+    partial: dict = field(default_factory=dict)  # request id -> per layer HeldKV: a chunked prefill's positions so far
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads
@@ -199,16 +199,16 @@ def chunk_prefill(ctx: RankContext, plan: ChunkPlan) -> PrefillOutcome | None:
     return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
 
 
-def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[torch.Tensor] | None, held: int
-              ) -> list[torch.Tensor]:
+def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[HeldKV] | None, held: int
+              ) -> list[HeldKV]:
     """The front sends each worker the chunk's positions after those it holds ([held, cuts[-1]), every layer);
-    every rank returns its K,V of [0, cuts[-1]) per layer."""
+    every rank returns its K,V of [0, cuts[-1]) per layer, appended in place to what it held."""
     end = plan.cuts[-1]
     if ctx.rank == ctx.front:
         for worker in range(ctx.world_size - 1):
             theirs = plan.cuts[0] if plan.alone else plan.cuts[worker + 1]
             for layer, kv in enumerate(whole):
-                ctx.transport.isend(kv[..., theirs:end, :].contiguous(), worker, tag=layer)
+                ctx.transport.isend(kv.kv[..., theirs:end, :].contiguous(), worker, tag=layer)
         ctx.transport.drain()
         return whole
     received = []
@@ -218,7 +218,11 @@ def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[t
     out = []
     for layer, (req, buf) in enumerate(received):
         ctx.transport.wait(req, f"the chunk's K,V of layer {layer} from the front")
-        out.append(torch.cat((whole[layer], buf), dim=-2) if whole is not None else buf)
+        if whole is None:
+            out.append(HeldKV(buf))
+        else:
+            whole[layer].append(buf)
+            out.append(whole[layer])
     return out
 
 

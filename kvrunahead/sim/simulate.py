@@ -157,7 +157,7 @@ def simulate_chunk(model: CostModel, boundaries: tuple[int, ...], attention: str
         arrival = links.send(p - 1, r, clock.t[p - 1], nbytes)
         clock.compute(p - 1, model.layers, model.transfer_cpu_s(nbytes))
         clock.wait_until(r, model.layers, arrival)
-        clock.compute(r, model.layers, model.transfer_cpu_s(nbytes) + model.copy_s(model.kv_bytes(b[-1])))
+        clock.compute(r, model.layers, model.transfer_cpu_s(nbytes) + model.copy_s(nbytes))  # appended in place
     for r in clock.ranks:
         r.end_s = clock.t[r.rank]
     link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
@@ -179,8 +179,8 @@ def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], atte
                 clock.wait_until(i, layer, arrival)
                 posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in
                 clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(prefix - base)))
-            if prefix:
-                clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n)))
+            if prefix:  # the prefix and the rank's own K,V joined; a chunk appends to the base it holds in place
+                clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n - base)))
             if i < p - 1 and comm:
                 nbytes = model.kv_bytes(b[i + 1] - base)
                 start = max(clock.t[i], posted[i + 1], links.free_at.get((i, i + 1), 0.0))
