@@ -18,6 +18,7 @@ SEED=${SEED:-14}
 TTFT_SLO_S=${TTFT_SLO_S:-2}  # kvr-serve's default --ttft-slo-s; the bench's summary gives the share of short requests within it
 LONG_TOKENS=${LONG_TOKENS:-8k-16k}
 PORT=8131
+mkdir -p "$OUT"
 
 wait_up() {  # $1 pid
   for _ in $(seq 1 300); do
