@@ -348,4 +348,6 @@ def test_held_kv_grows_in_place_and_keeps_what_it_handed_out():
         assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
     assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
     assert held.n == sum(p.shape[-2] for p in parts) and held.append().shape[-2] == held.n
+    compact = held.compact()  # the room for appends is not pinned by what outlives the chunks
+    assert torch.equal(compact, held.kv) and compact.untyped_storage().nbytes() == compact.numel() * 4
 
