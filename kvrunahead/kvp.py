@@ -90,6 +90,47 @@ def shard_cache(cache: DynamicCache, layout: KVLayout, part: tuple[int, int], to
     return out
 
 
+def level_shards(cache: ShardCache, bounds: tuple[int, ...], transport: Transport) -> tuple[int, ...]:
+    """Even out the full-attention layers' shards after ``shard_cache``: rank r held the chain's part [bounds[r],
+    bounds[r+1]) and ends with [r * n / p, (r + 1) * n / p) of the ``n = bounds[-1]`` positions. The chain gives the
+    first ranks more tokens (a later token attends to more keys), so without this the largest shard sets both the
+    decode's peak memory per rank and its step time, every rank waiting in each layer's merge for the one that
+    reads the most keys. Neighbours pass the positions between their old and new boundary, once per layer
+    (forward moves left to right, then backward ones right to left: each rank holds what it passes on); sliding
+    layers keep their windows. Returns the new bounds."""
+    p, rank = transport.world_size, transport.rank
+    n = bounds[-1]
+    even = tuple(round(r * n / p) for r in range(p + 1))
+    if p == 1 or tuple(bounds) == even:
+        return tuple(bounds)
+    full = [(i, layer) for i, layer in enumerate(cache.layers) if layer.window is None]
+    forward = [r for r in range(1, p) if even[r] < bounds[r]]  # rank r-1 passes [even[r], bounds[r]) to rank r
+    backward = [r for r in range(p - 1, 0, -1) if even[r] > bounds[r]]  # rank r passes [bounds[r], even[r]) back
+    for r in forward + backward:
+        lo, hi = sorted((even[r], bounds[r]))
+        giver, taker = (r - 1, r) if r in forward else (r, r - 1)
+        if rank == giver:
+            for i, layer in full:
+                a, b = lo - layer.start, hi - layer.start
+                transport.isend(torch.stack((layer.keys[:, :, a:b], layer.values[:, :, a:b])).contiguous(),
+                                taker, tag=i)
+                keep = slice(0, a) if taker > giver else slice(b, None)
+                layer.keys, layer.values = layer.keys[:, :, keep].clone(), layer.values[:, :, keep].clone()
+                layer.start = layer.start if taker > giver else hi
+            transport.drain()
+        elif rank == taker:
+            for i, layer in full:
+                k = layer.keys
+                buf = k.new_empty((2, k.shape[0], k.shape[1], hi - lo, k.shape[3]))
+                transport.wait(transport.irecv(buf, giver, tag=i), f"the K,V of positions [{lo}, {hi}) from rank "
+                                                                   f"{giver}")
+                order = (buf[0], k) if taker > giver else (k, buf[0])
+                layer.keys = torch.cat(order, dim=-2)
+                layer.values = torch.cat((buf[1], layer.values) if taker > giver else (layer.values, buf[1]), dim=-2)
+                layer.start = lo if taker > giver else layer.start
+    return even
+
+
 @dataclass
 class _Step:
     cache: ShardCache

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from kvrunahead import launcher
 from kvrunahead.errors import InputError
-from kvrunahead.kvp import kvp_decode, shard_cache
+from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
@@ -181,6 +181,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         part = (partition.boundaries[rank], partition.boundaries[rank + 1])
         shards = shard_cache(cache, layout, part, len(ids), owner=emits)
         del cache  # the shard is a copy: what this rank received dies here
+        level_shards(shards, partition.boundaries, transport)
         tokens = kvp_decode(lm.model, shards, transport, first_token if emits else None, new_tokens,
                             lm.eos_token_ids)
     elif emits:

@@ -3,6 +3,8 @@ outputs are merged per layer; greedy tokens and logits must be the single proces
 models, parts shorter than the window and windows that leave a rank's part behind while decoding."""
 
 import json
+import queue
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvrunahead.kvp import ShardLayer, merge_parts, shard_attention, shard_cache
+from kvrunahead.kvp import ShardCache, ShardLayer, level_shards, merge_parts, shard_attention, shard_cache
 from kvrunahead.model.layout import KVLayout
+from kvrunahead.transport import Transport
 from tests.helpers import kvr_prefill, skewed_ratios, world_runs
 from tests.test_serve_engine import _start_ranks, wait_all
 
@@ -116,6 +119,73 @@ def test_the_owner_trims_its_sliding_window_as_it_decodes():
         keys, _ = layer.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
         assert keys.shape[-2] == 8  # the new token's window: itself and the 7 before it
         assert layer.start == 23 + step  # positions [23 + step, 31 + step): the token at 30 + step and 7 before
+
+
+class _Pipes(Transport):
+    """Ranks as threads of this process: a send is a copy into the receiver's queue for that (source, tag)."""
+
+    name = "pipes"
+
+    def __init__(self, rank: int, world_size: int, queues: dict) -> None:
+        super().__init__(rank, world_size, timeout_s=10)
+        self.queues = queues
+
+    def _isend(self, t, dst, tag):
+        self.queues[(self.rank, dst, tag)].put(t.clone())
+        return _Posted(lambda: None)
+
+    def _irecv(self, t, src, tag):
+        return _Posted(lambda: t.copy_(self.queues[(src, self.rank, tag)].get(timeout=10)))
+
+
+class _Posted:
+    def __init__(self, then):
+        self.then = then
+
+    def wait(self, timeout=None):
+        self.then()
+        return True
+
+
+def _positions(a: int, b: int) -> torch.Tensor:
+    return torch.arange(float(a), float(b)).view(1, 1, b - a, 1).expand(1, 2, b - a, 3).contiguous()
+
+
+@pytest.mark.parametrize("bounds", [(0, 80, 100), (0, 20, 100), (0, 10, 100, 105, 120), (0, 1, 2, 3, 120),
+                                    (0, 117, 118, 119, 120), (0, 40, 80, 120)])
+def test_levelled_shards_hold_an_even_share_of_the_positions_and_sliding_layers_keep_their_windows(bounds):
+    """Moves both ways along the chain (a part longer and one shorter than its even share), several hops."""
+    p, n = len(bounds) - 1, bounds[-1]
+    queues = {(a, b, t): queue.Queue() for a in range(p) for b in range(p) for t in range(3)}
+    caches, results = [], [None] * p
+    for r in range(p):
+        cache = ShardCache(None, n)
+        for window in (None, 8, None):  # layer 1 slides: only the last rank holds what a new token can reach
+            a, b = (bounds[r], bounds[r + 1]) if window is None else (max(bounds[r], n - 7), bounds[r + 1])
+            a = min(a, b)
+            k = _positions(a, b)
+            cache.layers.append(ShardLayer(k, -k, a, r == p - 1, window, cache))
+        caches.append(cache)
+
+    def run(r):
+        results[r] = level_shards(caches[r], bounds, _Pipes(r, p, queues))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    even = tuple(round(r * n / p) for r in range(p + 1))
+    assert results == [even] * p
+    for r, cache in enumerate(caches):
+        for i in (0, 2):
+            layer = cache.layers[i]
+            assert layer.start == even[r] and layer.keys[0, 0, :, 0].tolist() == list(range(even[r], even[r + 1]))
+            assert torch.equal(layer.values, -layer.keys)
+        slid = cache.layers[1]
+        lo = min(max(bounds[r], n - 7), bounds[r + 1])
+        assert slid.start == lo and slid.keys.shape[-2] == bounds[r + 1] - lo  # untouched
+    assert all(q.empty() for q in queues.values())
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from kvrunahead.search.balance import Measurement, balance_search, balanced_boundaries, neighbours
+from kvrunahead.search.balance import Measurement, balance_search, balanced_boundaries, neighbours, toward_balance
 
 
 def model_work(prefix: float, tokens: float) -> float:
@@ -63,7 +63,7 @@ def test_drift_between_runs_does_not_move_the_balance_steps():
 
 def test_confirmation_is_interleaved_and_picks_the_lowest_median():
     chain = Chain((1.0, 1.1), drift=0.15, noise=0.01, seed=1)
-    result = balance_search(chain, (0, 4096, 8192), model_work, stride=64, confirm_rounds=3)
+    result = balance_search(chain, (0, 4096, 8192), model_work, stride=64, confirm_rounds=3, confirm="both")
     balanced = tuple(min(result.steps, key=lambda s: s["balance"])["boundaries"])
     pool = {balanced, *neighbours(balanced, 64)}
     confirm = chain.runs[len(result.steps):]
@@ -117,3 +117,35 @@ def test_the_entrys_balance_is_the_median_over_every_run_of_the_chosen_partition
     runs = seen[tuple(result.boundaries)]
     assert len(runs) >= 5
     assert result.balance == statistics.median(runs)
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 1.15), (1.2, 1.0), (1.0, 1.1, 0.9)])
+def test_confirmation_times_only_the_neighbour_the_imbalance_points_to(speeds):
+    chain = Chain(speeds)
+    n, p = 6144, len(speeds)
+    result = balance_search(chain, tuple(round(i * n / p) for i in range(p + 1)), model_work, stride=64,
+                            confirm_rounds=2)
+    balanced = tuple(min(result.steps, key=lambda s: s["balance"])["boundaries"])
+    busy = min(result.steps, key=lambda s: s["balance"])["busy_s"]
+    pool = {balanced, *toward_balance(balanced, busy, 64)}
+    assert len(pool) == p and set(chain.runs[len(result.steps):]) == pool  # one neighbour per boundary
+    for c in pool - {balanced}:  # away from the busier rank of the two beside it
+        j = next(k for k in range(1, p) if c[k] != balanced[k])
+        assert (c[j] < balanced[j]) == (busy[j - 1] > busy[j])
+    assert result.candidates == len(set(chain.runs))
+    assert result.busy_s == pytest.approx(chain.busy(result.boundaries))  # no noise: every run reads the same
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 1.15), (1.25, 1.0), (1.0, 1.1, 0.9)])
+def test_the_rates_of_a_shorter_length_seed_a_longer_one_near_its_balance(speeds):
+    """The chain's attention is dearer than the model says, so the model's rates drift with the length; carried
+    from 4k they still place 8k within the tolerance, where the FLOP-even seed needs balancing steps."""
+    chain, p = Chain(speeds), len(speeds)
+    short = balance_search(chain, tuple(round(i * 4096 / p) for i in range(p + 1)), model_work, confirm_rounds=1)
+    seed = balanced_boundaries(short.boundaries, short.busy_s, model_work, quantum=8, length=8192)
+    assert seed[-1] == 8192 and len(seed) == p + 1
+    carried = balance_search(Chain(speeds), seed, model_work, confirm_rounds=1)
+    even = balance_search(Chain(speeds), tuple(round(i * 8192 / p) for i in range(p + 1)), model_work,
+                          confirm_rounds=1)
+    assert len(carried.steps) == 1 and carried.steps[0]["balance"] <= 1.02 < even.steps[0]["balance"]
+    assert carried.candidates == p < even.candidates

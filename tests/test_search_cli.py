@@ -80,20 +80,28 @@ def test_bad_input_is_one_line_error(tmp_path, args, message):
 
 def test_the_balance_criterion_writes_entries_with_their_balance_and_resumes(tmp_path):
     table = tmp_path / "t.json"
-    proc = _search("--ctx", "512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2")
+    proc = _search("--ctx", "256,512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2")
     assert proc.returncode == 0, proc.stderr
-    entry = json.loads(table.read_text())["entries"][0]
-    assert entry["criterion"] == "balance" and entry["balance"] >= 1.0 and entry["even_ttft_s"] is None
-    steps = re.findall(r"balance +(\d+(?:,\d+)+) ", proc.stderr)
-    confirms = re.findall(r"confirm +(\d+(?:,\d+)+) ", proc.stderr)
-    assert steps and len(confirms) == 2 * 3  # the balanced point and its 2 neighbours, 2 interleaved rounds
-    assert entry["evaluations"] == len(set(steps) | set(confirms))
-    assert ",".join(map(str, entry["boundaries"])) in confirms
-    table.unlink()  # the checkpoint stays: a resumed search runs nothing again
-    again = _search("--ctx", "512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2",
+    entries = json.loads(table.read_text())["entries"]
+    for entry in entries:
+        assert entry["criterion"] == "balance" and entry["balance"] >= 1.0 and entry["even_ttft_s"] is None
+        assert len(entry["busy_s"]) == 2 and min(entry["busy_s"]) > 0
+        assert entry["balance"] == pytest.approx(max(entry["busy_s"]) / min(entry["busy_s"]), rel=0.2)
+    # 512 starts where the rates measured at 256 balance it, not at the FLOP estimate
+    seed = re.search(r"\[ctx 512\] seeded by the ranks' rates at 256 \(([\d,]+)\): ([\d,]+)", proc.stderr)
+    assert seed and seed.group(1) == ",".join(map(str, entries[0]["boundaries"])), proc.stderr
+    part = proc.stderr[proc.stderr.index("[ctx 512]"):]
+    steps = re.findall(r"balance +(\d+(?:,\d+)+) ", part)
+    confirms = re.findall(r"confirm +(\d+(?:,\d+)+) ", part)
+    assert steps[0] == seed.group(2)
+    assert len(confirms) == 2 * 2  # the balanced point and the neighbour its imbalance points to, 2 rounds
+    assert entries[1]["evaluations"] == len(set(steps) | set(confirms))
+    assert ",".join(map(str, entries[1]["boundaries"])) in confirms
+    table.unlink()  # the checkpoints stay: a resumed search runs nothing again
+    again = _search("--ctx", "256,512", "--out", str(table), "--criterion", "balance", "--confirm-rounds", "2",
                     "--resume")
     assert again.returncode == 0 and not re.search(r"(balance|confirm) +\d+,", again.stderr), again.stderr
-    assert json.loads(table.read_text())["entries"][0]["boundaries"] == entry["boundaries"]
+    assert [e["boundaries"] for e in json.loads(table.read_text())["entries"]] == [e["boundaries"] for e in entries]
 
 
 def test_the_balance_criterion_is_measured_on_the_ranks(tmp_path):

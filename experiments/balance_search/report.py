@@ -23,7 +23,8 @@ def entries(path: Path) -> dict[int, dict]:
 def timed_rows() -> list[dict]:
     rows = []
     for runs in sorted(HERE.glob("bench*/runs.jsonl")):
-        rows += [r for r in map(json.loads, runs.read_text().splitlines()) if r.get("kind") == "timed"]
+        rows += [{**r, "bench": runs.parent.name} for r in map(json.loads, runs.read_text().splitlines())
+                 if r.get("kind") == "timed"]
     return rows
 
 
@@ -36,9 +37,9 @@ def balance(row: dict) -> float:
 OLD_REPEATS, WARMUP = 3, 1  # the golden-section search's --repeats per candidate; both searches' --warmup per length
 
 
-def runs_of(ctx: int) -> int | None:
+def runs_of(ctx: int, searches: tuple[str, ...] = ("loopback.search", "loopback-14k.search")) -> int | None:
     """Prefills the balance search ran for one length: its checkpoint's timed runs and the warm-up."""
-    for name in ("loopback.search", "loopback-14k.search"):
+    for name in searches:
         path = HERE / "tables" / name / f"{ctx}.balance.json"
         if path.exists():
             return len(json.loads(path.read_text())["runs"]) + WARMUP
@@ -75,35 +76,58 @@ def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int,
     return lines
 
 
+def carry_section(carry: dict[int, dict], new: dict[int, dict], old: dict[int, dict]) -> list[str]:
+    """The search seeded by the shorter length's rates, confirming one neighbour (kvr-search's defaults)."""
+    if not carry:
+        return []
+    lines = ["## The search with carried rates and one-sided confirmation (tables/loopback-carry.json)", "",
+             "| context | partition | balance | candidates | runs | first re-search: candidates | old: candidates |",
+             "|---|---|---|---|---|---|---|"]
+    for ctx, e in sorted(carry.items()):
+        runs = runs_of(ctx, ("loopback-carry.search",))
+        lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
+                     f"| {runs or '-'} | {new[ctx]['evaluations'] if ctx in new else '-'} "
+                     f"| {old[ctx]['evaluations'] if ctx in old else '-'} |")
+    both = [c for c in carry if c in old]
+    if both:
+        total, total_old = sum(carry[c]["evaluations"] for c in both), sum(old[c]["evaluations"] for c in both)
+        lines += ["", f"Candidates over {', '.join(map(str, sorted(both)))}: {total} against the old search's "
+                  f"{total_old} ({total / total_old:.2f}; target at most 0.33). Entries within 2% balance: "
+                  f"{sum(carry[c]['balance'] <= 1.02 for c in carry)} of {len(carry)}."]
+    return lines
+
+
 def bench_section(rows: list[dict]) -> list[str]:
-    by = defaultdict(list)  # (ctx, label) -> rows in order
+    """One table per benchmark directory: its rows' runs were interleaved with each other only (``kvr-default``
+    is the table shipped when that benchmark ran)."""
+    by = defaultdict(list)  # (bench, ctx, label) -> rows in order
     for r in rows:
-        by[(r["context_len"], r["label"])].append(r)
+        by[(r["bench"], r["context_len"], r["label"])].append(r)
     lines = ["## Benchmark (interleaved: one run of every row per round)", "",
-             "| context | row | partition | runs | median TTFT s | median per-round ratio kvr-default / row "
-             "| median balance |", "|---|---|---|---|---|---|---|"]
-    for ctx in sorted({c for c, _ in by}):
-        default = {r["index"]: r["ttft_s"] for r in by.get((ctx, "kvr-default"), [])}
-        for (c, label), rs in sorted(by.items()):
-            if c != ctx:
+             "| bench | context | row | partition | runs | median TTFT s | median per-round ratio kvr-default / row "
+             "| median balance |", "|---|---|---|---|---|---|---|---|"]
+    for bench, ctx in sorted({(b, c) for b, c, _ in by}):
+        default = {r["index"]: r["ttft_s"] for r in by.get((bench, ctx, "kvr-default"), [])}
+        for (b, c, label), rs in sorted(by.items()):
+            if (b, c) != (bench, ctx):
                 continue
             own = {r["index"]: r["ttft_s"] for r in rs}
             ratios = [default[i] / own[i] for i in own if i in default]
             ratio = f"{statistics.median(ratios):.3f} ({len(ratios)} rounds)" if label != "kvr-default" else "-"
             bal = f"{statistics.median(balance(r) for r in rs):.3f}" if label.startswith("kvr") else "-"
             part = ",".join(map(str, rs[0]["boundaries"]))
-            lines.append(f"| {ctx} | {label} | {part} | {len(rs)} | {statistics.median(own.values()):.2f} | {ratio} "
-                         f"| {bal} |")
+            lines.append(f"| {bench} | {ctx} | {label} | {part} | {len(rs)} | {statistics.median(own.values()):.2f} "
+                         f"| {ratio} | {bal} |")
     return lines
 
 
 def main() -> None:
     new, old = entries(HERE / "tables/loopback.json"), entries(HERE / "old_tables/loopback.json")
-    heldout = entries(HERE / "tables/loopback-14k.json")
+    heldout, carry = entries(HERE / "tables/loopback-14k.json"), entries(HERE / "tables/loopback-carry.json")
     rows = timed_rows()
     text = ["# Balance-guided re-search (loopback, 2 ranks of 1 thread, SmolLM2-135M, split attention)", "",
             "Made by `python experiments/balance_search/report.py` from the files beside it.", "",
-            *table_section(new, old, heldout), "", *bench_section(rows), ""]
+            *table_section(new, old, heldout), "", *carry_section(carry, new, old), "", *bench_section(rows), ""]
     (HERE / "summary.md").write_text("\n".join(text))
     print("\n".join(text))
 

@@ -7,6 +7,9 @@
 #      14k entry (KVR-P interpolates it);
 #   3. ship: the re-searched table replaces partition_tables/smollm2-135m_p2_float32_cpu_split.json (the table it
 #      replaces is kept in old_tables/ first);
+#   carry (not in the default STAGES): the same search with each length seeded by the rates the shorter one
+#      measured and only the neighbour its imbalance points to confirmed (kvr-search's defaults since), into
+#      tables/loopback-carry.json, to count its candidates against both searches before;
 #   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
 #      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
 #      runs each, one run of every mode per round.
@@ -26,10 +29,13 @@ for stage in $STAGES; do
   case $stage in
     search)
       kvr-search --nproc 2 --ctx "$CTX" --kvr-attention split --criterion balance --backend model --refine \
-        --out "$OUT/tables/loopback.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
+        --confirm both --no-carry-rates --out "$OUT/tables/loopback.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
+    carry)
+      kvr-search --nproc 2 --ctx "$CTX" --kvr-attention split --criterion balance --backend model --refine \
+        --out "$OUT/tables/loopback-carry.json" --resume 2>&1 | tee -a "$OUT/search-carry.log" ;;
     heldout)
       kvr-search --nproc 2 --ctx 14k --kvr-attention split --criterion balance --backend model --refine \
-        --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
+        --confirm both --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
     ship)
       [ -f "$OUT/old_tables/loopback.json" ] || git show 2d6a55e:"$SHIPPED" > "$OUT/old_tables/loopback.json"
       cp "$OUT/tables/loopback.json" "$SHIPPED" ;;

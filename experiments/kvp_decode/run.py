@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-METHODS = ("gathered-2-threads", "kvp", "gathered-1-thread")
+METHODS = ("gathered-2-threads", "kvp", "gathered-1-thread", "kvp-chain-parts")
+# kvp: as kvr-serve and kvr-prefill run it, the shards levelled to an even share per rank first (kvp.level_shards,
+# timed apart as level_s); kvp-chain-parts: each rank keeps the chain's part. Rows of an older run (before the
+# levelling) hold the first three methods, and their "kvp" kept the chain's parts.
 
 
 def kv_bytes(layers) -> int:
@@ -33,7 +36,7 @@ def kv_bytes(layers) -> int:
 
 
 def rank_main(args) -> None:
-    from kvrunahead.kvp import kvp_decode, shard_cache
+    from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
     from kvrunahead.launcher import init_world
     from kvrunahead.model.forward import greedy_decode
     from kvrunahead.model.layout import probe_kv_layout
@@ -67,13 +70,18 @@ def rank_main(args) -> None:
         part = ranges[rank][0]
         env = environment(cfg.model, "local", 1, "loopback")
         for rnd in range(args.rounds):
-            for method in METHODS[rnd % 3:] + METHODS[: rnd % 3]:
+            for method in METHODS[rnd % len(METHODS):] + METHODS[: rnd % len(METHODS)]:
                 if (rnd, method) in done:
                     continue
                 liveness.patient_barrier("the other rank to start the method")
-                if method == "kvp":
+                level_s = 0.0
+                if method.startswith("kvp"):
                     torch.set_num_threads(1)
                     shards = shard_cache(cache, layout, part, len(ids), owner=front)
+                    if method == "kvp":
+                        t0 = time.perf_counter()
+                        level_shards(shards, prepared.partition.boundaries, transport)
+                        level_s = time.perf_counter() - t0
                     held = kv_bytes(shards.layers)
                     liveness.patient_barrier("the other rank's shard")
                     t0 = time.perf_counter()
@@ -95,7 +103,8 @@ def rank_main(args) -> None:
                     row = {**env, "context": len(ids), "boundaries": list(prepared.partition.boundaries),
                            "rope": prepared.rope.describe() if prepared.rope else None, "prefill_s": prefill_s,
                            "round": rnd, "method": method, "new_tokens": len(tokens) - 1, "decode_s": seconds,
-                           "tpot_s": seconds / (len(tokens) - 1), "kv_bytes_per_rank": held_all, "tokens": tokens}
+                           "tpot_s": seconds / (len(tokens) - 1), "kv_bytes_per_rank": held_all, "tokens": tokens,
+                           "level_s": level_s}
                     print(f"{len(ids)} round {rnd} {method:<19} {row['tpot_s'] * 1e3:8.1f} ms/token  K,V per rank "
                           f"{[round(b / 2**20) for b in held_all]} MiB", flush=True)
                     with rows_file.open("a") as f:
@@ -107,19 +116,25 @@ def rank_main(args) -> None:
 def summary(rows_file: Path) -> None:
     rows = [json.loads(x) for x in rows_file.read_text().splitlines()]
     lines = ["| context | method | rounds | time per output token, ms (median) | KVP's reduction (median of rounds) "
-             "| K,V held per rank, MiB | tokens equal to kvp's |", "|---|---|---|---|---|---|---|"]
+             "| K,V held per rank, MiB | most on one rank / the gathered decode's | levelling, s | tokens equal to "
+             "kvp's |", "|---|---|---|---|---|---|---|---|---|"]
     for ctx in sorted({r["context"] for r in rows}):
         by = {(r["round"], r["method"]): r for r in rows if r["context"] == ctx}
+        gathered = max((max(r["kv_bytes_per_rank"]) for (_, m), r in by.items() if m.startswith("gathered")),
+                       default=None)
         for method in METHODS:
             mine = [r for (rnd, m), r in sorted(by.items()) if m == method]
             if not mine:
                 continue
             cuts = [1 - by[(r["round"], "kvp")]["tpot_s"] / r["tpot_s"] for r in mine if (r["round"], "kvp") in by]
             same = sum(r["tokens"] == by[(r["round"], "kvp")]["tokens"] for r in mine if (r["round"], "kvp") in by)
+            most = max(mine[0]["kv_bytes_per_rank"])
+            level = statistics.median(r["level_s"] for r in mine) if "level_s" in mine[0] and method == "kvp" else None
             lines.append(f"| {ctx} | {method} | {len(mine)} | {statistics.median(r['tpot_s'] for r in mine) * 1e3:.1f}"
                          f" | {'' if method == 'kvp' else f'{statistics.median(cuts):.1%}'} | "
                          f"{' / '.join(str(round(b / 2**20)) for b in mine[0]['kv_bytes_per_rank'])} | "
-                         f"{same}/{len(mine)} |")
+                         f"{f'{most / gathered:.0%}' if gathered else '-'} | "
+                         f"{'-' if level is None else f'{level:.2f}'} | {same}/{len(mine)} |")
     (rows_file.parent / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -7,9 +7,13 @@ predecessor or on its sends), turns it into that rank's rate against the FLOP mo
 (``rate_i = busy_i / work(prefix_i, tokens_i)``), and moves every boundary to where the rates predict equal busy
 times: a root-finding (Newton-like) step on the balance, which for p > 2 moves each boundary by its neighbours'
 imbalance at once. It stops when the measured balance (max busy / min busy) is within ``tolerance`` or a step
-moves no boundary by a ``quantum``. The balanced point and its neighbours one ``stride`` away are then timed in
-``confirm_rounds`` interleaved rounds (one run of each per round, so the drift hits all alike), and the lowest
-median TTFT is the answer.
+moves no boundary by a ``quantum``. The balanced point and, per boundary, its neighbour one ``stride`` away on
+the side the measured imbalance points to (or both neighbours) are then timed in ``confirm_rounds`` interleaved
+rounds (one run of each per round, so the drift hits all alike), and the lowest median TTFT is the answer.
+
+The rates one length measured also place the next: ``balanced_boundaries(..., length=n)`` carries them to
+another context, where a search over several lengths starts (kvrunahead/search/ranks.py), so that most lengths
+balance at their first run.
 
 Knows nothing of torch: it is given ``measure(boundaries) -> Measurement`` and the work model.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 
 Boundaries = tuple[int, ...]
 Work = Callable[[float, float], float]  # (prefix tokens, own tokens) -> modelled work of one rank
+CONFIRM = ("toward", "both")  # the neighbours confirmed: the one the imbalance points to per boundary, or both
 
 
 @dataclass(frozen=True)
@@ -48,17 +53,20 @@ class BalanceResult:
     search_s: float
     steps: list[dict] = field(default_factory=list)  # the balancing steps: boundaries, TTFT, busy, balance
     confirmation: dict[str, list[float]] = field(default_factory=dict)  # "b0,b1,..." -> its TTFTs
+    busy_s: tuple[float, ...] = ()  # of the chosen candidate, per rank: the median over all its runs
 
 
 def _key(b: Boundaries) -> str:
     return ",".join(map(str, b))
 
 
-def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Work, quantum: int = 1) -> Boundaries:
+def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Work, quantum: int = 1,
+                        length: int | None = None) -> Boundaries:
     """Where every rank's busy time would be equal, if each kept the rate it showed at ``boundaries``: rank i's
     predicted busy for a part of n tokens after a prefix of b is ``rate_i * work(b, n)``. Boundaries are rounded
-    to ``quantum`` tokens and every part keeps at least one quantum."""
-    n, p = boundaries[-1], len(boundaries) - 1
+    to ``quantum`` tokens and every part keeps at least one quantum. ``length``: balance another context than
+    the measured one with the same rates (a search seeded by the rates a shorter length measured)."""
+    n, p = length or boundaries[-1], len(boundaries) - 1
     rates = []
     for i in range(p):
         w = work(float(boundaries[i]), float(boundaries[i + 1] - boundaries[i]))
@@ -113,6 +121,19 @@ def neighbours(b: Boundaries, stride: int) -> list[Boundaries]:
     return out
 
 
+def toward_balance(b: Boundaries, busy: Sequence[float], stride: int) -> list[Boundaries]:
+    """``b`` with one inner boundary moved ``stride`` away from the busier of the two ranks beside it: the one
+    neighbour per boundary that the measured imbalance says may be faster (those that leave every part
+    non-empty)."""
+    out = []
+    for i in range(1, len(b) - 1):
+        step = -stride if busy[i - 1] > busy[i] else stride
+        c = (*b[:i], b[i] + step, *b[i + 1:])
+        if all(hi > lo for lo, hi in zip(c, c[1:])):
+            out.append(c)
+    return out
+
+
 @dataclass
 class _Log:
     """The runs so far, checkpointed after each one. A resumed search makes the same calls in the same order (it
@@ -147,20 +168,24 @@ class _Log:
 def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundaries, work: Work, stride: int = 64,
                    quantum: int = 8, tolerance: float = 0.02, max_steps: int = 6, confirm_rounds: int = 3,
                    checkpoint: Path | None = None, preload: list[dict] | None = None,
-                   on_measure: Callable[[str, Boundaries, Measurement], None] | None = None) -> BalanceResult:
-    """Balance from ``seed``, then confirm against the neighbours ``stride`` away (see the module's text).
+                   on_measure: Callable[[str, Boundaries, Measurement], None] | None = None,
+                   confirm: str = "toward") -> BalanceResult:
+    """Balance from ``seed``, then confirm against the neighbours ``stride`` away (see the module's text):
+    ``confirm="toward"`` those the measured imbalance points to (one per boundary), ``"both"`` either way.
     ``preload``: the runs of an interrupted search (a checkpoint's ``runs``, shared by every rank), replayed in
     place of the ``checkpoint`` file's."""
     if len(seed) < 3:
         raise ValueError("a partition search needs at least two ranks")
+    if confirm not in CONFIRM:
+        raise ValueError(f"confirm must be one of {CONFIRM}, not {confirm!r}")
     t0 = time.perf_counter()
     log = _Log(checkpoint, list(preload or []))
     b, steps, seen = tuple(seed), [], {}
-    balances: dict[Boundaries, list[float]] = {}
+    busies: dict[Boundaries, list[tuple[float, ...]]] = {}
     for _ in range(max_steps):
         m = log.run("balance", b, measure, on_measure)
         seen[b] = m
-        balances.setdefault(b, []).append(m.balance)
+        busies.setdefault(b, []).append(m.busy_s)
         steps.append({"boundaries": list(b), "ttft_s": m.ttft_s, "busy_s": list(m.busy_s), "balance": m.balance})
         if m.balance <= 1 + tolerance:
             break
@@ -169,14 +194,17 @@ def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundarie
             break
         b = nxt
     best = min(seen, key=lambda c: seen[c].balance)
-    pool = [best, *neighbours(best, stride)]
+    others = toward_balance(best, seen[best].busy_s, stride) if confirm == "toward" else neighbours(best, stride)
+    pool = [best, *others]
     confirmation: dict[str, list[float]] = {_key(c): [] for c in pool}
     for _ in range(confirm_rounds):
         for c in pool:
             m = log.run("confirm", c, measure, on_measure)
             confirmation[_key(c)].append(m.ttft_s)
-            balances.setdefault(c, []).append(m.balance)
+            busies.setdefault(c, []).append(m.busy_s)
     chosen = min(pool, key=lambda c: (statistics.median(confirmation[_key(c)]), c != best))
-    balance = statistics.median(balances[chosen])
+    runs = busies[chosen]
+    balance = statistics.median(Measurement(0.0, r).balance for r in runs)
+    busy = tuple(statistics.median(r[i] for r in runs) for i in range(len(chosen) - 1))
     return BalanceResult(chosen, statistics.median(confirmation[_key(chosen)]), balance,
-                         len(set(seen) | set(pool)), log.calls, time.perf_counter() - t0, steps, confirmation)
+                         len(set(seen) | set(pool)), log.calls, time.perf_counter() - t0, steps, confirmation, busy)

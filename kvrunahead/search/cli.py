@@ -17,6 +17,7 @@ import click
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 from kvrunahead.net.spec import parse_net
+from kvrunahead.search.balance import CONFIRM
 from kvrunahead.search.model_backend import model_search
 from kvrunahead.search.options import PEER_TIMEOUT_NOTE, SearchOptions, check_inputs
 from kvrunahead.search.ranks import run_search
@@ -68,6 +69,12 @@ from kvrunahead.search.ranks import run_search
                    "balanced point and its neighbours --min-stride away in --confirm-rounds interleaved rounds.")
 @click.option("--confirm-rounds", type=int, default=SearchOptions.confirm_rounds, show_default=True,
               help="--criterion balance: interleaved rounds of the final comparison.")
+@click.option("--confirm", type=click.Choice(CONFIRM), default=SearchOptions.confirm, show_default=True,
+              help="--criterion balance: the neighbours timed against the balanced point: toward, per boundary the "
+                   "one on the side the measured imbalance points to; both, either side.")
+@click.option("--carry-rates/--no-carry-rates", default=SearchOptions.carry_rates, show_default=True,
+              help="--criterion balance: start each length where the per-rank rates measured at the next shorter "
+                   "length of the same table balance it (before the cost model's answer or the interpolation).")
 @click.option("--refine", is_flag=True,
               help="With --backend model: then measure on the real ranks only the model's answer and its "
                    "neighbours --min-stride tokens away, moving while a neighbour is faster.")
@@ -79,10 +86,11 @@ def main(nproc: int, contexts: str, **options) -> None:
     \b
     --criterion ttft: for two ranks golden-section search over rank 0's share (fig. 6a of the paper); for
     more the hierarchical grid search of fig. 6 b-d down to --min-stride; each candidate measured with
-    --repeats runs (median) after --warmup runs per length, never twice. --criterion balance: from the
-    table's interpolation (or the cost model's answer with --backend model --refine, else the FLOP
-    estimate) each run's per-rank busy times move every boundary toward balance; the entry records the
-    balance and the candidates. Both log and checkpoint every run next to the table (--resume continues).
+    --repeats runs (median) after --warmup runs per length, never twice. --criterion balance: from where
+    the rates a shorter entry measured balance the length (--carry-rates), else the cost model's answer
+    (--backend model --refine), the seed table's (--seeded) or the FLOP estimate, each run's per-rank busy
+    times move every boundary toward balance; the entry records the balance, the ranks' busy times and the
+    candidates. Both log and checkpoint every run next to the table (--resume continues).
     Example:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
       kvr-search --ctx 2k --nproc 2 --criterion balance --out /tmp/t.json

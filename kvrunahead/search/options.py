@@ -47,6 +47,8 @@ class SearchOptions:
     backend: str = "measured"  # or "model": the cost model's table, no rank started
     criterion: str = "ttft"  # ttft: golden-section/grid on measured TTFT; balance: the ranks' balance per run
     confirm_rounds: int = 3  # --criterion balance: interleaved rounds timing the balanced point and neighbours
+    confirm: str = "toward"  # --criterion balance: the neighbours confirmed (search.balance.CONFIRM)
+    carry_rates: bool = True  # --criterion balance: seed a length by the rates a shorter entry measured
     profile: str | None = None  # the hardware profile of --backend model
     refine: bool = False  # measure only around the cost model's answer
     allow_long_context: bool = False

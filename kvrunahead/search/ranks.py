@@ -19,7 +19,7 @@ from kvrunahead.net.spec import parse_net
 from kvrunahead.partition import Partition
 from kvrunahead.provenance import environment
 from kvrunahead.search.algorithm import Boundaries, refine, search
-from kvrunahead.search.balance import balance_search
+from kvrunahead.search.balance import balance_search, balanced_boundaries
 from kvrunahead.search.model_backend import model_answer
 from kvrunahead.search.options import SearchOptions, base_config, check_inputs, table_key
 from kvrunahead.search.tables import Table, TableEntry, TableMeta
@@ -129,6 +129,24 @@ def _seed(opts: SearchOptions, world: World, table: Table, ctx: int) -> Boundari
     return None
 
 
+def _carried_seed(opts: SearchOptions, table: Table, ctx: int, work, lead: bool) -> Boundaries | None:
+    """Where the per-rank rates measured at the longest shorter balance entry of ``table`` (every rank holds the
+    same table) balance ``ctx`` (--carry-rates); None where there is none. Each rank's rate against the FLOP
+    model drifts slowly with the length, so this lands closer than the cost model, which prices the ranks
+    alike."""
+    if not opts.carry_rates:
+        return None
+    shorter = [e for e in table.entries if e.context_len < ctx and e.busy_s and e.criterion == "balance"]
+    if not shorter:
+        return None
+    prev = max(shorter, key=lambda e: e.context_len)
+    seed = balanced_boundaries(tuple(prev.boundaries), prev.busy_s, work, quantum=8, length=ctx)
+    if lead:
+        click.echo(f"[ctx {ctx}] seeded by the ranks' rates at {prev.context_len} "
+                   f"({','.join(map(str, prev.boundaries))}): {','.join(map(str, seed))}", err=True)
+    return seed
+
+
 def _progress(ctx: int, seed, lead: bool):
     """Progress lines on rank 0: each level's grid, each candidate's TTFT and the best so far."""
     state = {"n": 0, "best": float("inf")}
@@ -157,15 +175,17 @@ def _balance_length(opts: SearchOptions, world: World, base: RunConfig, table: T
 
     p, lead = world.world_size, world.rank == 0
     config = resolve_config(opts.model)
-    seed = _seed(opts, world, table, ctx) or estimated_partition(config, ctx, p, base.kvr_attention).boundaries
-    ckpt = (opts.checkpoints or out.with_suffix(".search")) / f"{ctx}.balance.json" if lead else None
-    if ckpt is not None and not opts.resume and ckpt.exists():
-        ckpt.unlink()
-    resumed = share(json.loads(ckpt.read_text())["runs"] if ckpt is not None and ckpt.exists() else [], world)
     cost = layer_cost(config)
 
     def work(prefix: float, tokens: float) -> float:
         return cost.rank_flops(prefix, tokens, base.kvr_attention)
+
+    seed = (_carried_seed(opts, table, ctx, work, lead) or _seed(opts, world, table, ctx)
+            or estimated_partition(config, ctx, p, base.kvr_attention).boundaries)
+    ckpt = (opts.checkpoints or out.with_suffix(".search")) / f"{ctx}.balance.json" if lead else None
+    if ckpt is not None and not opts.resume and ckpt.exists():
+        ckpt.unlink()
+    resumed = share(json.loads(ckpt.read_text())["runs"] if ckpt is not None and ckpt.exists() else [], world)
 
     def on_measure(phase, b, m):
         if lead:
@@ -177,11 +197,12 @@ def _balance_length(opts: SearchOptions, world: World, base: RunConfig, table: T
         click.echo(f"[ctx {ctx}] balancing from {','.join(map(str, seed))}", err=True)
     result = balance_search(busy_on_ranks(base, world, ctx, opts.warmup_runs), tuple(seed), work,
                             stride=opts.min_stride_tokens, confirm_rounds=opts.confirm_rounds, checkpoint=ckpt,
-                            preload=resumed, on_measure=on_measure)
+                            preload=resumed, on_measure=on_measure, confirm=opts.confirm)
     table.add(TableEntry(context_len=ctx, boundaries=list(result.boundaries),
                          ratios=list(Partition(tuple(result.boundaries)).ratios), ttft_s=result.ttft_s,
                          even_ttft_s=None, evaluations=result.candidates, search_s=round(result.search_s, 1),
-                         seeded=True, balance=round(result.balance, 4), criterion="balance"))
+                         seeded=True, balance=round(result.balance, 4), criterion="balance",
+                         busy_s=[round(x, 4) for x in result.busy_s]))
     if lead:
         table.save(out)
         click.echo(f"[ctx {ctx}] balanced {','.join(map(str, result.boundaries))}: TTFT {result.ttft_s:.3f} s "

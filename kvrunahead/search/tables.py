@@ -81,6 +81,7 @@ class TableEntry:
     seeded: bool = False
     balance: float | None = None  # max rank busy / min, where the search read it (--criterion balance)
     criterion: str | None = None  # how it was found: None (older tables) or ttft, balance
+    busy_s: list[float] | None = None  # per rank, compute without waits, median of its runs (--criterion balance)
 
 
 @dataclass

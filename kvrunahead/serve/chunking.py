@@ -20,7 +20,9 @@ from kvrunahead.serve.scheduler import Slack
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.simulate import simulate_chunk
 
-MIN_CHUNK = 64  # tokens: a shorter chunk spends its step on the layers' fixed costs and the prefix's transfer
+MIN_CHUNK = 16  # tokens: the shortest chunk; past a few thousand positions a chunk's time is its attention over
+#                  them, so the budget, not this floor, sizes the chunks (a chunk over the budget delays every
+#                  short prompt that arrives during it)
 ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
 YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
 WHOLE_CAP = 3.0  # the most step budgets a prefill takes in one step where its deadline needs it whole (LARS)

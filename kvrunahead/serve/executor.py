@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from kvrunahead.kvp import kvp_forward, shard_cache
+from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
@@ -147,7 +147,10 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] 
     if plan.kvp:  # this rank's own part stays here for the decode; what it received dies
         cache = shard_cache(cache, layout, mine[0], len(plan.ids), owner=emits)
         ctx.shards[plan.request_id] = (cache, plan.rope)
-    return _gathered(ctx, mine, total_s, state, logits, cache)
+    outcome = _gathered(ctx, mine, total_s, state, logits, cache)
+    if plan.kvp:  # after the prefill's figures: the decode holds an even share on every rank
+        level_shards(cache, tuple(plan.boundaries), ctx.transport)
+    return outcome
 
 
 def _chain_after_cached(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] | None
