@@ -5,7 +5,7 @@
 # rate. Resumable: a part whose rows are complete is skipped (kvr-serve-bench --resume). Then report.py writes
 # summary.md and the plots.
 # Usage: bash experiments/mixed_workload/run.sh  (RATES="0.25 0.5" REQUESTS=60 DURATION=240 BUDGET_MS=1000 SEED=14
-#        TTFT_SLO_S=2 LONG_TOKENS=8k-16k OUT=experiments/mixed_workload)
+#        TTFT_SLO_S=2 LONG_TOKENS=8k-16k POLICIES="fcfs lars" OUT=experiments/mixed_workload)
 # One long document among short requests (seed 10: 32 requests, the 6th a 16k document): OUT=experiments/mixed_workload/light RATES=0.1 DURATION=300 SEED=10 bash experiments/mixed_workload/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,6 +17,7 @@ BUDGET_MS=${BUDGET_MS:-1000}
 SEED=${SEED:-14}
 TTFT_SLO_S=${TTFT_SLO_S:-2}  # kvr-serve's default --ttft-slo-s; the bench's summary gives the share of short requests within it
 LONG_TOKENS=${LONG_TOKENS:-8k-16k}
+POLICIES=${POLICIES:-fcfs lars}  # e.g. POLICIES=lars: only the chunked runs (fcfs does not depend on the chunking)
 PORT=8131
 mkdir -p "$OUT"
 
@@ -37,7 +38,7 @@ policy_args() {
 }
 
 for rate in $RATES; do
-  for policy in fcfs lars; do
+  for policy in $POLICIES; do
     dir="$OUT/rate$rate/$policy"
     if [ -f "$dir/summary.csv" ] && python3 -c "import csv,sys; sys.exit(0 if list(csv.DictReader(open('$dir/summary.csv'))) else 1)"; then
       echo "rate $rate $policy: done"; continue
