@@ -66,14 +66,19 @@ def table_section(new: dict[int, dict], old: dict[int, dict], heldout: dict[int,
                      f"| {o['evaluations'] if o else '-'} | {old_runs or '-'} | {ratio} "
                      f"| {f'{runs / old_runs:.2f}' if runs and old_runs else '-'} |")
     both = [c for c in new if c in old]
-    if both:
-        total_new, total_old = sum(new[c]["evaluations"] for c in both), sum(old[c]["evaluations"] for c in both)
-        lines += ["", f"Candidates over the lengths both searched: {total_new} against {total_old} "
-                  f"({total_new / total_old:.2f} of the old search's; target at most 0.33); runs "
-                  f"{sum(runs_of(c) or 0 for c in both)} against "
-                  f"{sum(old_runs_of(old[c]) for c in both)}. Entries within 2% "
-                  f"balance: {sum(new[c]['balance'] <= 1.02 for c in new)} of {len(new)}."]
-    return lines
+    runs = f"; runs {sum(runs_of(c) or 0 for c in both)} against {sum(old_runs_of(old[c]) for c in both)}"
+    return lines + candidates_summary(new, old, runs)
+
+
+def candidates_summary(table: dict[int, dict], old: dict[int, dict], runs: str = "") -> list[str]:
+    """The candidates a search measured over the lengths the old search has too, against the old search's."""
+    both = sorted(c for c in table if c in old)
+    if not both:
+        return []
+    total, total_old = (sum(t[c]["evaluations"] for c in both) for t in (table, old))
+    return ["", f"Candidates over {', '.join(map(str, both))}: {total} against the old search's {total_old} "
+            f"({total / total_old:.2f}; target at most 0.33){runs}. Entries within 2% balance: "
+            f"{sum(e['balance'] <= 1.02 for e in table.values())} of {len(table)}."]
 
 
 def carry_section(carry: dict[int, dict], new: dict[int, dict], old: dict[int, dict]) -> list[str]:
@@ -88,13 +93,7 @@ def carry_section(carry: dict[int, dict], new: dict[int, dict], old: dict[int, d
         lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
                      f"| {runs or '-'} | {new[ctx]['evaluations'] if ctx in new else '-'} "
                      f"| {old[ctx]['evaluations'] if ctx in old else '-'} |")
-    both = [c for c in carry if c in old]
-    if both:
-        total, total_old = sum(carry[c]["evaluations"] for c in both), sum(old[c]["evaluations"] for c in both)
-        lines += ["", f"Candidates over {', '.join(map(str, sorted(both)))}: {total} against the old search's "
-                  f"{total_old} ({total / total_old:.2f}; target at most 0.33). Entries within 2% balance: "
-                  f"{sum(carry[c]['balance'] <= 1.02 for c in carry)} of {len(carry)}."]
-    return lines
+    return lines + candidates_summary(carry, old) + [""]
 
 
 def bench_section(rows: list[dict]) -> list[str]:
@@ -127,7 +126,7 @@ def main() -> None:
     rows = timed_rows()
     text = ["# Balance-guided re-search (loopback, 2 ranks of 1 thread, SmolLM2-135M, split attention)", "",
             "Made by `python experiments/balance_search/report.py` from the files beside it.", "",
-            *table_section(new, old, heldout), "", *carry_section(carry, new, old), "", *bench_section(rows), ""]
+            *table_section(new, old, heldout), "", *carry_section(carry, new, old), *bench_section(rows), ""]
     (HERE / "summary.md").write_text("\n".join(text))
     print("\n".join(text))
 
