@@ -108,26 +108,26 @@ def level_shards(cache: ShardCache, bounds: tuple[int, ...], transport: Transpor
     backward = [r for r in range(p - 1, 0, -1) if even[r] > bounds[r]]  # rank r passes [bounds[r], even[r]) back
     for r in forward + backward:
         lo, hi = sorted((even[r], bounds[r]))
-        giver, taker = (r - 1, r) if r in forward else (r, r - 1)
+        ahead = even[r] < bounds[r]  # the positions go to the later rank, before what it holds
+        giver, taker = (r - 1, r) if ahead else (r, r - 1)
         if rank == giver:
             for i, layer in full:
                 a, b = lo - layer.start, hi - layer.start
                 transport.isend(torch.stack((layer.keys[:, :, a:b], layer.values[:, :, a:b])).contiguous(),
                                 taker, tag=i)
-                keep = slice(0, a) if taker > giver else slice(b, None)
+                keep = slice(0, a) if ahead else slice(b, None)
                 layer.keys, layer.values = layer.keys[:, :, keep].clone(), layer.values[:, :, keep].clone()
-                layer.start = layer.start if taker > giver else hi
+                layer.start = layer.start if ahead else hi
             transport.drain()
         elif rank == taker:
             for i, layer in full:
                 k = layer.keys
-                buf = k.new_empty((2, k.shape[0], k.shape[1], hi - lo, k.shape[3]))
-                transport.wait(transport.irecv(buf, giver, tag=i), f"the K,V of positions [{lo}, {hi}) from rank "
-                                                                   f"{giver}")
-                order = (buf[0], k) if taker > giver else (k, buf[0])
-                layer.keys = torch.cat(order, dim=-2)
-                layer.values = torch.cat((buf[1], layer.values) if taker > giver else (layer.values, buf[1]), dim=-2)
-                layer.start = lo if taker > giver else layer.start
+                got = k.new_empty((2, k.shape[0], k.shape[1], hi - lo, k.shape[3]))
+                transport.wait(transport.irecv(got, giver, tag=i),
+                               f"the K,V of positions [{lo}, {hi}) from rank {giver}")
+                layer.keys, layer.values = ((torch.cat((new, held) if ahead else (held, new), dim=-2)
+                                             for new, held in zip(got, (layer.keys, layer.values))))
+                layer.start = lo if ahead else layer.start
     return even
 
 

@@ -149,7 +149,7 @@ def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] 
         ctx.shards[plan.request_id] = (cache, plan.rope)
     outcome = _gathered(ctx, mine, total_s, state, logits, cache)
     if plan.kvp:  # after the prefill's figures: the decode holds an even share on every rank
-        level_shards(cache, tuple(plan.boundaries), ctx.transport)
+        level_shards(cache, plan.boundaries, ctx.transport)
     return outcome
 
 
