@@ -15,7 +15,7 @@ from kvrunahead.model.load import resolve_config
 from kvrunahead.modes.kvr import HeldKV
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
-from kvrunahead.serve.chunking import WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
+from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.replay import Arrival, replay
@@ -143,6 +143,25 @@ def test_the_chunks_fit_the_budget_and_shrink_as_the_cache_grows():
     assert planner.remaining_s(16384, 8192) < planner.whole_s(16384)
     fixed = ChunkPlanner(_cost(), 2, "split", prompt_work(config), 0.0, fixed=100)
     assert fixed.chunked(101) and not fixed.chunked(100) and fixed.end(250, 200) == 250
+
+
+def test_chunks_measured_slower_than_predicted_make_the_next_ones_shorter_to_fit_the_budget():
+    config = resolve_config("smollm2-135m")
+    planner = ChunkPlanner(_cost(), 2, "split", prompt_work(config), budget_s=1.0)
+    before = planner.end(16384, 8000)
+    slow = planner.record(planner.cuts(8000, before), 1.5 * planner.predict_s(8000, before), 1.0)
+    assert slow["correction"] == 1.0 and slow["predicted_s"] == planner.predict_s(8000, before)  # sized before it
+    first = planner.record(planner.cuts(0, 900), 9.0, 1.0, learn=False)  # one-off costs: not learnt from
+    assert planner.correction == pytest.approx(1.5) and first["correction"] == pytest.approx(1.5)
+    after = planner.end(16384, 8000)
+    assert after < before and planner.expected_s(8000, after) <= 1.0 < planner.expected_s(8000, after + 16)
+    assert planner.record(planner.cuts(8000, after), 0.5, 1.0)["correction"] == pytest.approx(1.5)
+    for _ in range(LEARN_CHUNKS):  # the latest chunks decide: a machine that sped up gets longer chunks again
+        planner.record(planner.cuts(8000, after), 0.5 * planner.predict_s(8000, after), 1.0)
+    assert planner.correction == pytest.approx(0.5) and planner.end(16384, 8000) > before
+    for _ in range(LEARN_CHUNKS):  # bounded: a stalled step does not stop the chunking
+        planner.record(planner.cuts(8000, after), 1000.0, 1.0)
+    assert planner.correction == CORRECTION_CAP
 
 
 def _seq(rid: str, n: int, arrival: float, prefilled: int = 0) -> Sequence:

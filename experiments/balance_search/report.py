@@ -81,15 +81,16 @@ def candidates_summary(table: dict[int, dict], old: dict[int, dict], runs: str =
             f"{sum(e['balance'] <= 1.02 for e in table.values())} of {len(table)}."]
 
 
-def carry_section(carry: dict[int, dict], new: dict[int, dict], old: dict[int, dict]) -> list[str]:
-    """The search seeded by the shorter length's rates, confirming one neighbour (kvr-search's defaults)."""
+def carry_section(name: str, carry: dict[int, dict], new: dict[int, dict], old: dict[int, dict]) -> list[str]:
+    """The search seeded by the shorter length's rates, confirming one neighbour (kvr-search's defaults), of
+    tables/<name>.json."""
     if not carry:
         return []
-    lines = ["## The search with carried rates and one-sided confirmation (tables/loopback-carry.json)", "",
+    lines = [f"## The search with carried rates and one-sided confirmation (tables/{name}.json)", "",
              "| context | partition | balance | candidates | runs | first re-search: candidates | old: candidates |",
              "|---|---|---|---|---|---|---|"]
     for ctx, e in sorted(carry.items()):
-        runs = runs_of(ctx, ("loopback-carry.search",))
+        runs = runs_of(ctx, (f"{name}.search",))
         lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
                      f"| {runs or '-'} | {new[ctx]['evaluations'] if ctx in new else '-'} "
                      f"| {old[ctx]['evaluations'] if ctx in old else '-'} |")
@@ -122,11 +123,13 @@ def bench_section(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     new, old = entries(HERE / "tables/loopback.json"), entries(HERE / "old_tables/loopback.json")
-    heldout, carry = entries(HERE / "tables/loopback-14k.json"), entries(HERE / "tables/loopback-carry.json")
+    heldout = entries(HERE / "tables/loopback-14k.json")
+    carried = [line for path in sorted(HERE.glob("tables/loopback-carry*.json"))
+               for line in carry_section(path.stem, entries(path), new, old)]
     rows = timed_rows()
     text = ["# Balance-guided re-search (loopback, 2 ranks of 1 thread, SmolLM2-135M, split attention)", "",
             "Made by `python experiments/balance_search/report.py` from the files beside it.", "",
-            *table_section(new, old, heldout), "", *carry_section(carry, new, old), *bench_section(rows), ""]
+            *table_section(new, old, heldout), "", *carried, *bench_section(rows), ""]
     (HERE / "summary.md").write_text("\n".join(text))
     print("\n".join(text))
 

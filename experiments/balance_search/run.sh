@@ -9,11 +9,12 @@
 #      replaces is kept in old_tables/ first);
 #   carry (not in the default STAGES): the same search with each length seeded by the rates the shorter one
 #      measured and only the neighbour its imbalance points to confirmed (kvr-search's defaults since), into
-#      tables/loopback-carry.json, to count its candidates against both searches before;
+#      tables/loopback-carry.json (CARRY=<name>: tables/<name>.json, for a run on another machine), to count its
+#      candidates against both searches before;
 #   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
 #      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
 #      runs each, one run of every mode per round.
-# Usage: bash experiments/balance_search/run.sh   (env: CTX, MODES, ROUNDS, STAGES)
+# Usage: bash experiments/balance_search/run.sh   (env: CTX, MODES, ROUNDS, STAGES, CARRY)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=experiments/balance_search
@@ -21,6 +22,7 @@ CTX=${CTX:-1k,2k,4k,8k,12k,16k}
 MODES=${MODES:-kvr-default,ring,cp-allgather}
 ROUNDS=${ROUNDS:-5}
 STAGES=${STAGES:-search heldout ship bench}
+CARRY=${CARRY:-loopback-carry}
 SHIPPED=partition_tables/smollm2-135m_p2_float32_cpu_split.json
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/tables" "$OUT/old_tables"
@@ -32,7 +34,7 @@ for stage in $STAGES; do
         --confirm both --no-carry-rates --out "$OUT/tables/loopback.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;
     carry)
       kvr-search --nproc 2 --ctx "$CTX" --kvr-attention split --criterion balance --backend model --refine \
-        --out "$OUT/tables/loopback-carry.json" --resume 2>&1 | tee -a "$OUT/search-carry.log" ;;
+        --out "$OUT/tables/$CARRY.json" --resume 2>&1 | tee -a "$OUT/search-${CARRY#loopback-}.log" ;;
     heldout)
       kvr-search --nproc 2 --ctx 14k --kvr-attention split --criterion balance --backend model --refine \
         --confirm both --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;

@@ -112,6 +112,9 @@ def sim_check(runs, out: Path) -> list[str]:
         return ["- no chunked prefill ran"]
     lines = [_errors("as the server predicted them (profile used by the run)", all_chunks,
                      [c["predicted_s"] for c in all_chunks])]
+    if any("correction" in c for c in all_chunks):  # servers that learn the model's error from the chunks run
+        lines.append(_errors("as the server sized them (the prediction times the correction learnt from the chunks "
+                             "before)", all_chunks, [c["predicted_s"] * c.get("correction", 1.0) for c in all_chunks]))
     over = sum(c["seconds"] > c["budget_s"] for c in all_chunks)
     lines.append(f"- {over} of the {len(all_chunks)} chunks ran over their step budget")
     for path in sorted((out / "profiles").glob("*-chunks.json")):  # a profile calibrated with the chunks' shapes

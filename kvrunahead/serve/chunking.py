@@ -6,11 +6,18 @@ chain prefill of its new tokens after the positions before it, whose K,V every r
 carries only the chunk's own positions; the front then sends each worker those it lacks: ``simulate_chunk``
 prices exactly that); the chunk is the longest that the model predicts to fit the step's budget. As the cache
 grows each new token attends to more keys, so the chunks shrink along the prompt.
+
+The model's error on this machine is learnt as the chunks run: each prediction is scaled by how much longer or
+shorter than predicted the last chunks took (the median ratio of ``LEARN_CHUNKS``, a prompt's first and last chunk
+left out: they carry one-off costs), so that a profile off by a fifth does not put every chunk over the budget.
+Responses report the model's own prediction beside the correction in force.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +33,8 @@ MIN_CHUNK = 16  # tokens: the shortest chunk; past a few thousand positions a ch
 ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
 YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
 WHOLE_CAP = 3.0  # the most step budgets a prefill takes in one step where its deadline needs it whole (LARS)
+LEARN_CHUNKS = 8  # the last chunks whose measured / predicted seconds correct the next predictions
+CORRECTION_CAP = 4.0  # the correction stays within [1 / CAP, CAP] of the model
 
 
 @dataclass
@@ -38,6 +47,7 @@ class ChunkPlanner:
     min_chunk: int = MIN_CHUNK
     fixed: int = 0  # chunks of this many tokens whatever they cost (Sarathi-style); 0: by the budget
     _whole: dict[int, float] = field(default_factory=dict)
+    _ratios: deque = field(default_factory=lambda: deque(maxlen=LEARN_CHUNKS))  # measured / predicted, latest last
 
     def cuts(self, done: int, end: int) -> tuple[int, ...]:
         """The chunk's rank boundaries: its new tokens cut by their work with the positions before them priced in;
@@ -50,10 +60,26 @@ class ChunkPlanner:
         """The predicted seconds of a chunk prefilling positions [done, end)."""
         return simulate_chunk(self.cost, self.cuts(done, end), self.attention).ttft_s
 
-    def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float) -> dict:
-        """What a response reports of one chunk: its positions, cuts, time, the model's prediction, its budget."""
+    @property
+    def correction(self) -> float:
+        """The factor that scales the model's chunk predictions: the median measured / predicted seconds of the last
+        ``LEARN_CHUNKS`` chunks learnt from (1 before any), within ``CORRECTION_CAP`` of the model."""
+        if not self._ratios:
+            return 1.0
+        return min(CORRECTION_CAP, max(1 / CORRECTION_CAP, statistics.median(self._ratios)))
+
+    def expected_s(self, done: int, end: int) -> float:
+        """A chunk's predicted seconds as this machine has run them lately (the model's times the correction)."""
+        return self.predict_s(done, end) * self.correction
+
+    def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float, learn: bool = True) -> dict:
+        """What a response reports of one chunk: its positions, cuts, time, the model's prediction, the correction
+        that sized it, its budget. ``learn``: the chunk's measured time corrects the next predictions."""
+        predicted, correction = self.predict_s(cuts[0], cuts[-1]), self.correction
+        if learn and predicted > 0 and seconds > 0:
+            self._ratios.append(seconds / predicted)
         return {"start": cuts[0], "end": cuts[-1], "cuts": list(cuts), "seconds": seconds,
-                "predicted_s": self.predict_s(cuts[0], cuts[-1]), "budget_s": budget_s}
+                "predicted_s": predicted, "correction": correction, "budget_s": budget_s}
 
     def whole_s(self, n: int) -> float:
         """The predicted seconds of a whole ``n``-token prefill in one step (rounded up to ``ROUND`` tokens)."""
@@ -71,7 +97,7 @@ class ChunkPlanner:
         """Whether an ``n``-token prompt is prefilled in chunks: its one-step prefill would overrun the budget."""
         if self.fixed:
             return n > self.fixed
-        return self.budget_s > 0 and n > self.min_chunk and self.predict_s(0, n) > self.budget_s
+        return self.budget_s > 0 and n > self.min_chunk and self.expected_s(0, n) > self.budget_s
 
     def describe(self) -> str:
         if self.fixed:
@@ -79,11 +105,11 @@ class ChunkPlanner:
         return f"chunks that the cost model fits in {self.budget_s * 1000:.0f} ms (--step-budget-ms)"
 
     def end(self, n: int, done: int, budget_s: float | None = None) -> int:
-        """The end of the next chunk of an ``n``-token prompt after ``done`` tokens: the longest that fits
+        """The end of the next chunk of an ``n``-token prompt after ``done`` tokens: the longest expected to fit
         ``budget_s`` (the planner's budget by default), at least ``min_chunk`` tokens, at most the rest."""
         if self.fixed:
             return min(n, done + self.fixed)
-        budget = self.budget_s if budget_s is None else budget_s
+        budget = (self.budget_s if budget_s is None else budget_s) / self.correction
         lo = min(n, done + max(self.min_chunk, self.world_size))
         if self.predict_s(done, n) <= budget:
             return n

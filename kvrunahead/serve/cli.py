@@ -189,7 +189,8 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="A prompt whose prefill the cost model (this machine's profile, kvr-calibrate) predicts to take "
                    "longer is prefilled in chunks, each the longest predicted to fit this budget (smaller as the "
                    "cache grows), one per engine step: decodes and short prompts run between them (Medha's adaptive "
-                   "chunking); 0: off. kvrunahead.chunks shows each chunk, its time and the prediction.")
+                   "chunking; the predictions scaled by how the last chunks ran against them); 0: off. "
+                   "kvrunahead.chunks shows each chunk, its time, the prediction and its correction.")
 @click.option("--chunk-tokens", type=int, default=0, show_default=True,
               help="Chunks of this many tokens instead, whatever they cost (Sarathi-style); 0: off.")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="fcfs", show_default=True,

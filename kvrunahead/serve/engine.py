@@ -246,7 +246,7 @@ class Engine:
         end = self.chunks.end(n, done, budget)
         cuts, t0 = self.chunks.cuts(done, end), time.monotonic()
         outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, cuts, seq.rope, end == n)
-        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, budget))
+        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, budget, learn=0 < done and end < n))
         seq.prefilled = end
         if end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
             with self._lock:

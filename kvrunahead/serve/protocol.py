@@ -156,13 +156,15 @@ class Partition(BaseModel):
 
 
 class ChunkFigures(BaseModel):
-    """One chunk of a chunked prefill: its positions, its cuts over the ranks, its time and the cost model's."""
+    """One chunk of a chunked prefill: its positions, its cuts over the ranks, its time and the cost model's, and
+    the factor by which the chunks measured before it corrected the model's predictions when it was sized."""
 
     start: int
     end: int
     cuts: list[int]
     seconds: float
     predicted_s: float
+    correction: float = 1.0
     budget_s: float
 
 
