@@ -5,6 +5,7 @@ the cost model prices; LARS's order on hand-computed slacks; no request starves.
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from kvrunahead.policy import RunConfig
 from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster
+from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.replay import Arrival, replay
 from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Slack, relative_slack
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
@@ -367,6 +369,18 @@ def test_held_kv_grows_in_place_and_keeps_what_it_handed_out():
         assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
     assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
     assert held.n == sum(p.shape[-2] for p in parts) and held.append().shape[-2] == held.n
-    compact = held.compact()  # the room for appends is not pinned by what outlives the chunks
-    assert torch.equal(compact, held.kv) and compact.untyped_storage().nbytes() == compact.numel() * 4
+
+
+def test_the_prefix_cache_keeps_a_chunked_caches_positions_without_the_room_for_appends():
+    n = 40
+    held = HeldKV(torch.randn(2, 1, 3, 30, 4))
+    kv = held.append(torch.randn(2, 1, 3, 10, 4))  # room for 60: the last chunk's cache is a view into it
+    stacked = torch.randn(2, 1, 3, n, 4)  # a chain's K,V: one storage of their size
+    layers = [SimpleNamespace(keys=kv[0], values=kv[1]), SimpleNamespace(keys=stacked[0], values=stacked[1])]
+    prefixes = PrefixCache(max_tokens=1000, min_match=1)
+    prefixes.put(list(range(n)), SimpleNamespace(layers=layers))
+    (k0, v0), (k1, v1) = prefixes.entries[tuple(range(n))].kv
+    assert torch.equal(k0, kv[0]) and torch.equal(v0, kv[1])
+    assert k0.untyped_storage().nbytes() == k0.numel() * 4 and v0.untyped_storage().nbytes() == v0.numel() * 4
+    assert k1.data_ptr() == stacked[0].data_ptr() and v1.data_ptr() == stacked[1].data_ptr()  # not copied
 

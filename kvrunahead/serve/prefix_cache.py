@@ -37,7 +37,7 @@ class PrefixCache:
             self.entries.move_to_end(key)
             return
         n = len(key)
-        self.entries[key] = CachedPrompt(key, [(layer.keys[:, :, :n], layer.values[:, :, :n])
+        self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
                                                for layer in cache.layers])
         self.tokens += n
         while self.tokens > self.max_tokens:
@@ -77,3 +77,14 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+
+def _own(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V pinning no more memory than they hold: a view into more (a chunked prefill's cache keeps
+    room for appends) is copied, so an entry, bounded in tokens, pins no more than its tokens. K and V that share
+    one storage of their size (the chain's stacked K,V) are kept as they are."""
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (keys, values)}
+    if sum(held.values()) == (keys.numel() + values.numel()) * keys.element_size():
+        return keys, values
+    return keys.clone(), values.clone()
