@@ -51,7 +51,6 @@ class HeldKV:
         return self.kv
 
 
-
 @dataclass
 class ChainLink:
     """This rank's place in the KV chain: receives [0, prefix_len) from rank-1, sends [0, end) to rank+1.
@@ -133,7 +132,7 @@ class ChainLink:
         result, return the result."""
         parts = [self.prefix(layer)] if self.has_prev else []
         if self.base:  # the last chunk's too: a copy into storage of its own size would cost the step a copy of
-            # every position on every rank (1.5 s at 12k on 2 CPU ranks); what keeps the cache longer (the prefix
+            # every position on every rank (about 1.6 s at 12k on 2 CPU ranks); what keeps the cache longer (the prefix
             # cache) keeps its own copy, a decode's ends with the request
             kv = self.base[layer].append(*parts, local_kv)
         else:

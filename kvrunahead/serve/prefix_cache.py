@@ -79,7 +79,6 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
     return n
 
 
-
 def _own(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K and V pinning no more memory than they hold: a view into more (a chunked prefill's cache keeps
     room for appends) is copied, so an entry, bounded in tokens, pins no more than its tokens. K and V that share
