@@ -6,7 +6,8 @@ unmodified model on each new token (the weights are on every rank): the token's 
 everywhere, its K,V are kept on the last rank only (the owner, whose part it continues), and in every attention
 layer each rank attends its own shard; the partial outputs and their log-sum-exps are all-gathered and merged, so
 every rank goes on with the same output. Per layer and token the ranks exchange heads x (head_dim + 1) floats
-each, never K,V. The last rank chooses each token and tells the others.
+each, never K,V. The last rank chooses each token and tells the others. The owner's shard grows in place
+(kvrunahead/model/growing.py), so a token costs no copy of the shard.
 
 A sliding-window layer keeps, on each rank, what of its part a later token's window can still reach, and its
 attention masks keys by position; the owner trims its window as it grows.
@@ -22,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, refuse_softcap, why_not_inserted
 from kvrunahead.transport import Transport
@@ -52,19 +54,22 @@ class ShardLayer(DynamicLayer):
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.owner, self.window, self.cache = owner, window, cache
+        self.held: GrowingKV | None = None  # the owner's K,V once it appends: grown in place, not concatenated
 
     def get_seq_length(self) -> int:
         return self.cache.seen  # every position of the sequence so far, wherever its K,V are
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.owner:
-            self.keys = torch.cat((self.keys, key_states), dim=-2)
-            self.values = torch.cat((self.values, value_states), dim=-2)
+            held = self.held
+            if held is None or self.keys.data_ptr() != held.keys.data_ptr() or self.keys.shape != held.keys.shape:
+                held = self.held = GrowingKV(self.keys, self.values)  # first append, or the levelling moved them
+            held.append(key_states, value_states)
             if self.window is not None:  # the next token's window starts at seen + n - window + 1
-                drop = max(0, self.keys.shape[-2] - (self.window - 1) - key_states.shape[-2])
-                if drop:
-                    self.keys, self.values = self.keys[:, :, drop:], self.values[:, :, drop:]
-                    self.start += drop
+                drop = max(0, held.hi - held.lo - (self.window - 1) - key_states.shape[-2])
+                held.drop_front(drop)
+                self.start += drop
+            self.keys, self.values = held.keys, held.values
         return self.keys, self.values
 
 

@@ -35,6 +35,12 @@ def kv_bytes(layers) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
+def kv_capacity_bytes(layers) -> int:
+    """What the layers' buffers take after a decode, the room they grow into included (kvrunahead/model/growing.py)."""
+    return sum(layer.held.capacity_bytes if getattr(layer, "held", None) is not None
+               else layer.keys.nbytes + layer.values.nbytes for layer in layers)
+
+
 def rank_main(args) -> None:
     from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
     from kvrunahead.launcher import init_world
@@ -88,6 +94,7 @@ def rank_main(args) -> None:
                     tokens = kvp_decode(lm.model, shards, transport, first if front else None, args.new_tokens,
                                         set())
                     seconds = time.perf_counter() - t0
+                    capacity = kv_capacity_bytes(shards.layers)
                     del shards
                 elif front:
                     torch.set_num_threads(2 if method == "gathered-2-threads" else 1)
@@ -95,15 +102,17 @@ def rank_main(args) -> None:
                     t0 = time.perf_counter()
                     tokens = greedy_decode(lm.model, first, cache, len(ids), args.new_tokens, set())
                     seconds = time.perf_counter() - t0
+                    capacity = kv_capacity_bytes(cache.layers)
                     cache.crop(len(ids) - cache.get_seq_length())  # back to the prompt (a negative count)
                 else:
-                    tokens, seconds, held = None, 0.0, 0  # the gathered decode needs nothing of this rank
-                held_all = liveness.gather_objects(held, "the other rank's figures")
+                    tokens, seconds, held, capacity = None, 0.0, 0, 0  # the gathered decode needs nothing here
+                held_all, capacity_all = zip(*liveness.gather_objects((held, capacity), "the other rank's figures"))
                 if front:
                     row = {**env, "context": len(ids), "boundaries": list(prepared.partition.boundaries),
                            "rope": prepared.rope.describe() if prepared.rope else None, "prefill_s": prefill_s,
                            "round": rnd, "method": method, "new_tokens": len(tokens) - 1, "decode_s": seconds,
-                           "tpot_s": seconds / (len(tokens) - 1), "kv_bytes_per_rank": held_all, "tokens": tokens,
+                           "tpot_s": seconds / (len(tokens) - 1), "kv_bytes_per_rank": list(held_all),
+                           "kv_capacity_bytes_per_rank": list(capacity_all), "tokens": tokens,
                            "level_s": level_s}
                     print(f"{len(ids)} round {rnd} {method:<19} {row['tpot_s'] * 1e3:8.1f} ms/token  K,V per rank "
                           f"{[round(b / 2**20) for b in held_all]} MiB", flush=True)

@@ -8,6 +8,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.model.growing import grow_in_place
+
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -41,9 +43,11 @@ def greedy_decode(
     max_new_tokens: int,
     eos_token_ids: set[int],
 ) -> list[int]:
-    """Greedy extension phase from a filled cache; ``position`` is the first token's position."""
+    """Greedy extension phase from a filled cache; ``position`` is the first token's position. The cache's full
+    layers grow in place from here on (``grow_in_place``)."""
     tokens = [first_token]
     device = next(model.parameters()).device
+    grow_in_place(cache)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
         ids = torch.tensor([[tokens[-1]]], device=device)
         pos = torch.tensor([[position + len(tokens) - 1]], device=device)

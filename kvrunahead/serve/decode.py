@@ -3,7 +3,8 @@
 The requests' caches are left-padded to a common length and stacked into one ``DynamicCache``; a 2D attention mask
 zeroes the pads and explicit position ids give every request its own positions, so each row attends exactly what
 it would alone (greedy output alone == in a batch, tests/test_serve_engine.py). The batch is rebuilt only when its
-membership changes (a request joins after its prefill or leaves); otherwise the step appends one token to it.
+membership changes (a request joins after its prefill or leaves); otherwise the step appends one token to it, in
+place (kvrunahead/model/growing.py: no copy of the cache per token).
 
 Models with sliding-window layers decode one request per forward on that request's own cache: a window kept per
 row would have to be trimmed by each row's own length, which one padded cache cannot do exactly.
@@ -15,8 +16,9 @@ import inspect
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
+
+from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
 
@@ -37,7 +39,7 @@ class BatchDecoder:
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def add(self, request_id: str, cache: DynamicCache) -> None:
-        self.own[request_id] = cache_kv(cache) if self.batched else cache
+        self.own[request_id] = cache_kv(cache) if self.batched else grow_in_place(cache)
 
     def remove(self, request_id: str) -> None:
         """Free a request's cache (finished or cancelled); the batch drops its row at the next step."""
@@ -85,10 +87,7 @@ class BatchDecoder:
         lengths = [kv[0][0].shape[-2] for kv in kvs]
         total = max(lengths)
         cache = DynamicCache(config=self.model.config)
-        for layer in range(len(kvs[0])):
-            keys = torch.cat([F.pad(kv[layer][0], (0, 0, total - n, 0)) for kv, n in zip(kvs, lengths)])
-            values = torch.cat([F.pad(kv[layer][1], (0, 0, total - n, 0)) for kv, n in zip(kvs, lengths)])
-            cache.update(keys, values, layer)
+        cache.layers = [GrowingLayer(GrowingKV.left_padded([kv[layer] for kv in kvs])) for layer in range(len(kvs[0]))]
         self.mask = torch.tensor([[0] * (total - n) + [1] * n for n in lengths], device=self.device)
         self.members, self.cache = members, cache
 
