@@ -360,6 +360,22 @@ def test_the_replay_schedules_a_trace_as_the_engine_would_and_lars_shortens_the_
     assert lars[0].ttft_s > fcfs[0].ttft_s  # the long one pays for its chunks and the short ones' turns
 
 
+def test_lars_counts_the_step_under_way_so_short_prompts_meet_their_target_during_a_long_prefill():
+    """A 16k document and short prompts arriving every ~3 s while it is chunked (1 s budget, 2 s target): every
+    short one's first token within the target, the document itself not delayed by them more than fcfs's order
+    delays the short ones. Without the step's margin in the slack, short prompts waited until their slack fell
+    below the document's and then behind one more chunk (12 of 25 over 2 s in this replay)."""
+    config = resolve_config("smollm2-135m")
+    cost = _shipped_cost(1)
+    sizes = [40, 60, 150, 400]
+    trace = [Arrival(0.0, 16000, 16, "long")] + [Arrival(0.3 + 2.9 * i + (i * 0.37) % 1, sizes[i % 4], 64)
+                                                  for i in range(25)]
+    lars = replay(trace, cost, 2, prompt_work(config), "lars", budget_s=1.0)
+    assert max(r.ttft_s for r in lars[1:]) < 2.0
+    fcfs = replay(trace, cost, 2, prompt_work(config))
+    assert lars[0].ttft_s < 2.0 * fcfs[0].ttft_s
+
+
 def test_held_kv_grows_in_place_and_keeps_what_it_handed_out():
     parts = [torch.randn(2, 1, 3, n, 4) for n in (5, 1, 7, 2, 9)]
     held = HeldKV(parts[0].clone())

@@ -111,3 +111,20 @@ def test_grow_in_place_leaves_sliding_layers_to_transformers():
     grow_in_place(cache)
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert "GrowingLayer" in kinds and len(kinds) == 2
+
+
+def test_the_chains_filled_layers_grow_in_place_and_kvp_shards_keep_their_own_decode():
+    from kvrunahead.kvp import ShardCache, ShardLayer
+    from kvrunahead.modes.kvr import RunaheadLayer
+
+    chain = DynamicCache()
+    layer = RunaheadLayer(0, link=None)
+    layer.keys, layer.values = kv(9)
+    layer.is_initialized = True
+    chain.layers = [layer]
+    grow_in_place(chain)
+    assert isinstance(chain.layers[0], GrowingLayer) and torch.equal(chain.layers[0].keys, layer.keys)
+    shards = ShardCache(None, 9)
+    shards.layers.append(ShardLayer(*kv(9), start=0, owner=True, window=None, cache=shards))
+    grow_in_place(shards)
+    assert type(shards.layers[0]) is ShardLayer

@@ -116,9 +116,11 @@ class GrowingLayer(DynamicLayer):
 
 def grow_in_place(cache: DynamicCache) -> DynamicCache:
     """Give ``cache``'s full-attention layers room to grow in place (the same object, its layers replaced; the
-    K,V held are copied once, the ones given stay untouched). Sliding-window layers keep transformers' own type:
-    their window bounds what a concatenation copies."""
+    K,V held are copied once, the ones given stay untouched): transformers' ``DynamicLayer`` and the layers that
+    are one once filled (``plain_after_prefill``: the chain's). Sliding-window layers keep their type (their
+    window bounds what a concatenation copies), and so do layers with a decode of their own (the KVP shards)."""
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+        plain = type(layer) is DynamicLayer or getattr(layer, "plain_after_prefill", False)
+        if plain and layer.is_initialized and layer.keys.numel():
             cache.layers[i] = GrowingLayer(GrowingKV(layer.keys, layer.values))
     return cache

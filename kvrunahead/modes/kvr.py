@@ -167,6 +167,8 @@ def send_held_prefix(transport: Transport, kv: list[torch.Tensor], layout: KVLay
 class RunaheadLayer(DynamicLayer):
     """A cache layer whose first update is the KV-Runahead exchange; later updates grow it as usual."""
 
+    plain_after_prefill = True  # once filled, a DynamicLayer: a decode may grow it in place (model/growing.py)
+
     def __init__(self, layer_idx: int, link: ChainLink, fault: Fault | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx

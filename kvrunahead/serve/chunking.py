@@ -188,7 +188,10 @@ def chunk_planner(config, placement, model_config) -> ChunkPlanner | None:
 
 def lars_slack(planner: ChunkPlanner, config) -> Slack:
     """LARS's view of a request: its target (the request's own, else the larger of ``ttft_slo_s`` and
-    ``ttft_slo_factor`` times its predicted prefill), its whole predicted prefill, and what is left of it."""
+    ``ttft_slo_factor`` times its predicted prefill), its whole predicted prefill, and what is left of it plus one
+    step budget. Steps are not preempted: a request whose turn comes may first wait for a chunk under way (up to a
+    budget), so its slack is counted from the end of that step. Without the margin a 2 s target with a 1 s budget
+    let a short prompt wait until its slack fell below a long document's, then behind one more chunk: 2-3 s."""
 
     def target(seq) -> float:
         if seq.request.ttft_target_s is not None:
@@ -196,4 +199,4 @@ def lars_slack(planner: ChunkPlanner, config) -> Slack:
         return max(config.ttft_slo_s, config.ttft_slo_factor * planner.whole_s(seq.prompt_len))
 
     return Slack(target, lambda seq: planner.whole_s(seq.prompt_len),
-                 lambda seq: planner.remaining_s(seq.prompt_len, seq.prefilled))
+                 lambda seq: planner.remaining_s(seq.prompt_len, seq.prefilled) + planner.budget_s)
