@@ -146,9 +146,10 @@ def test_interleaved_singles_run_among_the_ranks_at_one_and_p_threads(tmp_path):
     timed = {(r["label"], r["index"]): (r["world_size"], r["threads_per_rank"]) for r in rows if r["kind"] == "timed"}
     assert timed == {("single-1t", i): (1, 1) for i in (0, 1)} | {("single-2t", i): (1, 2) for i in (0, 1)} | {
         ("kvr-default", i): (2, 1) for i in (0, 1)}
-    # Progress lines come in the order the runs were made (each by the rank that emitted it): alternating.
+    # Progress lines come in the order the runs were made (each by the rank that emitted it): alternating, the
+    # second round starting one mode later.
     order = re.findall(r"ctx +128 (\S+) +timed", proc.stderr)
-    assert order == ["single-1t", "single-2t", "kvr-default"] * 2
+    assert order == ["single-1t", "single-2t", "kvr-default", "single-2t", "kvr-default", "single-1t"]
     default = next(r for r in rows if r["label"] == "kvr-default")
     assert default["kvr_attention"] == "split" and default["partition_source"].startswith("cost model")
     assert "single process" not in proc.stderr  # no separate world for the singles
@@ -185,16 +186,16 @@ def test_replot_rebuilds_the_summary_from_the_runs(tmp_path):
     assert missing.returncode == 2 and "no " in missing.stderr
 
 
-def test_interleave_alternates_the_timed_runs_of_one_context(tmp_path):
+def test_interleave_alternates_the_timed_runs_of_one_context_rotating_by_round(tmp_path):
     _, rows = _interleaved_sweep(tmp_path, "64,128", "tsp,kvr")
     order = [(r["context_len"], r["label"], r["kind"], r["index"]) for r in rows]
     assert order == [
         (64, "tsp", "warmup", 0), (64, "kvr-even", "warmup", 0),
-        (64, "tsp", "timed", 0), (64, "kvr-even", "timed", 0), (64, "tsp", "timed", 1), (64, "kvr-even", "timed", 1),
+        (64, "tsp", "timed", 0), (64, "kvr-even", "timed", 0), (64, "kvr-even", "timed", 1), (64, "tsp", "timed", 1),
         (128, "tsp", "warmup", 0), (128, "kvr-even", "warmup", 0),
-        (128, "tsp", "timed", 0), (128, "kvr-even", "timed", 0), (128, "tsp", "timed", 1),
-        (128, "kvr-even", "timed", 1),
-    ]
+        (128, "tsp", "timed", 0), (128, "kvr-even", "timed", 0), (128, "kvr-even", "timed", 1),
+        (128, "tsp", "timed", 1),
+    ]  # each round starts one mode later than the one before
     assert all(r["interleaved"] for r in rows)
 
 

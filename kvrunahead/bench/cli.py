@@ -70,8 +70,8 @@ def _list(text: str, cast=str) -> list:
                    "only the missing ones (the fresh ranks get one untimed run first).")
 @click.option("--interleave", is_flag=True,
               help="Alternate the timed runs of all modes at one context length (after every mode's sweep "
-                   "and warm-up) instead of running each mode's repeats back to back: fairer ratios on a "
-                   "machine whose speed drifts. Recorded in every row.")
+                   "and warm-up), each round starting one mode later, instead of running each mode's repeats "
+                   "back to back: fairer ratios on a machine whose speed drifts. Recorded in every row.")
 @click.option("--replot", is_flag=True,
               help="Measure nothing: rebuild summary.csv/md and the plots from the runs.jsonl in --out.")
 def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, nets, allgather, tables,

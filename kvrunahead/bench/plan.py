@@ -66,7 +66,8 @@ def run_key(context_len: int, label: str, kind: str, index: int, net: str = "loo
 
 def job_groups(jobs: list[Job], interleave: bool) -> list[list[Job]]:
     """Jobs measured together: alone, or (interleave) every job of one context length, whose timed runs then
-    alternate (a, b, c, a, b, c, ...) so that a drift of the machine's speed hits every mode alike."""
+    alternate, the order rotating by round (a, b, c, b, c, a, c, a, b, ...; bench/worker.py), so that a drift of
+    the machine's speed, and the place in a round, hits every mode alike."""
     if not interleave:
         return [[job] for job in jobs]
     groups: dict[int, list[Job]] = {}

@@ -25,6 +25,13 @@ from kvrunahead.policy import RunConfig, resolve_device
 from kvrunahead.runner import RunResult, leave_world, run_on_world
 
 
+def rotated(items: list, by: int) -> list:
+    """``items`` started at ``by`` (modulo their number): round i of an interleaved group runs its modes from the
+    i-th on, so that no mode always runs first or right after the same other one."""
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 class BenchRank:
     """One rank's walk through its world's plan. Every rank measures every run (the single process on rank 0
     alone), so the collectives line up; the rank that emits a result writes its row to ``out``."""
@@ -41,7 +48,7 @@ class BenchRank:
         for group in job_groups(self.plan.jobs, self.plan.env["interleaved"]):
             partitions = [self.prepare(job) for job in group]
             for i in range(max(job.repeats for job in group)):
-                for job, partition in zip(group, partitions):
+                for job, partition in rotated(list(zip(group, partitions)), i):
                     if i < job.repeats:
                         self.measure(job, partition, "timed", i)
 
