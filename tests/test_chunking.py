@@ -325,6 +325,23 @@ def test_a_decode_step_is_read_bound_and_kvp_splits_its_attention_for_an_exchang
     assert cost.decode_step_s([100, 200]) < cost.decode_step_s([100]) + cost.decode_step_s([200])  # one batch
 
 
+def test_a_profiles_decode_kernel_prices_the_decode_attention_and_the_memory_rate_bounds_it():
+    cost = _shipped_cost(2)
+    slow = dataclasses.replace(cost.profile.attention["full"], call_s=1e-3, key_s=0.0, query_s=0.0, flops_per_s=1e9)
+    with_kernel = CostModel(cost.shape, dataclasses.replace(cost.profile,
+                                                            attention={**cost.profile.attention, "decode": slow}))
+    pairs = 32768 * cost.shape.flops_per_pair / 1e9
+    assert with_kernel.decode_attention_s(32768) == pytest.approx(1e-3 + pairs)
+    fast = dataclasses.replace(slow, call_s=0.0, flops_per_s=1e18)
+    bound = CostModel(cost.shape, dataclasses.replace(cost.profile, attention={**cost.profile.attention,
+                                                                                "decode": fast}))
+    assert bound.decode_attention_s(32768) == pytest.approx(cost.kv_bytes(32768) / cost.profile.memory_Bps)
+    without = CostModel(cost.shape, dataclasses.replace(cost.profile, attention={
+        k: v for k, v in cost.profile.attention.items() if k != "decode"}))
+    assert without.decode_attention_s(32768) == pytest.approx(max(
+        without.full_s(1, 32768), cost.kv_bytes(32768) / cost.profile.memory_Bps))
+
+
 def test_auto_decode_chooses_kvp_for_long_contexts_only_where_the_cost_model_says_so():
     chain, solo = _shipped_cost(1), _shipped_cost(2)
     assert not kvp_predicted_faster(chain, solo, 1024, 2)

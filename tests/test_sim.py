@@ -363,6 +363,7 @@ def test_kvr_calibrate_writes_a_profile_the_simulator_reads(tmp_path):
     prof = HardwareProfile.load(out)
     assert prof.matmul_flops_per_s > 1e8 and prof.memory_Bps > 1e8 and "whole_prefill_1024" in prof.fit
     assert all(k.flops_per_s > 1e8 for k in prof.attention.values())
+    assert "decode" in prof.attention and "attention_decode" in prof.fit
     link = prof.links["loopback"]
     assert link.bandwidth_Bps > 1e7 and 0 < link.allgather_efficiency <= 1 and link.compute_s_per_byte >= 0
     assert prof.versions["torch"] and prof.date and "linear" in prof.fit

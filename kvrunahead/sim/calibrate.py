@@ -53,6 +53,8 @@ LINEAR_LAYERS = 4  # decoder layers timed (the first ones of the model): per-lay
 ATTENTION_SHAPES = ((256, 256), (512, 512), (1024, 1024), (512, 2048), (2048, 2048), (1024, 4096),
                     (2048, 4096), (4096, 4096), (2048, 8192), (8192, 8192), (4096, 16384), (8192, 16384),
                     (32, 4096), (64, 8192), (32, 16384), (128, 16384), (16, 8192), (16, 16384))
+# Keys of a decode step's attention (one new token against the cache): short chats to the KVP decode's contexts.
+DECODE_KEYS = (1024, 4096, 16384, 32768)
 LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 LARGE_MESSAGE = 1 << 22
 
@@ -165,6 +167,34 @@ def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_S
     return kernels, worst
 
 
+def measure_decode(model, shape: ModelShape, repeats: int, keys=DECODE_KEYS) -> tuple[AttentionCost, float]:
+    """One new token's attention over n keys as a decode step runs it (transformers' SDPA, the model's K,V heads,
+    no mask), every layer's K,V apart: a decode step reads each layer's cache from memory once, and a kernel timed
+    on one layer's K,V over and over reads it from the caches instead (at 32k keys the two differ by about 2x
+    here). Per layer: a fixed cost and a rate on the keys; the worst residual."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = model.base_model.layers[0].self_attn
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    scale = shape.head_dim ** -0.5
+    q = torch.randn(1, shape.heads, 1, shape.head_dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    times = []
+    with torch.no_grad():
+        for n in keys:
+            cache = torch.empty(shape.layers, 2, 1, shape.kv_heads, n, shape.head_dim, device=device,
+                                dtype=dtype).uniform_(-1, 1)
+
+            def step(cache=cache):
+                for layer in cache:
+                    sdpa_attention_forward(module, q, layer[0], layer[1], None, scaling=scale)
+            times.append(_median_time(step, repeats) / shape.layers)
+            log.info("decode attention n=%d: %.4f ms per layer", n, 1e3 * times[-1])
+            del cache
+    coef, worst = _fit([[1.0] * len(keys), [n * shape.flops_per_pair for n in keys]], times)
+    return AttentionCost(flops_per_s=1.0 / max(float(coef[1]), 1e-30), call_s=float(coef[0])), worst
+
+
 WHOLE_TOKENS = (1024, 4096)
 
 
@@ -234,6 +264,7 @@ def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: b
     while True:
         measure_linear(model, shape, repeats, linear)
         measure_attention(model, shape, repeats, attention)
+        measure_decode(model, shape, repeats, DECODE_KEYS[:2] if quick else DECODE_KEYS)
 
 
 def _shapes(quick: bool):
@@ -284,6 +315,9 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
         layer_s, matmul, linear_worst = measure_linear(model, shape, repeats, linear_tokens)
         step(f"attention kernels at {len(attention_shapes)} shapes")
         kernels, attention_worst = measure_attention(model, shape, repeats, attention_shapes)
+        decode_keys = DECODE_KEYS[:2] if quick else DECODE_KEYS
+        step(f"decode attention over {', '.join(map(str, decode_keys))} keys")
+        kernels["decode"], attention_worst["decode"] = measure_decode(model, shape, repeats, decode_keys)
         step("memory copies")
         memory = measure_copy(repeats)
         step(f"whole prefills at {', '.join(map(str, WHOLE_TOKENS))} tokens")

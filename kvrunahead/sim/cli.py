@@ -69,7 +69,8 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
 
     \b
     Times the runtime's own model code and kernels on one rank: the decoder layers' projections and MLP,
-    the attention kernels of every mode at the shapes of 1k-16k prompts, the cache copies; and, on two
+    the attention kernels of every mode at the shapes of 1k-16k prompts, a decode step's attention over
+    1k-32k keys, the cache copies; and, on two
     ranks, the link through the runtime's transport (point-to-point and all-gather), on each --net.
     Writes JSON with the machine, versions, date and each fit's worst residual. Example:
       kvr-calibrate --out /tmp/cpu.json

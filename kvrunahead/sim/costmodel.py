@@ -103,8 +103,12 @@ class CostModel:
         return max(self.qkv_s(tokens) + self.other_s(tokens), s.layer_params * s.dtype_bytes / self.profile.memory_Bps)
 
     def decode_attention_s(self, context: int) -> float:
-        """One layer's attention of one new token over ``context`` keys: the K,V read once, or the FLOPs."""
-        return max(self.full_s(1, context), self.kv_bytes(context) / self.profile.memory_Bps)
+        """One layer's attention of one new token over ``context`` keys: the profile's decode kernel where it has
+        one (``kvr-calibrate`` times it over each layer's K,V in turn, as a decode step reads them), else the
+        prefix kernel for one query; at least the K,V read once at the memory rate."""
+        kernel = self.profile.attention.get("decode")
+        compute = self._kernel_s(kernel, 1, context, context) if kernel else self.full_s(1, context)
+        return max(compute, self.kv_bytes(context) / self.profile.memory_Bps)
 
     def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvrunahead.errors import ProfileError
 from kvrunahead.net.spec import NetError, parse_net
 
-KERNELS = ("causal", "full", "masked")
+KERNELS = ("causal", "full", "masked")  # every profile has these; "decode" (one query over a cache) is optional
 
 
 @dataclass(frozen=True)
