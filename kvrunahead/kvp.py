@@ -62,7 +62,7 @@ class ShardLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.owner:
             held = self.held
-            if held is None or self.keys.data_ptr() != held.keys.data_ptr() or self.keys.shape != held.keys.shape:
+            if held is None or not held.holds(self.keys):
                 held = self.held = GrowingKV(self.keys, self.values)  # first append, or the levelling moved them
             held.append(key_states, value_states)
             if self.window is not None:  # the next token's window starts at seen + n - window + 1

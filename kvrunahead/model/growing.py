@@ -58,6 +58,11 @@ class GrowingKV:
     def values(self) -> torch.Tensor:
         return self._v[..., self.lo:self.hi, :]
 
+    def holds(self, keys: torch.Tensor) -> bool:
+        """Whether ``keys`` is still the view of the positions held (not replaced from outside since)."""
+        ours = self.keys
+        return keys.data_ptr() == ours.data_ptr() and keys.shape == ours.shape
+
     @property
     def capacity_bytes(self) -> int:
         return self._k.nbytes + self._v.nbytes
@@ -102,8 +107,7 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        ours = self.held.keys
-        if self.keys.data_ptr() != ours.data_ptr() or self.keys.shape != ours.shape:
+        if not self.held.holds(self.keys):
             self.held = GrowingKV(self.keys, self.values)
         self.keys, self.values = self.held.append(key_states, value_states)
         return self.keys, self.values
