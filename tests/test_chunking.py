@@ -12,8 +12,8 @@ import torch
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
+from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
-from kvrunahead.modes.kvr import HeldKV
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.policy import RunConfig
 from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
@@ -393,21 +393,10 @@ def test_lars_counts_the_step_under_way_so_short_prompts_meet_their_target_durin
     assert lars[0].ttft_s < 2.0 * fcfs[0].ttft_s
 
 
-def test_held_kv_grows_in_place_and_keeps_what_it_handed_out():
-    parts = [torch.randn(2, 1, 3, n, 4) for n in (5, 1, 7, 2, 9)]
-    held = HeldKV(parts[0].clone())
-    before = held.kv
-    for k in range(1, len(parts)):
-        got = held.append(*parts[k:k + 1])
-        assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
-    assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
-    assert held.n == sum(p.shape[-2] for p in parts) and held.append().shape[-2] == held.n
-
-
 def test_the_prefix_cache_keeps_a_chunked_caches_positions_without_the_room_for_appends():
     n = 40
-    held = HeldKV(torch.randn(2, 1, 3, 30, 4))
-    kv = held.append(torch.randn(2, 1, 3, 10, 4))  # room for 60: the last chunk's cache is a view into it
+    held = GrowingKV.stacked(torch.randn(2, 1, 3, 30, 4))
+    kv = held.extend(torch.randn(2, 1, 3, 10, 4))  # room for 60: the last chunk's cache is a view into it
     stacked = torch.randn(2, 1, 3, n, 4)  # a chain's K,V: one storage of their size
     layers = [SimpleNamespace(keys=kv[0], values=kv[1]), SimpleNamespace(keys=stacked[0], values=stacked[1])]
     prefixes = PrefixCache(max_tokens=1000, min_match=1)

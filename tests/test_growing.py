@@ -128,3 +128,14 @@ def test_the_chains_filled_layers_grow_in_place_and_kvp_shards_keep_their_own_de
     shards.layers.append(ShardLayer(*kv(9), start=0, owner=True, window=None, cache=shards))
     grow_in_place(shards)
     assert type(shards.layers[0]) is ShardLayer
+
+
+def test_a_stacked_kv_grows_chunk_by_chunk_and_keeps_what_it_handed_out():
+    parts = [torch.randn(2, 1, 3, n, 4) for n in (5, 1, 7, 2, 9)]
+    held = GrowingKV.stacked(parts[0].clone())
+    before = held.kv
+    for k in range(1, len(parts)):
+        got = held.extend(*parts[k:k + 1])
+        assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
+    assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
+    assert held.n == sum(p.shape[-2] for p in parts) and held.extend().shape[-2] == held.n

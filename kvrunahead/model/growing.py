@@ -1,10 +1,10 @@
-"""Decode caches that grow in place: a token's K,V is written into room kept after the positions held, not
-concatenated onto a copy of them.
+"""Caches that grow in place: a decoded token's K,V (or a chunked prefill's next chunk) is written into room kept
+after the positions held, not concatenated onto a copy of them.
 
 transformers' ``DynamicLayer`` appends by ``torch.cat``, which copies every position the layer holds, on every
 token: at 32k positions SmolLM2's 30 layers move 1.4 GiB per token, more than its attention reads. Here a layer's
-K and V live in buffers with room after them; a token is written into the room, and only when the room is used up
-are the positions copied, once, into buffers with room for an eighth more (an eighth more memory at most, a copy
+K and V live in one buffer with room after them; a token is written into the room, and only when the room is used up
+are the positions copied, once, into a buffer with room for an eighth more (an eighth more memory at most, a copy
 every ``n / 8`` tokens instead of every token).
 
 A layer only ever writes into buffers it allocated itself, past the positions it has handed out: the K,V it was
@@ -27,36 +27,54 @@ def room_for(tokens: int) -> int:
 
 
 class GrowingKV:
-    """One layer's K and V ``[batch, heads, tokens, head_dim]`` in buffers with room after them."""
+    """One layer's K and V, ``[batch, heads, tokens, head_dim]`` each, in one buffer
+    ``[2, batch, heads, room, head_dim]`` with room after the positions held: a decode's tokens and a chunked
+    prefill's chunks are written into the room (the chain carries a layer's K,V stacked the same way)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = keys.shape[-2]
-        self._k = keys.new_empty((*keys.shape[:-2], room_for(n), keys.shape[-1]))
-        self._v = values.new_empty(self._k.shape[:-1] + values.shape[-1:])
-        self._k[..., :n, :], self._v[..., :n, :] = keys, values
+        self._kv = keys.new_empty((2, *keys.shape[:-2], room_for(n), keys.shape[-1]))
+        self._kv[0, ..., :n, :], self._kv[1, ..., :n, :] = keys, values
         self.lo, self.hi = 0, n  # the positions held are buffer rows [lo, hi)
+
+    @classmethod
+    def stacked(cls, kv: torch.Tensor) -> GrowingKV:
+        """Hold ``kv`` (``[2, batch, heads, n, head_dim]``) as it is, no copy: it has no room, so the first append
+        moves it into a buffer of this object's own and ``kv`` itself is never written."""
+        self = cls.__new__(cls)
+        self._kv, self.lo, self.hi = kv, 0, kv.shape[-2]
+        return self
 
     @classmethod
     def left_padded(cls, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingKV:
         """Requests' K,V ``[1, heads, n_i, head_dim]`` as the rows of one batch, each padded on the left with zeros
         to the longest (an attention mask hides the pads; zeros keep them finite)."""
         total = max(k.shape[-2] for k, _ in rows)
-        k0, v0 = rows[0]
+        k0 = rows[0][0]
         self = cls.__new__(cls)
-        self._k = k0.new_zeros((len(rows), k0.shape[1], room_for(total), k0.shape[-1]))
-        self._v = v0.new_zeros(self._k.shape[:-1] + v0.shape[-1:])
+        self._kv = k0.new_zeros((2, len(rows), k0.shape[1], room_for(total), k0.shape[-1]))
         for b, (k, v) in enumerate(rows):
-            self._k[b:b + 1, :, total - k.shape[-2]:total], self._v[b:b + 1, :, total - v.shape[-2]:total] = k, v
+            self._kv[0, b:b + 1, :, total - k.shape[-2]:total] = k
+            self._kv[1, b:b + 1, :, total - v.shape[-2]:total] = v
         self.lo, self.hi = 0, total
         return self
 
     @property
+    def n(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The positions held, K and V stacked (a view: later appends write past it, never into it)."""
+        return self._kv[..., self.lo:self.hi, :]
+
+    @property
     def keys(self) -> torch.Tensor:
-        return self._k[..., self.lo:self.hi, :]
+        return self._kv[0, ..., self.lo:self.hi, :]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._v[..., self.lo:self.hi, :]
+        return self._kv[1, ..., self.lo:self.hi, :]
 
     def holds(self, keys: torch.Tensor) -> bool:
         """Whether ``keys`` is still the view of the positions held (not replaced from outside since)."""
@@ -65,16 +83,23 @@ class GrowingKV:
 
     @property
     def capacity_bytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
+        return self._kv.nbytes
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``, ``values`` after the positions held; the positions now held (views)."""
+        self._make_room(keys.shape[-2])
         t = keys.shape[-2]
-        if self.hi + t > self._k.shape[-2]:
-            self._regrow(self.hi - self.lo + t)
-        self._k[..., self.hi:self.hi + t, :], self._v[..., self.hi:self.hi + t, :] = keys, values
+        self._kv[0, ..., self.hi:self.hi + t, :], self._kv[1, ..., self.hi:self.hi + t, :] = keys, values
         self.hi += t
         return self.keys, self.values
+
+    def extend(self, *parts: torch.Tensor) -> torch.Tensor:
+        """Append stacked ``parts`` (each ``[2, batch, heads, t, head_dim]``) in order; the positions now held."""
+        self._make_room(sum(p.shape[-2] for p in parts))
+        for part in parts:
+            self._kv[..., self.hi:self.hi + part.shape[-2], :] = part
+            self.hi += part.shape[-2]
+        return self.kv
 
     def drop_front(self, tokens: int) -> None:
         """Forget the first ``tokens`` positions held (a sliding window moving on); their rows are reused when the
@@ -83,14 +108,14 @@ class GrowingKV:
 
     def truncate(self, tokens: int) -> None:
         """Keep the first ``tokens`` positions held (a crop); later appends write over the rest."""
-        self.hi = self.lo + max(0, min(tokens, self.hi - self.lo))
+        self.hi = self.lo + max(0, min(tokens, self.n))
 
-    def _regrow(self, need: int) -> None:
-        k, v = self.keys, self.values
-        self._k = k.new_empty((*k.shape[:-2], room_for(need), k.shape[-1]))
-        self._v = v.new_empty(self._k.shape[:-1] + v.shape[-1:])
-        n = self.hi - self.lo
-        self._k[..., :n, :], self._v[..., :n, :] = k, v
+    def _make_room(self, tokens: int) -> None:
+        if self.hi + tokens <= self._kv.shape[-2]:
+            return
+        held, n = self.kv, self.n
+        self._kv = held.new_empty((*held.shape[:-2], room_for(n + tokens), held.shape[-1]))
+        self._kv[..., :n, :] = held
         self.lo, self.hi = 0, n
 
 

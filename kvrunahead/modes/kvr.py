@@ -17,38 +17,11 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
 from kvrunahead.model.forward import forward_part
+from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
 from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
 from kvrunahead.transport import Transport, nbytes
-
-
-class HeldKV:
-    """One layer's K,V of positions [0, n), ``[2, 1, heads, n, head_dim]``, that grows in place (a chunked
-    prefill's base, every chunk appended): its room doubles when full, so a chunk's append copies the chunk, not
-    the positions held before it, as a concatenation per chunk would (at 8k positions that was a fifth of a
-    64-token chunk's time on a CPU rank)."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self._buf, self.n = kv, kv.shape[-2]
-
-    @property
-    def kv(self) -> torch.Tensor:
-        """The positions held, a view (later appends write past it, never into it)."""
-        return self._buf[..., :self.n, :]
-
-    def append(self, *parts: torch.Tensor) -> torch.Tensor:
-        """Append ``parts`` (each ``[2, 1, heads, t, head_dim]``) in order; the positions now held."""
-        need = self.n + sum(p.shape[-2] for p in parts)
-        if need > self._buf.shape[-2]:
-            shape = (*self._buf.shape[:-2], max(need, 2 * self._buf.shape[-2]), self._buf.shape[-1])
-            buf = self._buf.new_empty(shape)
-            buf[..., :self.n, :] = self.kv
-            self._buf = buf
-        for part in parts:
-            self._buf[..., self.n:self.n + part.shape[-2], :] = part
-            self.n += part.shape[-2]
-        return self.kv
 
 
 @dataclass
@@ -79,7 +52,7 @@ class ChainLink:
     lookahead: int = 1
     holder: int | None = None
     own_only: bool = False
-    base: list[HeldKV] | None = None  # per layer: positions [0, B) held already, the exchange appends to them
+    base: list[GrowingKV] | None = None  # per layer: positions [0, B) held already, the exchange appends to them
     keep_whole: bool = False  # keep each layer's K,V after the exchange in ``whole`` (the next chunk's base)
     whole: dict = field(default_factory=dict)
     _pending: dict = field(default_factory=dict)
@@ -134,11 +107,11 @@ class ChainLink:
         if self.base:  # the last chunk's too: a copy into storage of its own size would cost the step a copy of
             # every position on every rank (about 1.6 s at 12k on 2 CPU ranks); what keeps the cache longer (the prefix
             # cache) keeps its own copy, a decode's ends with the request
-            kv = self.base[layer].append(*parts, local_kv)
+            kv = self.base[layer].extend(*parts, local_kv)
         else:
             kv = torch.cat((*parts, local_kv), dim=-2) if parts else local_kv.contiguous()
         if self.keep_whole:
-            self.whole[layer] = self.base[layer] if self.base else HeldKV(kv)
+            self.whole[layer] = self.base[layer] if self.base else GrowingKV.stacked(kv)
         if self.has_next:
             handed = self.layout.kept(layer, self.handed_on(local_kv.shape[-2])) - self.base_len
             out = kv[..., kv.shape[-2] - handed:, :].contiguous()

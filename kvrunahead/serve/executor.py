@@ -31,11 +31,12 @@ from transformers import DynamicCache
 
 from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
 from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.modes import MODES, Step
-from kvrunahead.modes.kvr import ChainLink, HeldKV, kvr_prefill, send_held_prefix
+from kvrunahead.modes.kvr import ChainLink, kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
@@ -69,7 +70,7 @@ class RankContext:
     threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
     solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
     shards: dict = field(default_factory=dict)  # request id -> (ShardCache, RopeExtension): KVP decodes in flight
-    partial: dict = field(default_factory=dict)  # request id -> per layer HeldKV: a chunked prefill's positions so far
+    partial: dict = field(default_factory=dict)  # request id -> per layer GrowingKV: a chunked prefill so far
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads
@@ -202,8 +203,8 @@ def chunk_prefill(ctx: RankContext, plan: ChunkPlan) -> PrefillOutcome | None:
     return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
 
 
-def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[HeldKV] | None, held: int
-              ) -> list[HeldKV]:
+def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[GrowingKV] | None, held: int
+              ) -> list[GrowingKV]:
     """The front sends each worker the chunk's positions after those it holds ([held, cuts[-1]), every layer);
     every rank returns its K,V of [0, cuts[-1]) per layer, appended in place to what it held."""
     end = plan.cuts[-1]
@@ -222,9 +223,9 @@ def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[H
     for layer, (req, buf) in enumerate(received):
         ctx.transport.wait(req, f"the chunk's K,V of layer {layer} from the front")
         if whole is None:
-            out.append(HeldKV(buf))
+            out.append(GrowingKV.stacked(buf))
         else:
-            whole[layer].append(buf)
+            whole[layer].extend(buf)
             out.append(whole[layer])
     return out
 
