@@ -1,4 +1,5 @@
-"""Validation 1: the simulator against every p = 2 point this project measured on the AMD machine.
+"""Validation 1: the simulator against every p = 2 point this project measured on the AMD machine (and, with
+``--machine xeon``, on the 2-vCPU Intel Xeon since, against the shipped profiles of that machine).
 
 Every timed group of runs (same experiment, length, mode, partition, attention and network) in
 experiments/ttft_cpu_p2, ttft_cpu_p2_split, ttft_cpu_p2_16k and ttft_network_p2 (quiet and noisy), and the
@@ -9,6 +10,10 @@ machine that made these rows) and nothing measured by these runs. Single at 2 th
 2-thread profile; MPI rows are left out (the profile's links are gloo's).
 
   python experiments/sim_validation/own.py [--profile FILE]   # writes own.json, own.md, own.png here
+  python experiments/sim_validation/own.py --machine xeon     # the Xeon's runs: own-xeon.json, .md, .png
+
+On the Xeon, one process at 2 threads (``single`` at 2 threads, the bench's ``single-2t``) is predicted from the
+2-thread profile (``cpu-t2.json``).
 """
 
 from __future__ import annotations
@@ -39,13 +44,22 @@ SOURCES = {
     "ttft_network_p2/16k_high": "split",
     "ttft_network_p2/16k_noise": "split",
 }
+XEON = {  # the runs on the 2-vCPU Xeon, all split attention, and the tables searched there
+    "sources": {"balance_search/bench-12k16k-xeon": "split", "balance_search/bench-14k-xeon": "split",
+                "balance_search/bench-cap650-xeon": "split"},
+    "tables": ("balance_search/tables/loopback-carry-xeon.json", "balance_search/tables/loopback-14k-xeon.json",
+               "balance_search/tables/cap650-xeon.json"),
+    "profile": "kvrunahead/sim/profiles/cpu-t1.json", "profile_t2": "kvrunahead/sim/profiles/cpu-t2.json",
+}
 TABLES = ("smollm2-135m_p2_float32_cpu_masked.json", "smollm2-135m_p2_float32_cpu_split.json",
           "smollm2-135m_p2_float32_cpu_split_cap-650mb-s.json", "smollm2-135m_p2_float32_cpu_split_cap-22mb-s.json")
 
 
-def measured_groups() -> dict[tuple, list[dict]]:
+def measured_groups(sources: dict[str, str], two_threads: bool = False) -> dict[tuple, list[dict]]:
+    """Runs grouped by (source, length, mode, partition, attention, network, threads per rank); one process at 2
+    threads only where ``two_threads`` (a 2-thread profile to predict it)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for source, attention in SOURCES.items():
+    for source, attention in sources.items():
         path = ROOT / "experiments" / source / "runs.jsonl"
         if not path.exists():
             continue
@@ -53,11 +67,12 @@ def measured_groups() -> dict[tuple, list[dict]]:
             r = json.loads(line)
             if r["kind"] not in ("timed", "sweep") or r.get("transport") == "mpi":
                 continue
-            if r["mode"] == "single" and r["threads_per_rank"] != 1:
+            if r["mode"] == "single" and r["threads_per_rank"] != 1 and not two_threads:
                 continue
             att = r.get("kvr_attention") or attention
             key = (source, r["context_len"], r["mode"], tuple(r["boundaries"]), att if r["mode"].startswith("kvr")
-                   else "-", r.get("network") or r.get("bandwidth") or "loopback")
+                   else "-", r.get("network") or r.get("bandwidth") or "loopback",
+                   r["threads_per_rank"] if r["mode"] == "single" else 1)
             groups[key].append(r)
     return groups
 
@@ -67,32 +82,34 @@ def noise_model(spec) -> NoiseModel | None:
     return None if n is None else NoiseModel(n.rate_bytes_per_s, n.interval_s, n.duty)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default=str((HERE / "cpu-t1-amd-epyc.json").relative_to(ROOT)))
-    args = ap.parse_args()
-    path = args.profile if Path(args.profile).exists() else str(ROOT / args.profile)
-    profile, _ = resolve_profile(path)
-    which = f"{args.profile} ({profile.device}, calibrated {profile.date[:10]})"
-    shape = shape_from_config(resolve_config("smollm2-135m"), "float32", "smollm2-135m")
+def load_profile(name: str):
+    profile, _ = resolve_profile(name if Path(name).exists() else str(ROOT / name))
+    return profile
+
+
+def predicted_points(groups, shape, profile, profile_t2=None) -> list[dict]:
     rows = []
-    for (source, ctx, mode, bounds, att, network), runs in sorted(measured_groups().items()):
+    for (source, ctx, mode, bounds, att, network, threads), runs in sorted(groups.items()):
         spec = parse_net(network)
-        cost = CostModel(shape, profile, spec.table_label if spec.table_label in profile.links else None)
+        prof = profile_t2 if threads == 2 else profile
+        cost = CostModel(shape, prof, spec.table_label if spec.table_label in prof.links else None)
         sim = simulate(cost, mode, ctx, len(bounds) - 1, bounds, att if att != "-" else "split", noise_model(spec))
         measured = statistics.median(r["ttft_s"] for r in runs)
         per_rank = [{"rank": i, "measured_compute_s": statistics.median(r["ranks"][i]["compute_s"] for r in runs),
                      "measured_wait_s": statistics.median(r["ranks"][i]["wait_s"] for r in runs),
                      "sim_compute_s": sim.ranks[i].compute_s, "sim_wait_s": sim.ranks[i].wait_s}
                     for i in range(len(bounds) - 1)]
-        rows.append({"source": source, "commit": runs[0].get("commit", "?"), "context": ctx, "mode": mode,
-                     "boundaries": list(bounds), "attention": att,
-                     "network": network, "runs": len(runs), "measured_s": measured, "sim_s": sim.ttft_s,
-                     "error": sim.ttft_s / measured - 1, "ranks": per_rank,
-                     "link_used": cost.link_label or profile.default_link})
+        rows.append({"source": source, "commit": runs[0].get("commit", "?"), "context": ctx,
+                     "mode": mode if threads == 1 else f"{mode}-{threads}t", "boundaries": list(bounds),
+                     "attention": att, "network": network, "runs": len(runs), "measured_s": measured,
+                     "sim_s": sim.ttft_s, "error": sim.ttft_s / measured - 1, "ranks": per_rank,
+                     "link_used": cost.link_label or prof.default_link})
+    return rows
+
+
+def predicted_partitions(tables, shape, profile) -> list[dict]:
     parts = []
-    for name in TABLES:
-        path = ROOT / "partition_tables" / name
+    for path in tables:
         if not path.exists():
             continue
         table = json.loads(path.read_text())
@@ -102,24 +119,48 @@ def main() -> None:
         for e in table["entries"]:
             ctx = e["context_len"]
             r = search_partition(cost, ctx, 2, meta["kvr_attention"], min_stride=64)
-            parts.append({"table": name, "context": ctx, "searched": e["boundaries"][1], "model": r.boundaries[1],
+            parts.append({"table": path.name, "context": ctx, "searched": e["boundaries"][1], "model": r.boundaries[1],
                           "difference_of_context": (r.boundaries[1] - e["boundaries"][1]) / ctx,
                           "searched_ttft_s": e["ttft_s"], "sim_ttft_at_searched_s":
                           simulate(cost, "kvr", ctx, 2, tuple(e["boundaries"]), meta["kvr_attention"]).ttft_s,
                           "sim_ttft_at_model_s": r.ttft_s})
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--machine", choices=("amd", "xeon"), default="amd",
+                    help="amd: the runs before the move (default profile: the AMD's); xeon: the Xeon's runs since, "
+                         "against the shipped 1- and 2-thread profiles")
+    ap.add_argument("--profile", help="1-thread profile to predict with (default: the machine's)")
+    args = ap.parse_args()
+    xeon = args.machine == "xeon"
+    default = XEON["profile"] if xeon else str((HERE / "cpu-t1-amd-epyc.json").relative_to(ROOT))
+    profile = load_profile(args.profile or default)
+    which = f"{args.profile or default} ({profile.device}, calibrated {profile.date[:10]})"
+    shape = shape_from_config(resolve_config("smollm2-135m"), "float32", "smollm2-135m")
+    if xeon:
+        t2 = load_profile(XEON["profile_t2"])
+        rows = predicted_points(measured_groups(XEON["sources"], True), shape, profile, t2)
+        parts = predicted_partitions([ROOT / "experiments" / t for t in XEON["tables"]], shape, profile)
+    else:
+        rows = predicted_points(measured_groups(SOURCES), shape, profile)
+        parts = predicted_partitions([ROOT / "partition_tables" / t for t in TABLES], shape, profile)
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     worst_part = max(parts, key=lambda p: abs(p["difference_of_context"])) if parts else None
     result = {"profile": which, "points": rows, "partitions": parts, "worst_error": worst["error"],
               "within_10pct": within, "total": len(rows)}
-    (HERE / "own.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_md(rows, parts, which, worst, within, worst_part)
-    plot(rows)
+    stem = "own-xeon" if xeon else "own"
+    (HERE / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_md(rows, parts, which, worst, within, worst_part, stem)
+    plot(rows, stem)
 
 
-def write_md(rows, parts, which, worst, within, worst_part) -> None:
+def write_md(rows, parts, which, worst, within, worst_part, stem: str) -> None:
     lines = ["# The simulator against this project's p = 2 measurements", "",
-             f"Command: `python experiments/sim_validation/own.py` (seconds). Profile: {which}.", "",
+             "Command: `python experiments/sim_validation/own.py"
+             + (" --machine xeon" if stem.endswith("xeon") else "") + f"` (seconds). Profile: {which}.", "",
              f"Within 10%: {within} of {len(rows)} measured groups; worst {worst['error']:+.1%} "
              f"({worst['source']}, {worst['context']} tokens, {worst['mode']}, {worst['network']}).", "",
              "| experiment (commit) | groups | within 10% | median error | worst |", "|---|---|---|---|---|"]
@@ -172,10 +213,10 @@ def write_md(rows, parts, which, worst, within, worst_part) -> None:
     if worst_part:
         lines += ["", f"Worst partition difference: {worst_part['difference_of_context']:+.1%} of the context "
                   f"({worst_part['table']}, {worst_part['context']})."]
-    (HERE / "own.md").write_text("\n".join(lines) + "\n")
+    (HERE / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
-def plot(rows) -> None:
+def plot(rows, stem: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,7 +237,7 @@ def plot(rows) -> None:
     ax.legend(fontsize=7)
     ax.set_title("p = 2 CPU ranks: every measured group", fontsize=9)
     fig.tight_layout()
-    fig.savefig(HERE / "own.png", dpi=110)
+    fig.savefig(HERE / f"{stem}.png", dpi=110)
 
 
 if __name__ == "__main__":
