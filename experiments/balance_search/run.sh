@@ -56,8 +56,8 @@ for stage in $STAGES; do
     ship-more)
       [ -f "$OUT/old_tables/cap650.json" ] || git show a6e7227:"$SHIPPED_CAP" > "$OUT/old_tables/cap650.json"
       [ -f "$OUT/old_tables/gemma3.json" ] || git show 9a91e65:"$SHIPPED_GEMMA" > "$OUT/old_tables/gemma3.json"
-      cp "$OUT/tables/cap650$TAG.json" "$SHIPPED_CAP"
-      cp "$OUT/tables/gemma3$TAG.json" "$SHIPPED_GEMMA" ;;
+      if [ -f "$OUT/tables/cap650$TAG.json" ]; then cp "$OUT/tables/cap650$TAG.json" "$SHIPPED_CAP"; fi
+      if [ -f "$OUT/tables/gemma3$TAG.json" ]; then cp "$OUT/tables/gemma3$TAG.json" "$SHIPPED_GEMMA"; fi ;;
     cap-bench)
       kvr-bench --nproc 2 --ctx "$CAP_CTX" --net cap=650MB/s --modes "$MODES" --kvr-attention split --interleave \
         --repeats "$ROUNDS" --warmup 0 --table "old=$OUT/old_tables/cap650.json" --out "$OUT/bench-cap650$TAG" \
