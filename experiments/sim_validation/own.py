@@ -51,8 +51,11 @@ XEON = {  # the runs on the 2-vCPU Xeon, all split attention, and the tables sea
                "balance_search/tables/cap650-xeon.json"),
     "profile": "kvrunahead/sim/profiles/cpu-t1.json", "profile_t2": "kvrunahead/sim/profiles/cpu-t2.json",
 }
-TABLES = ("smollm2-135m_p2_float32_cpu_masked.json", "smollm2-135m_p2_float32_cpu_split.json",
-          "smollm2-135m_p2_float32_cpu_split_cap-650mb-s.json", "smollm2-135m_p2_float32_cpu_split_cap-22mb-s.json")
+TABLES = ("partition_tables/smollm2-135m_p2_float32_cpu_masked.json",  # the AMD's tables (the 650 MB/s one since
+          "experiments/balance_search/old_tables/loopback.json",  # replaced by the Xeon's: its AMD table, kept)
+          "partition_tables/smollm2-135m_p2_float32_cpu_split.json",
+          "experiments/balance_search/old_tables/cap650.json",
+          "partition_tables/smollm2-135m_p2_float32_cpu_split_cap-22mb-s.json")
 
 
 def measured_groups(sources: dict[str, str], two_threads: bool = False) -> dict[tuple, list[dict]]:
@@ -119,7 +122,8 @@ def predicted_partitions(tables, shape, profile) -> list[dict]:
         for e in table["entries"]:
             ctx = e["context_len"]
             r = search_partition(cost, ctx, 2, meta["kvr_attention"], min_stride=64)
-            parts.append({"table": path.name, "context": ctx, "searched": e["boundaries"][1], "model": r.boundaries[1],
+            parts.append({"table": str(path.relative_to(ROOT)),
+                          "context": ctx, "searched": e["boundaries"][1], "model": r.boundaries[1],
                           "difference_of_context": (r.boundaries[1] - e["boundaries"][1]) / ctx,
                           "searched_ttft_s": e["ttft_s"], "sim_ttft_at_searched_s":
                           simulate(cost, "kvr", ctx, 2, tuple(e["boundaries"]), meta["kvr_attention"]).ttft_s,
@@ -145,7 +149,7 @@ def main() -> None:
         parts = predicted_partitions([ROOT / "experiments" / t for t in XEON["tables"]], shape, profile)
     else:
         rows = predicted_points(measured_groups(SOURCES), shape, profile)
-        parts = predicted_partitions([ROOT / "partition_tables" / t for t in TABLES], shape, profile)
+        parts = predicted_partitions([ROOT / t for t in TABLES], shape, profile)
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     worst_part = max(parts, key=lambda p: abs(p["difference_of_context"])) if parts else None
