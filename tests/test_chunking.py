@@ -396,7 +396,7 @@ def test_lars_counts_the_step_under_way_so_short_prompts_meet_their_target_durin
 def test_the_prefix_cache_keeps_a_chunked_caches_positions_without_the_room_for_appends():
     n = 40
     held = GrowingKV.stacked(torch.randn(2, 1, 3, 30, 4))
-    kv = held.extend(torch.randn(2, 1, 3, 10, 4))  # room for 60: the last chunk's cache is a view into it
+    kv = held.extend(torch.randn(2, 1, 3, 10, 4))  # room after the 40: the last chunk's cache is a view into it
     stacked = torch.randn(2, 1, 3, n, 4)  # a chain's K,V: one storage of their size
     layers = [SimpleNamespace(keys=kv[0], values=kv[1]), SimpleNamespace(keys=stacked[0], values=stacked[1])]
     prefixes = PrefixCache(max_tokens=1000, min_match=1)

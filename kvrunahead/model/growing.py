@@ -87,8 +87,8 @@ class GrowingKV:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``, ``values`` after the positions held; the positions now held (views)."""
-        self._make_room(keys.shape[-2])
         t = keys.shape[-2]
+        self._make_room(t)
         self._kv[0, ..., self.hi:self.hi + t, :], self._kv[1, ..., self.hi:self.hi + t, :] = keys, values
         self.hi += t
         return self.keys, self.values
