@@ -63,7 +63,8 @@ def test_drift_between_runs_does_not_move_the_balance_steps():
 
 def test_confirmation_is_interleaved_and_picks_the_lowest_median():
     chain = Chain((1.0, 1.1), drift=0.15, noise=0.01, seed=1)
-    result = balance_search(chain, (0, 4096, 8192), model_work, stride=64, confirm_rounds=3, confirm="both")
+    result = balance_search(chain, (0, 4096, 8192), model_work, stride=64, confirm_rounds=3, confirm="both",
+                            confirm_margin=0.0)
     balanced = tuple(min(result.steps, key=lambda s: s["balance"])["boundaries"])
     pool = {balanced, *neighbours(balanced, 64)}
     confirm = chain.runs[len(result.steps):]
@@ -71,6 +72,18 @@ def test_confirmation_is_interleaved_and_picks_the_lowest_median():
     assert all(set(confirm[i:i + 3]) == pool for i in (0, 3, 6))  # one run of each per round
     medians = {k: sorted(v)[1] for k, v in result.confirmation.items()}
     assert result.ttft_s == min(medians.values())
+
+
+@pytest.mark.parametrize("faster, chosen", [(0.005, 4096), (0.03, 4032)])
+def test_a_neighbour_replaces_the_balanced_point_only_when_faster_by_more_than_the_margin(faster, chosen):
+    ttft = {4096: 10.0, 4032: 10.0 * (1 - faster), 4160: 10.5}
+
+    def measure(b):  # balanced at the seed; the neighbour below it `faster` quicker in every round
+        return Measurement(ttft[b[1]], (5.0, 5.0) if b[1] == 4096 else (4.9, 5.1))
+
+    result = balance_search(measure, (0, 4096, 8192), model_work, stride=64, confirm="both", confirm_margin=0.01)
+    assert result.boundaries == (0, chosen, 8192) and result.ttft_s == ttft[chosen]
+    assert result.balance == (1.0 if chosen == 4096 else 5.1 / 4.9)
 
 
 def test_an_interrupted_search_resumes_without_running_again(tmp_path):

@@ -6,6 +6,9 @@ import math
 import pytest
 from click.testing import CliRunner
 
+from kvrunahead.partition import Partition
+from kvrunahead.search.model_backend import cost_model, predicted_busy
+from kvrunahead.search.options import SearchOptions
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 from kvrunahead.sim.optimize import search_partition
@@ -330,6 +333,12 @@ def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
                                     "--profile", "a100-nvlink-flash"])
     assert res.exit_code == 2 and "measured entries" in res.output
     assert len(entry["boundaries"]) == 9 and entry["ttft_s"] < entry["even_ttft_s"]
+    # The model's balance at its answer, beside the TTFT, as a measured balance search records it.
+    assert entry["criterion"] == "model" and len(entry["busy_s"]) == 8
+    assert entry["balance"] == pytest.approx(max(entry["busy_s"]) / min(entry["busy_s"]), rel=1e-3)
+    even = predicted_busy(cost_model(SearchOptions(context_lens=(16384,), profile="a100-nvlink-flash"), 8)[1],
+                          Partition.even(16384, 8).boundaries, "split")
+    assert entry["balance"] < max(even) / min(even)  # later ranks carry more at even: it moved toward balance
 
 
 def test_refine_needs_the_model_backend():

@@ -125,3 +125,24 @@ def test_a_search_seed_that_would_favour_a_later_rank_falls_back_to_the_nearest_
 def test_markdown_lists_every_entry_with_its_gain_over_even():
     md = _table().markdown()
     assert "| 8192 | 0,4588,8192 | 0.560 | 1.00 | 1.20 | 0.83 | 10 | 5 s |" in md and md.count("\n") == 4
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_three_and_four_ranks_get_the_shipped_cost_model_table_not_the_fallback(p):
+    from kvrunahead.policy import RunConfig, prepare
+
+    prepared = prepare(RunConfig(model="smollm2-135m", context_len=3072), p)
+    name = f"smollm2-135m_p{p}_float32_cpu_split.json (cost model: cpu-t1)"
+    assert prepared.partition_source == f"{name}, interpolated between entries 2048 and 4096"
+    table = Table.load(TABLES_DIR / f"smollm2-135m_p{p}_float32_cpu_split.json")
+    assert all(e.criterion == "model" and len(e.busy_s) == p and e.balance >= 1 for e in table.entries)
+    sizes = prepared.partition.sizes
+    assert sizes[0] > sizes[-1]  # the chain's first rank takes the most
+
+
+def test_a_table_searched_oversubscribed_says_so_wherever_it_is_used(tmp_path):
+    t = _table()
+    t.meta.oversubscribed = True
+    t.save(tmp_path / "t.json")
+    assert "(searched OVERSUBSCRIBED)" in Table.load(tmp_path / "t.json").lookup(10240, name="t.json").source
+    assert "OVERSUBSCRIBED" not in _table().lookup(10240, name="t.json").source  # tables before the flag: not

@@ -97,6 +97,25 @@ def carry_section(name: str, carry: dict[int, dict], new: dict[int, dict], old: 
     return lines + candidates_summary(carry, old) + [""]
 
 
+OTHERS = (  # the other re-searched tables: (title, table, the table it replaced)
+    ("At the 650 MB/s cap on the Xeon", "tables/cap650-xeon.json", "old_tables/cap650.json"),
+    ("At the 22 MB/s cap on the Xeon", "tables/cap22-xeon.json", "old_tables/cap22.json"),
+    ("Gemma 3 270M on the Xeon (loopback)", "tables/gemma3-xeon.json", "old_tables/gemma3.json"),
+)
+
+
+def other_section(title: str, table: dict[int, dict], old: dict[int, dict]) -> list[str]:
+    if not table:
+        return []
+    lines = [f"## {title}", "", "| context | partition | balance | candidates | old partition | old candidates |",
+             "|---|---|---|---|---|---|"]
+    for ctx, e in sorted(table.items()):
+        o = old.get(ctx)
+        lines.append(f"| {ctx} | {','.join(map(str, e['boundaries']))} | {e['balance']:.3f} | {e['evaluations']} "
+                     f"| {','.join(map(str, o['boundaries'])) if o else '-'} | {o['evaluations'] if o else '-'} |")
+    return lines + candidates_summary(table, old) + [""]
+
+
 def bench_section(rows: list[dict]) -> list[str]:
     """One table per benchmark directory: its rows' runs were interleaved with each other only (``kvr-default``
     is the table shipped when that benchmark ran)."""
@@ -126,10 +145,12 @@ def main() -> None:
     heldout = entries(HERE / "tables/loopback-14k.json")
     carried = [line for path in sorted(HERE.glob("tables/loopback-carry*.json"))
                for line in carry_section(path.stem, entries(path), new, old)]
+    others = [line for title, path, before in OTHERS
+              for line in other_section(title, entries(HERE / path), entries(HERE / before))]
     rows = timed_rows()
     text = ["# Balance-guided re-search (loopback, 2 ranks of 1 thread, SmolLM2-135M, split attention)", "",
             "Made by `python experiments/balance_search/report.py` from the files beside it.", "",
-            *table_section(new, old, heldout), "", *carried, *bench_section(rows), ""]
+            *table_section(new, old, heldout), "", *carried, *others, *bench_section(rows), ""]
     (HERE / "summary.md").write_text("\n".join(text))
     print("\n".join(text))
 

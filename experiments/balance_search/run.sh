@@ -11,15 +11,24 @@
 #      measured and only the neighbour its imbalance points to confirmed (kvr-search's defaults since), into
 #      tables/loopback-carry.json (CARRY=<name>: tables/<name>.json, for a run on another machine), to count its
 #      candidates against both searches before;
-#   cap (not in the default STAGES): the carry search at the 650 MB/s cap, 1k-16k by default, into
-#      tables/cap650$TAG.json; gemma (not in the default STAGES): Gemma 3 270M's table at GEMMA_CTX, seeded by
-#      the table before, into tables/gemma3$TAG.json; ship-more: both replace their shipped tables (old ones kept in old_tables/ first);
-#      cap-bench: kvr-bench --interleave at the 650 MB/s cap at CAP_CTX: kvr-default (the shipped cap table),
-#      kvr-old (the one before) and the peers in MODES, into bench-cap650$TAG/ (TAG: a suffix naming the machine);
+#   cap (not in the default STAGES): the carry search at the cap CAP (650MB/s by default, or 22MB/s), 1k-16k by
+#      default, into tables/cap650$TAG.json (tables/cap22$TAG.json); gemma (not in the default STAGES): Gemma 3 270M's table at GEMMA_CTX, seeded by
+#      the table before, into tables/gemma3$TAG.json; ship-more: the cap table (CAP's) and the Gemma 3 table replace their
+#      shipped tables (old ones kept in old_tables/ first); cap-bench: kvr-bench --interleave at the cap CAP at
+#      CAP_CTX: kvr-default (the shipped cap table), kvr-old (the one before) and the peers in MODES, into
+#      bench-cap650$TAG/ (bench-cap22$TAG/; TAG: a suffix naming the machine);
+#   model-p34 (not in the default STAGES): the cost model's tables for 3 and 4 ranks (loopback and both caps, CTX,
+#      on the shipped profile) into partition_tables/, where kvr-prefill --nproc 3/4 finds them; oversub: the
+#      balance search at 3 and 4 ranks on this machine's 2 cores at OVERSUB_CTX (oversubscribed: 3-4 ranks of 1
+#      thread time-share 2 cores) into tables/p3-oversubscribed$TAG.json and p4-..., against the model's answer;
+#   margin-bench (not in the default STAGES): kvr-bench --interleave on loopback at 12k and 16k: kvr-default (the
+#      shipped table, its entries rechosen with the 1% confirmation margin by rechoose.py), kvr-nomargin (the table
+#      before) and ring, ROUNDS rounds, into bench-margin$TAG/;
 #   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
 #      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
 #      runs each, one run of every mode per round.
-# Usage: bash experiments/balance_search/run.sh   (env: CTX, MODES, ROUNDS, STAGES, CARRY, TAG, GEMMA_CTX, CAP_CTX)
+# Usage: bash experiments/balance_search/run.sh   (env: CTX, MODES, ROUNDS, STAGES, CARRY, TAG, GEMMA_CTX, CAP, CAP_CTX,
+#        OVERSUB_CTX, PROFILE)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=experiments/balance_search
@@ -30,10 +39,14 @@ STAGES=${STAGES:-search heldout ship bench}
 CARRY=${CARRY:-loopback-carry}
 TAG=${TAG:-}
 GEMMA_CTX=${GEMMA_CTX:-8k,16k,32k}
+OVERSUB_CTX=${OVERSUB_CTX:-2k,4k}
+CAP=${CAP:-650MB/s}
 CAP_CTX=${CAP_CTX:-12k,14k,16k}
+CAPN=cap${CAP%MB/s}  # cap650, cap22: the name of the cap's files here
 PROFILE=${PROFILE:-kvrunahead/sim/profiles/cpu-t1.json}  # the cap search's seed: the shipped profile has the cap's link
 SHIPPED=partition_tables/smollm2-135m_p2_float32_cpu_split.json
-SHIPPED_CAP=partition_tables/smollm2-135m_p2_float32_cpu_split_cap-650mb-s.json
+SHIPPED_CAP=partition_tables/smollm2-135m_p2_float32_cpu_split_cap-${CAP%MB/s}mb-s.json
+declare -A CAP_BEFORE=([cap650]=a6e7227 [cap22]=6d1cdcd)  # the commit of each cap's table before the re-search
 SHIPPED_GEMMA=partition_tables/gemma3-270m_p2_float32_cpu_split.json
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT/tables" "$OUT/old_tables"
@@ -48,20 +61,38 @@ for stage in $STAGES; do
         --out "$OUT/tables/$CARRY.json" --resume 2>&1 | tee -a "$OUT/search-${CARRY#loopback-}.log" ;;
     cap)
       kvr-search --nproc 2 --ctx "$CTX" --kvr-attention split --criterion balance --backend model --refine \
-        --net cap=650MB/s --profile "$PROFILE" --out "$OUT/tables/cap650$TAG.json" --resume 2>&1 | tee -a "$OUT/search-cap650$TAG.log" ;;
+        --net "cap=$CAP" --profile "$PROFILE" --out "$OUT/tables/$CAPN$TAG.json" --resume 2>&1 | tee -a "$OUT/search-$CAPN$TAG.log" ;;
     gemma)  # the cost model does not price sliding-window layers: seeded by the table it re-searches instead
       [ -f "$OUT/old_tables/gemma3.json" ] || git show 9a91e65:"$SHIPPED_GEMMA" > "$OUT/old_tables/gemma3.json"
       kvr-search --model gemma3-270m --nproc 2 --ctx "$GEMMA_CTX" --kvr-attention split --criterion balance \
         --seed-table "$OUT/old_tables/gemma3.json" --out "$OUT/tables/gemma3$TAG.json" --resume 2>&1 | tee -a "$OUT/search-gemma3$TAG.log" ;;
     ship-more)
-      [ -f "$OUT/old_tables/cap650.json" ] || git show a6e7227:"$SHIPPED_CAP" > "$OUT/old_tables/cap650.json"
+      [ -f "$OUT/old_tables/$CAPN.json" ] || git show "${CAP_BEFORE[$CAPN]}:$SHIPPED_CAP" > "$OUT/old_tables/$CAPN.json"
       [ -f "$OUT/old_tables/gemma3.json" ] || git show 9a91e65:"$SHIPPED_GEMMA" > "$OUT/old_tables/gemma3.json"
-      if [ -f "$OUT/tables/cap650$TAG.json" ]; then cp "$OUT/tables/cap650$TAG.json" "$SHIPPED_CAP"; fi
+      if [ -f "$OUT/tables/$CAPN$TAG.json" ]; then cp "$OUT/tables/$CAPN$TAG.json" "$SHIPPED_CAP"; fi
       if [ -f "$OUT/tables/gemma3$TAG.json" ]; then cp "$OUT/tables/gemma3$TAG.json" "$SHIPPED_GEMMA"; fi ;;
     cap-bench)
-      kvr-bench --nproc 2 --ctx "$CAP_CTX" --net cap=650MB/s --modes "$MODES" --kvr-attention split --interleave \
-        --repeats "$ROUNDS" --warmup 0 --table "old=$OUT/old_tables/cap650.json" --out "$OUT/bench-cap650$TAG" \
-        --resume 2>&1 | tee -a "$OUT/bench-cap650$TAG.log" ;;
+      kvr-bench --nproc 2 --ctx "$CAP_CTX" --net "cap=$CAP" --modes "$MODES" --kvr-attention split --interleave \
+        --repeats "$ROUNDS" --warmup 0 --table "old=$OUT/old_tables/$CAPN.json" --out "$OUT/bench-$CAPN$TAG" \
+        --resume 2>&1 | tee -a "$OUT/bench-$CAPN$TAG.log" ;;
+    model-p34)
+      for p in 3 4; do
+        for net in loopback 650MB/s 22MB/s; do
+          if [ "$net" = loopback ]; then flag=(); name=""; else flag=(--net "cap=$net"); name="_cap-${net%MB/s}mb-s"; fi
+          kvr-search --backend model --nproc "$p" --ctx "$CTX" --kvr-attention split --profile "$PROFILE" "${flag[@]}" \
+            --out "partition_tables/smollm2-135m_p${p}_float32_cpu_split$name.json" 2>&1 | tee -a "$OUT/model-p34.log"
+        done
+      done ;;
+    oversub)
+      for p in 3 4; do
+        kvr-search --nproc "$p" --ctx "$OVERSUB_CTX" --kvr-attention split --criterion balance --backend model \
+          --refine --profile "$PROFILE" --out "$OUT/tables/p$p-oversubscribed$TAG.json" --resume 2>&1 \
+          | tee -a "$OUT/search-oversub$TAG.log"
+      done ;;
+    margin-bench)
+      kvr-bench --nproc 2 --ctx 12k,16k --modes kvr-default,ring --kvr-attention split --interleave \
+        --repeats "$ROUNDS" --warmup 0 --table "nomargin=$OUT/old_tables/loopback-nomargin.json" \
+        --out "$OUT/bench-margin$TAG" --resume 2>&1 | tee -a "$OUT/bench-margin$TAG.log" ;;
     heldout)
       kvr-search --nproc 2 --ctx 14k --kvr-attention split --criterion balance --backend model --refine \
         --confirm both --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;

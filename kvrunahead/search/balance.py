@@ -9,7 +9,9 @@ times: a root-finding (Newton-like) step on the balance, which for p > 2 moves e
 imbalance at once. It stops when the measured balance (max busy / min busy) is within ``tolerance`` or a step
 moves no boundary by a ``quantum``. The balanced point and, per boundary, its neighbour one ``stride`` away on
 the side the measured imbalance points to (or both neighbours) are then timed in ``confirm_rounds`` interleaved
-rounds (one run of each per round, so the drift hits all alike), and the lowest median TTFT is the answer.
+rounds (one run of each per round, so the drift hits all alike); a neighbour replaces the balanced point only
+where its median TTFT is lower by more than ``confirm_margin`` (1%: interleaved medians of three runs differ by
+about that with nothing changed, and within it the balance, read free of the drift, is the better witness).
 
 The rates one length measured also place the next: ``balanced_boundaries(..., length=n)`` carries them to
 another context, where a search over several lengths starts (kvrunahead/search/ranks.py), so that most lengths
@@ -165,13 +167,22 @@ class _Log:
         return m
 
 
+def _confirmed(best: Boundaries, pool: list[Boundaries], confirmation: dict[str, list[float]],
+               margin: float) -> Boundaries:
+    """The balanced point, unless a neighbour's median TTFT is more than ``margin`` lower (then the fastest)."""
+    median = {c: statistics.median(confirmation[_key(c)]) for c in pool}
+    fastest = min(pool, key=lambda c: (median[c], c != best))
+    return fastest if median[fastest] < median[best] * (1 - margin) else best
+
+
 def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundaries, work: Work, stride: int = 64,
                    quantum: int = 8, tolerance: float = 0.02, max_steps: int = 6, confirm_rounds: int = 3,
                    checkpoint: Path | None = None, preload: list[dict] | None = None,
                    on_measure: Callable[[str, Boundaries, Measurement], None] | None = None,
-                   confirm: str = "toward") -> BalanceResult:
+                   confirm: str = "toward", confirm_margin: float = 0.01) -> BalanceResult:
     """Balance from ``seed``, then confirm against the neighbours ``stride`` away (see the module's text):
-    ``confirm="toward"`` those the measured imbalance points to (one per boundary), ``"both"`` either way.
+    ``confirm="toward"`` those the measured imbalance points to (one per boundary), ``"both"`` either way; a
+    neighbour is chosen only where its median TTFT is more than ``confirm_margin`` below the balanced point's.
     ``preload``: the runs of an interrupted search (a checkpoint's ``runs``, shared by every rank), replayed in
     place of the ``checkpoint`` file's."""
     if len(seed) < 3:
@@ -202,7 +213,7 @@ def balance_search(measure: Callable[[Boundaries], Measurement], seed: Boundarie
             m = log.run("confirm", c, measure, on_measure)
             confirmation[_key(c)].append(m.ttft_s)
             busies.setdefault(c, []).append(m.busy_s)
-    chosen = min(pool, key=lambda c: (statistics.median(confirmation[_key(c)]), c != best))
+    chosen = _confirmed(best, pool, confirmation, confirm_margin)
     runs = busies[chosen]
     balance = statistics.median(Measurement(0.0, r).balance for r in runs)
     busy = tuple(statistics.median(r[i] for r in runs) for i in range(len(chosen) - 1))

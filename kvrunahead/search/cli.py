@@ -72,6 +72,9 @@ from kvrunahead.search.ranks import run_search
 @click.option("--confirm", type=click.Choice(CONFIRM), default=SearchOptions.confirm, show_default=True,
               help="--criterion balance: the neighbours timed against the balanced point: toward, per boundary the "
                    "one on the side the measured imbalance points to; both, either side.")
+@click.option("--confirm-margin", type=float, default=SearchOptions.confirm_margin, show_default=True,
+              help="--criterion balance: how much lower (a fraction) a neighbour's median TTFT must be to replace "
+                   "the balanced point; within it the noise decides, and the balance is the better witness.")
 @click.option("--carry-rates/--no-carry-rates", default=SearchOptions.carry_rates, show_default=True,
               help="--criterion balance: start each length where the per-rank rates measured at the next shorter "
                    "length of the same table balance it (before the cost model's answer or the interpolation).")

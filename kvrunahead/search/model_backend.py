@@ -16,6 +16,7 @@ from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import ModelSearch, search_partition
 from kvrunahead.sim.profile import resolve_profile
 from kvrunahead.sim.shape import shape_from_config
+from kvrunahead.sim.simulate import simulate
 
 
 def cost_model(opts: SearchOptions, world_size: int) -> tuple[TableKey, CostModel, str, str]:
@@ -62,11 +63,20 @@ def model_search(opts: SearchOptions, world_size: int) -> None:
         source=f"cost model: {cost.profile.name}"))
     for ctx in opts.context_lens:
         r = search_partition(cost, ctx, world_size, key.kvr_attention, min_stride=opts.min_stride_tokens)
+        busy = predicted_busy(cost, r.boundaries, key.kvr_attention)
+        balance = round(max(busy) / max(min(busy), 1e-9), 4)
         table.add(TableEntry(context_len=ctx, boundaries=list(r.boundaries),
                              ratios=list(Partition(tuple(r.boundaries)).ratios),
                              ttft_s=r.ttft_s, even_ttft_s=r.even_ttft_s, evaluations=r.simulations,
-                             search_s=round(r.search_s, 2)))
+                             search_s=round(r.search_s, 2), balance=balance, criterion="model", busy_s=busy))
         click.echo(f"[ctx {ctx}] predicted best {','.join(map(str, r.boundaries))}: TTFT {r.ttft_s:.3f} s "
-                   f"(even {r.even_ttft_s:.3f} s), {r.simulations} simulations, {r.search_s:.1f} s", err=True)
+                   f"(even {r.even_ttft_s:.3f} s), balance {balance:.3f}, {r.simulations} simulations, "
+                   f"{r.search_s:.1f} s", err=True)
     table.save(out)
     click.echo(f"wrote {out}", err=True)
+
+
+def predicted_busy(cost: CostModel, boundaries: tuple[int, ...], attention: str) -> list[float]:
+    """Each rank's compute under the model at ``boundaries`` (no waits): what a measured balance search reads."""
+    sim = simulate(cost, "kvr", boundaries[-1], len(boundaries) - 1, tuple(boundaries), attention)
+    return [round(r.compute_s, 4) for r in sim.ranks]

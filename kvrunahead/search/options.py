@@ -48,6 +48,7 @@ class SearchOptions:
     criterion: str = "ttft"  # ttft: golden-section/grid on measured TTFT; balance: the ranks' balance per run
     confirm_rounds: int = 3  # --criterion balance: interleaved rounds timing the balanced point and neighbours
     confirm: str = "toward"  # --criterion balance: the neighbours confirmed (search.balance.CONFIRM)
+    confirm_margin: float = 0.01  # --criterion balance: a neighbour must be this much faster to be chosen
     carry_rates: bool = True  # --criterion balance: seed a length by the rates a shorter entry measured
     profile: str | None = None  # the hardware profile of --backend model
     refine: bool = False  # measure only around the cost model's answer
@@ -93,6 +94,8 @@ def check_inputs(opts: SearchOptions, world_size: int) -> Path:
                                ("--window", opts.window_tokens, 1), ("--confirm-rounds", opts.confirm_rounds, 1)):
         if value < least:
             raise InputError(f"{flag} must be at least {least}, got {value}")
+    if not 0 <= opts.confirm_margin < 1:
+        raise InputError(f"--confirm-margin is a fraction in [0, 1), got {opts.confirm_margin}")
     if world_size < 2:
         raise InputError(f"a partition search needs at least 2 ranks, got {world_size}")
     check_device(opts.device)

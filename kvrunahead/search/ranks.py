@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,13 @@ def run_search(opts: SearchOptions) -> None:
         torch.cuda.get_device_name(device), threads_per_rank=opts.threads,
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
         device_kind=key.device_kind, noise=noise.describe() if noise else None))
+    busy_threads = opts.threads * world.local_world_size
+    if busy_threads > (os.cpu_count() or 1):
+        table.meta.oversubscribed = True
+        if lead:
+            click.echo(f"warning: OVERSUBSCRIBED: {world.local_world_size} ranks of {opts.threads} thread(s) on "
+                       f"{os.cpu_count()} cores; the ranks time-share them, so the timings and the balance "
+                       f"measure the scheduler as much as the partition (the table records it)", err=True)
     if lead:
         click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
     try:
@@ -197,7 +205,8 @@ def _balance_length(opts: SearchOptions, world: World, base: RunConfig, table: T
         click.echo(f"[ctx {ctx}] balancing from {','.join(map(str, seed))}", err=True)
     result = balance_search(busy_on_ranks(base, world, ctx, opts.warmup_runs), tuple(seed), work,
                             stride=opts.min_stride_tokens, confirm_rounds=opts.confirm_rounds, checkpoint=ckpt,
-                            preload=resumed, on_measure=on_measure, confirm=opts.confirm)
+                            preload=resumed, on_measure=on_measure, confirm=opts.confirm,
+                            confirm_margin=opts.confirm_margin)
     table.add(TableEntry(context_len=ctx, boundaries=list(result.boundaries),
                          ratios=list(Partition(tuple(result.boundaries)).ratios), ttft_s=result.ttft_s,
                          even_ttft_s=None, evaluations=result.candidates, search_s=round(result.search_s, 1),

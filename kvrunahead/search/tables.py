@@ -62,6 +62,7 @@ class TableMeta:
     device_kind: str = "cpu"
     noise: str | None = None  # the noise sidecar during the search, if any (not part of the key)
     source: str = "measured"  # or "cost model: <profile>" (kvr-search --backend model)
+    oversubscribed: bool = False  # measured with more busy threads than the node has cores: the scheduler timed
 
     @property
     def key(self) -> TableKey:
@@ -79,9 +80,9 @@ class TableEntry:
     evaluations: int
     search_s: float
     seeded: bool = False
-    balance: float | None = None  # max rank busy / min, where the search read it (--criterion balance)
-    criterion: str | None = None  # how it was found: None (older tables) or ttft, balance
-    busy_s: list[float] | None = None  # per rank, compute without waits, median of its runs (--criterion balance)
+    balance: float | None = None  # max rank busy / min: read on the ranks (--criterion balance) or predicted (model)
+    criterion: str | None = None  # how it was found: None (older tables) or ttft, balance, model
+    busy_s: list[float] | None = None  # per rank, compute without waits: median of its runs, or the model's
 
 
 @dataclass
@@ -122,6 +123,8 @@ class Table:
             raise TableError(f"partition table {name} has no entries")
         if self.meta.source != "measured":
             name = f"{name} ({self.meta.source})"
+        if self.meta.oversubscribed:
+            name = f"{name} (searched OVERSUBSCRIBED)"
         below = [e for e in self.entries if e.context_len <= context_len]
         above = [e for e in self.entries if e.context_len >= context_len]
         if below and above:
