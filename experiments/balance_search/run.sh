@@ -24,6 +24,8 @@
 #   margin-bench (not in the default STAGES): kvr-bench --interleave on loopback at 12k and 16k: kvr-default (the
 #      shipped table, its entries rechosen with the 1% confirmation margin by rechoose.py), kvr-nomargin (the table
 #      before) and ring, ROUNDS rounds, into bench-margin$TAG/;
+#   heldout-margin (not in the default STAGES): the same at 14k (held out): kvr-default (interpolated), kvr-s14
+#      (14k's own search on the Xeon), kvr-nomargin and ring, ROUNDS rounds, into bench-14k-margin$TAG/;
 #   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
 #      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
 #      runs each, one run of every mode per round.
@@ -93,6 +95,11 @@ for stage in $STAGES; do
       kvr-bench --nproc 2 --ctx 12k,16k --modes kvr-default,ring --kvr-attention split --interleave \
         --repeats "$ROUNDS" --warmup 0 --table "nomargin=$OUT/old_tables/loopback-nomargin.json" \
         --out "$OUT/bench-margin$TAG" --resume 2>&1 | tee -a "$OUT/bench-margin$TAG.log" ;;
+    heldout-margin)
+      kvr-bench --nproc 2 --ctx 14k --modes kvr-default,ring --kvr-attention split --interleave \
+        --repeats "$ROUNDS" --warmup 0 --table "s14=$OUT/tables/loopback-14k-xeon.json" \
+        --table "nomargin=$OUT/old_tables/loopback-nomargin.json" --out "$OUT/bench-14k-margin$TAG" --resume 2>&1 \
+        | tee -a "$OUT/bench-14k-margin$TAG.log" ;;
     heldout)
       kvr-search --nproc 2 --ctx 14k --kvr-attention split --criterion balance --backend model --refine \
         --confirm both --out "$OUT/tables/loopback-14k.json" --resume 2>&1 | tee -a "$OUT/search.log" ;;

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,16 +47,17 @@ SOURCES = {
 }
 XEON = {  # the runs on the 2-vCPU Xeon, all split attention, and the tables searched there
     "sources": {"balance_search/bench-12k16k-xeon": "split", "balance_search/bench-14k-xeon": "split",
-                "balance_search/bench-cap650-xeon": "split"},
+                "balance_search/bench-cap650-xeon": "split", "balance_search/bench-margin-xeon": "split",
+                "balance_search/bench-14k-margin-xeon": "split", "balance_search/bench-cap22-xeon": "split"},
     "tables": ("balance_search/tables/loopback-carry-xeon.json", "balance_search/tables/loopback-14k-xeon.json",
-               "balance_search/tables/cap650-xeon.json"),
+               "balance_search/tables/cap650-xeon.json", "balance_search/tables/cap22-xeon.json"),
     "profile": "kvrunahead/sim/profiles/cpu-t1.json", "profile_t2": "kvrunahead/sim/profiles/cpu-t2.json",
 }
 TABLES = ("partition_tables/smollm2-135m_p2_float32_cpu_masked.json",  # the AMD's tables (the 650 MB/s one since
           "experiments/balance_search/old_tables/loopback.json",  # replaced by the Xeon's: its AMD table, kept)
           "partition_tables/smollm2-135m_p2_float32_cpu_split.json",
           "experiments/balance_search/old_tables/cap650.json",
-          "partition_tables/smollm2-135m_p2_float32_cpu_split_cap-22mb-s.json")
+          "experiments/balance_search/old_tables/cap22.json")
 
 
 def measured_groups(sources: dict[str, str], two_threads: bool = False) -> dict[tuple, list[dict]]:
@@ -137,6 +139,9 @@ def main() -> None:
                     help="amd: the runs before the move (default profile: the AMD's); xeon: the Xeon's runs since, "
                          "against the shipped 1- and 2-thread profiles")
     ap.add_argument("--profile", help="1-thread profile to predict with (default: the machine's)")
+    ap.add_argument("--profile-t2", help="--machine xeon: 2-thread profile of the one-process runs (default: the "
+                                         "shipped cpu-t2.json)")
+    ap.add_argument("--stem", help="name of the outputs (default: own, own-xeon)")
     args = ap.parse_args()
     xeon = args.machine == "xeon"
     default = XEON["profile"] if xeon else str((HERE / "cpu-t1-amd-epyc.json").relative_to(ROOT))
@@ -144,7 +149,7 @@ def main() -> None:
     which = f"{args.profile or default} ({profile.device}, calibrated {profile.date[:10]})"
     shape = shape_from_config(resolve_config("smollm2-135m"), "float32", "smollm2-135m")
     if xeon:
-        t2 = load_profile(XEON["profile_t2"])
+        t2 = load_profile(args.profile_t2 or XEON["profile_t2"])
         rows = predicted_points(measured_groups(XEON["sources"], True), shape, profile, t2)
         parts = predicted_partitions([ROOT / "experiments" / t for t in XEON["tables"]], shape, profile)
     else:
@@ -155,16 +160,16 @@ def main() -> None:
     worst_part = max(parts, key=lambda p: abs(p["difference_of_context"])) if parts else None
     result = {"profile": which, "points": rows, "partitions": parts, "worst_error": worst["error"],
               "within_10pct": within, "total": len(rows)}
-    stem = "own-xeon" if xeon else "own"
+    stem = args.stem or ("own-xeon" if xeon else "own")
     (HERE / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_md(rows, parts, which, worst, within, worst_part, stem)
+    command = " ".join(["python experiments/sim_validation/own.py", *sys.argv[1:]])
+    write_md(rows, parts, which, worst, within, worst_part, stem, command)
     plot(rows, stem)
 
 
-def write_md(rows, parts, which, worst, within, worst_part, stem: str) -> None:
+def write_md(rows, parts, which, worst, within, worst_part, stem: str, command: str) -> None:
     lines = ["# The simulator against this project's p = 2 measurements", "",
-             "Command: `python experiments/sim_validation/own.py"
-             + (" --machine xeon" if stem.endswith("xeon") else "") + f"` (seconds). Profile: {which}.", "",
+             f"Command: `{command}` (seconds). Profile: {which}.", "",
              f"Within 10%: {within} of {len(rows)} measured groups; worst {worst['error']:+.1%} "
              f"({worst['source']}, {worst['context']} tokens, {worst['mode']}, {worst['network']}).", "",
              "| experiment (commit) | groups | within 10% | median error | worst |", "|---|---|---|---|---|"]
