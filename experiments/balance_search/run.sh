@@ -26,6 +26,8 @@
 #      before) and ring, ROUNDS rounds, into bench-margin$TAG/;
 #   heldout-margin (not in the default STAGES): the same at 14k (held out): kvr-default (interpolated), kvr-s14
 #      (14k's own search on the Xeon), kvr-nomargin and ring, ROUNDS rounds, into bench-14k-margin$TAG/;
+#   cap-tsp (not in the default STAGES): TSP against the default KVR at the cap CAP at CAP_CTX, ROUNDS rounds, into
+#      bench-$CAPN-tsp$TAG/ (one process needs no network: its runs are the loopback benchmarks');
 #   4. bench: kvr-bench --interleave at 12k and 16k (bench/) and at 14k (bench-14k/): kvr-default (the shipped
 #      table), kvr-old (the table before), at 14k kvr-s14 (14k's own search), and the peers in MODES; ROUNDS timed
 #      runs each, one run of every mode per round.
@@ -95,6 +97,10 @@ for stage in $STAGES; do
       kvr-bench --nproc 2 --ctx 12k,16k --modes kvr-default,ring --kvr-attention split --interleave \
         --repeats "$ROUNDS" --warmup 0 --table "nomargin=$OUT/old_tables/loopback-nomargin.json" \
         --out "$OUT/bench-margin$TAG" --resume 2>&1 | tee -a "$OUT/bench-margin$TAG.log" ;;
+    cap-tsp)
+      kvr-bench --nproc 2 --ctx "$CAP_CTX" --net "cap=$CAP" --modes kvr-default,tsp --kvr-attention split \
+        --interleave --repeats "$ROUNDS" --warmup 0 --out "$OUT/bench-$CAPN-tsp$TAG" --resume 2>&1 \
+        | tee -a "$OUT/bench-$CAPN-tsp$TAG.log" ;;
     heldout-margin)
       kvr-bench --nproc 2 --ctx 14k --modes kvr-default,ring --kvr-attention split --interleave \
         --repeats "$ROUNDS" --warmup 0 --table "s14=$OUT/tables/loopback-14k-xeon.json" \
