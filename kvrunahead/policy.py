@@ -85,6 +85,12 @@ def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def oversubscribed(threads: int, local_world_size: int) -> bool:
+    """More busy threads on this node than it has cores: the ranks time-share them, and timings measure the
+    scheduler as much as the work."""
+    return threads * local_world_size > (os.cpu_count() or 1)
+
+
 def default_threads(local_world_size: int) -> int:
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])

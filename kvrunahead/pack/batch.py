@@ -5,7 +5,6 @@ continuation, and with ``verify`` each checked against the prompt prefilled alon
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,14 @@ from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
-from kvrunahead.policy import RunConfig, check_device, default_threads, resolve_device, resolve_dtype
+from kvrunahead.policy import (
+    RunConfig,
+    check_device,
+    default_threads,
+    oversubscribed,
+    resolve_device,
+    resolve_dtype,
+)
 from kvrunahead.prompt import chat_prompt
 from kvrunahead.runner import cached_transport, check_alone, leave_world, loaded_model, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
@@ -180,7 +186,7 @@ def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], b
     merged = sorted((r for rs, _, _ in everyone for r in rs), key=lambda r: r.index)
     atols = [a for _, _, a in everyone if a is not None]
     return BatchResult(cfg.model, batching, p, str(device), str(dtype).removeprefix("torch."), threads,
-                       threads * world.local_world_size > (os.cpu_count() or 1), step_tokens, steps,
+                       oversubscribed(threads, world.local_world_size), step_tokens, steps,
                        [r for _, r, _ in everyone], merged, max(atols) if cfg.verify and atols else None)
 
 

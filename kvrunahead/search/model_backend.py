@@ -10,6 +10,7 @@ import click
 from kvrunahead import __version__
 from kvrunahead.errors import InputError
 from kvrunahead.partition import Partition
+from kvrunahead.search.balance import Measurement
 from kvrunahead.search.options import SearchOptions, table_key
 from kvrunahead.search.tables import TABLES_DIR, Table, TableEntry, TableKey, TableMeta, table_filename
 from kvrunahead.sim.costmodel import CostModel
@@ -64,7 +65,7 @@ def model_search(opts: SearchOptions, world_size: int) -> None:
     for ctx in opts.context_lens:
         r = search_partition(cost, ctx, world_size, key.kvr_attention, min_stride=opts.min_stride_tokens)
         busy = predicted_busy(cost, r.boundaries, key.kvr_attention)
-        balance = round(max(busy) / max(min(busy), 1e-9), 4)
+        balance = round(Measurement(r.ttft_s, tuple(busy)).balance, 4)
         table.add(TableEntry(context_len=ctx, boundaries=list(r.boundaries),
                              ratios=list(Partition(tuple(r.boundaries)).ratios),
                              ttft_s=r.ttft_s, even_ttft_s=r.even_ttft_s, evaluations=r.simulations,

@@ -36,7 +36,7 @@ def run_search(opts: SearchOptions) -> None:
     import torch.distributed as dist
 
     from kvrunahead.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
-    from kvrunahead.policy import resolve_device
+    from kvrunahead.policy import oversubscribed, resolve_device
     from kvrunahead.runner import leave_world
 
     launcher = detect_launcher()
@@ -55,8 +55,7 @@ def run_search(opts: SearchOptions) -> None:
         torch.cuda.get_device_name(device), threads_per_rank=opts.threads,
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
         device_kind=key.device_kind, noise=noise.describe() if noise else None))
-    busy_threads = opts.threads * world.local_world_size
-    if busy_threads > (os.cpu_count() or 1):
+    if oversubscribed(opts.threads, world.local_world_size):
         table.meta.oversubscribed = True
         if lead:
             click.echo(f"warning: OVERSUBSCRIBED: {world.local_world_size} ranks of {opts.threads} thread(s) on "
