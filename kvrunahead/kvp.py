@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.model.attention import attention_mode, current_state, register
-from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.forward import fill_cache, last_token_logits
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, refuse_softcap, why_not_inserted
@@ -195,9 +195,9 @@ def kvp_forward(model: torch.nn.Module, cache: ShardCache, transport: Transport,
     pos = torch.tensor([[cache.seen]], device=device)
     with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
         if owner:
-            logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+            logits = last_token_logits(model, ids, position_ids=pos, cache=cache)
         else:
-            model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            fill_cache(model, ids, cache, position_ids=pos)
             logits = None
     cache.seen += 1
     return logits

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvrunahead.model.attention import attention_mode, current_state, register
+from kvrunahead.model.forward import fill_cache, with_cache
 from kvrunahead.model.layout import layer_windows
 from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, merge_lse, refuse_softcap
 
@@ -134,7 +135,7 @@ def context_prefixes(model: torch.nn.Module, context_ids: list[int]) -> list[tor
     require_full_attention(model.config)
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
-    model.base_model(input_ids=torch.tensor([context_ids], device=device), past_key_values=cache, use_cache=True)
+    fill_cache(model, torch.tensor([context_ids], device=device), cache)
     return [torch.stack((layer.keys, layer.values)) for layer in cache.layers]
 
 
@@ -160,7 +161,7 @@ def answer(model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list
     positions = torch.cat([torch.arange(context_len, context_len + n, device=device) for n in lengths])[None]
     last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
     with attention_mode(model, IMPLEMENTATION, cache):
-        logits = model(input_ids=packed, position_ids=positions, past_key_values=cache, use_cache=True,
+        logits = model(input_ids=packed, position_ids=positions, **with_cache(model, cache), use_cache=True,
                        logits_to_keep=last).logits[0]
         answers = [Answer(first_logits=row.float().cpu()) for row in logits]
         if on_first_tokens is not None:
@@ -181,5 +182,5 @@ def answer(model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list
             ids = torch.tensor([[answers[row].tokens[-1]] for row in rows], device=device)
             pos = torch.tensor([[context_len + lengths[row] + len(answers[row].tokens) - 1] for row in rows],
                                device=device)
-            logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+            logits = model(input_ids=ids, position_ids=pos, **with_cache(model, cache), use_cache=True,
                            logits_to_keep=1).logits[:, -1]

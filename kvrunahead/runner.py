@@ -350,7 +350,7 @@ def check_alone(lm: LoadedModel, ids: list[int], tokens: list[int], first_logits
                 max_new_tokens: int) -> AloneCheck:
     device = next(lm.model.parameters()).device
     cache = DynamicCache(config=lm.model.config)
-    logits = last_token_logits(lm.model, torch.tensor([ids], device=device), past_key_values=cache)
+    logits = last_token_logits(lm.model, torch.tensor([ids], device=device), cache=cache)
     reference = greedy_decode(lm.model, int(logits.argmax()), cache, len(ids), max_new_tokens, lm.eos_token_ids)
     atol = default_atol(dtype, logits)
     diff = float((logits.float().cpu() - first_logits).abs().max())
@@ -368,7 +368,7 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
     full = torch.tensor([ids], device=device)
     cache = DynamicCache(config=lm.model.config)
     t0 = time.perf_counter()
-    ref_logits = last_token_logits(lm.model, full, past_key_values=cache)
+    ref_logits = last_token_logits(lm.model, full, cache=cache)
     ref_first = int(ref_logits.argmax())
     single_ttft_s = time.perf_counter() - t0
     new_tokens = cfg.max_new_tokens if MODES[cfg.mode].decodes else 1
@@ -378,7 +378,7 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
         torch.set_num_threads(all_threads)
         try:
             t0 = time.perf_counter()
-            last_token_logits(lm.model, full, past_key_values=DynamicCache(config=lm.model.config))
+            last_token_logits(lm.model, full, cache=DynamicCache(config=lm.model.config))
             all_threads_s = time.perf_counter() - t0
         finally:
             torch.set_num_threads(threads)

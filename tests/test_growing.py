@@ -1,11 +1,13 @@
 """Decode caches that grow in place (kvrunahead/model/growing.py): the same positions as a concatenation per token,
 across the buffer's regrowths, the K,V they were given left untouched, and the same greedy tokens and logits."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.forward import greedy_decode, last_token_logits, with_cache
 from kvrunahead.model.growing import MIN_ROOM, GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.load import load_model
 
@@ -75,7 +77,7 @@ def plain_decode(model, first: int, cache: DynamicCache, position: int, new_toke
     tokens, steps = [first], []
     while len(tokens) < new_tokens:
         logits = last_token_logits(model, torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[position]]),
-                                   past_key_values=cache)
+                                   cache=cache)
         position += 1
         steps.append(logits)
         tokens.append(int(logits.argmax()))
@@ -91,7 +93,7 @@ def test_greedy_decode_grown_in_place_equals_the_concatenating_cache(model_name)
     caches, firsts = [], []
     for _ in range(2):
         cache = DynamicCache(config=model.config)
-        firsts.append(int(last_token_logits(model, ids, past_key_values=cache).argmax()))
+        firsts.append(int(last_token_logits(model, ids, cache=cache).argmax()))
         caches.append(cache)
     full = next(i for i, layer in enumerate(caches[1].layers) if not layer.is_sliding)
     prefill_keys = caches[1].layers[full].keys.clone()
@@ -107,7 +109,7 @@ def test_greedy_decode_grown_in_place_equals_the_concatenating_cache(model_name)
 def test_grow_in_place_leaves_sliding_layers_to_transformers():
     model = load_model("tiny-gemma3", torch.float32, CPU, seed=0).model
     cache = DynamicCache(config=model.config)
-    last_token_logits(model, torch.tensor([[1, 2, 3]]), past_key_values=cache)
+    last_token_logits(model, torch.tensor([[1, 2, 3]]), cache=cache)
     grow_in_place(cache)
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert "GrowingLayer" in kinds and len(kinds) == 2
@@ -139,3 +141,16 @@ def test_a_stacked_kv_grows_chunk_by_chunk_and_keeps_what_it_handed_out():
         assert torch.equal(got, torch.cat(parts[:k + 1], dim=-2))
     assert torch.equal(before, parts[0])  # a view handed out earlier still reads what it held
     assert held.n == sum(p.shape[-2] for p in parts) and held.extend().shape[-2] == held.n
+
+
+def test_the_cache_goes_under_the_keyword_the_forward_takes():
+    model = load_model("tiny-llama", torch.float32, CPU, seed=0).model
+
+    class Older(torch.nn.Module):  # a transformers release before the rename
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return past_key_values
+
+    cache = DynamicCache(config=model.config)
+    taken = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert with_cache(model, cache) == {taken: cache} and with_cache(model.base_model, cache) == {taken: cache}
+    assert Older()(torch.zeros(1), **with_cache(Older(), cache)) is cache

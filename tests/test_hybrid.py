@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from kvrunahead import modes
 from kvrunahead.errors import InputError
+from kvrunahead.model.forward import fill_cache
 from kvrunahead.model.layout import layer_windows, probe_kv_layout
 from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.modes import check_model, tsp
@@ -210,7 +211,7 @@ def test_the_last_ranks_cache_equals_the_single_process_cache_layer_by_layer(mod
     layout = probe_kv_layout(lm.model)
     ids = torch.randint(0, 256, (1, CONTEXT), generator=torch.Generator().manual_seed(1))
     reference = DynamicCache(config=lm.model.config)
-    lm.model.base_model(input_ids=ids, past_key_values=reference, use_cache=True)
+    fill_cache(lm.model, ids, reference)
     partition: Partition = parse_partition(spec, CONTEXT, spec.count(","))
     box: dict = {}
     p = partition.world_size

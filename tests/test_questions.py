@@ -42,7 +42,7 @@ def standalone(model, context, question, new_tokens):
     """The greedy answer and first-token logits of the prompt "context + question" on its own."""
     ids = context + question
     cache = DynamicCache(config=model.config)
-    logits = last_token_logits(model, torch.tensor([ids]), past_key_values=cache)
+    logits = last_token_logits(model, torch.tensor([ids]), cache=cache)
     return greedy_decode(model, int(logits.argmax()), cache, len(ids), new_tokens, set()), logits
 
 

@@ -46,7 +46,7 @@ def test_every_answer_equals_its_standalone_prompt(served):
     for got, q in zip(body["answers"], questions):
         ids = context + q
         cache = DynamicCache(config=lm.model.config)
-        first = int(last_token_logits(lm.model, torch.tensor([ids]), past_key_values=cache).argmax())
+        first = int(last_token_logits(lm.model, torch.tensor([ids]), cache=cache).argmax())
         want = greedy_decode(lm.model, first, cache, len(ids), 8, lm.eos_token_ids)
         assert got["completion_tokens"] == len(want)
         assert got["text"] == lm.decode([t for t in want if t not in lm.eos_token_ids])

@@ -3,6 +3,7 @@ decode from a filled cache."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -15,9 +16,22 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    # transformers 5.2x renamed forward's ``past_key_values`` to ``cache``; the old name warns until it is removed
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def with_cache(module: torch.nn.Module, cache) -> dict:
+    """``module``'s forward keyword for the KV cache, under the name its transformers version takes."""
+    return {_cache_keyword(type(module)): cache}
+
+
 @torch.no_grad()
-def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Run the causal-LM head on the last position only; returns ``[vocab]`` logits."""
+def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
+    """Run the causal-LM head on the last position only, filling ``cache``; returns ``[vocab]`` logits."""
+    if cache is not None:
+        kwargs.update(with_cache(model, cache))
     if _accepts_logits_to_keep(model):
         out = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **kwargs)
     else:
@@ -26,12 +40,19 @@ def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
 
 
 @torch.no_grad()
-def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, **kwargs) -> torch.Tensor | None:
+def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, cache=None,
+                 **kwargs) -> torch.Tensor | None:
     """This rank's forward: the last token's logits when it emits the first token, else no LM head at all."""
     if emit:
-        return last_token_logits(model, input_ids, **kwargs)
-    model.base_model(input_ids=input_ids, use_cache=True, **kwargs)
+        return last_token_logits(model, input_ids, cache, **kwargs)
+    fill_cache(model, input_ids, cache, **kwargs)
     return None
+
+
+@torch.no_grad()
+def fill_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache, **kwargs) -> None:
+    """The decoder layers alone (no LM head), appending the K,V of ``input_ids`` to ``cache``."""
+    model.base_model(input_ids=input_ids, use_cache=True, **with_cache(model.base_model, cache), **kwargs)
 
 
 @torch.no_grad()
@@ -51,6 +72,6 @@ def greedy_decode(
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids:
         ids = torch.tensor([[tokens[-1]]], device=device)
         pos = torch.tensor([[position + len(tokens) - 1]], device=device)
-        logits = last_token_logits(model, ids, position_ids=pos, past_key_values=cache)
+        logits = last_token_logits(model, ids, position_ids=pos, cache=cache)
         tokens.append(int(logits.argmax()))
     return tokens

@@ -9,6 +9,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from kvrunahead.model.forward import fill_cache
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -67,7 +69,7 @@ def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     device = next(model.parameters()).device
     cache = DynamicCache()
     one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
-    model.base_model(input_ids=one_token, past_key_values=cache, use_cache=True)
+    fill_cache(model, one_token, cache)
     if len(cache.layers) != len(windows):
         raise NotImplementedError(f"{type(model).__name__} caches {len(cache.layers)} layers but its config lists "
                                   f"{len(windows)}; layers that share or skip a cache are not supported")

@@ -83,7 +83,7 @@ def _kvr(step: Step, link: ChainLink):
 
 def _single(step: Step, _):
     cache = DynamicCache(config=step.model.config)
-    return last_token_logits(step.model, step.input_ids, past_key_values=cache), cache
+    return last_token_logits(step.model, step.input_ids, cache=cache), cache
 
 
 def _gathering(module):

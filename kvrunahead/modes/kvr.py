@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
-from kvrunahead.model.forward import forward_part
+from kvrunahead.model.forward import fill_cache, forward_part
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
@@ -291,7 +291,7 @@ def kvr_prefill(
         require_attention_interface(model, "kvr --kvr-attention split")
     link.start()
     with attention_mode(model, SPLIT, None) if attention == "split" else contextlib.nullcontext():
-        logits = forward_part(model, input_ids, last, position_ids=position_ids, past_key_values=cache)
+        logits = forward_part(model, input_ids, last, position_ids=position_ids, cache=cache)
     link.finish()
     return logits, cache
 
@@ -302,5 +302,5 @@ def local_prefixes(model: torch.nn.Module, prefix_ids: torch.Tensor) -> list[tor
     if prefix_ids.shape[1] == 0:
         return []
     cache = DynamicCache(config=model.config)
-    model.base_model(input_ids=prefix_ids, past_key_values=cache, use_cache=True)
+    fill_cache(model, prefix_ids, cache)
     return [torch.stack((layer.keys, layer.values)).contiguous() for layer in cache.layers]

@@ -84,7 +84,7 @@ def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, con
     with attention_mode(model, IMPLEMENTATION, _State(transport, ranges)):
         logits = forward_part(
             model, input_ids, transport.rank == zigzag_emitter(transport.world_size),
-            position_ids=positions(mine, input_ids.device), past_key_values=cache,
+            position_ids=positions(mine, input_ids.device), cache=cache,
         )
     transport.drain()
     return logits, cache

@@ -100,7 +100,7 @@ def prefill(model, input_ids, transport: Transport, num_layers: int, ranges, con
                 else _additive(mask, dtype))
     logits = forward_part(
         model, input_ids, transport.rank == last_rank(transport.world_size),
-        position_ids=pos, past_key_values=cache, attention_mask=mask,
+        position_ids=pos, cache=cache, attention_mask=mask,
     )
     return logits, cache
 

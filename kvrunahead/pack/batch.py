@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.forward import greedy_decode
+from kvrunahead.model.forward import greedy_decode, with_cache
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.rope import plan_extension
@@ -229,7 +229,7 @@ def _padded(lm, prompts: list[list[int]], max_new_tokens: int) -> list[PromptRes
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     ttft_s = time.perf_counter() - t0
     first = logits.float().cpu()
@@ -239,7 +239,7 @@ def _padded(lm, prompts: list[list[int]], max_new_tokens: int) -> list[PromptRes
         step = torch.tensor([[t[-1]] for t in tokens], device=device)
         mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
         positions = positions[:, -1:] + 1
-        nxt = model(input_ids=step, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        nxt = model(input_ids=step, attention_mask=mask, position_ids=positions, **with_cache(model, cache),
                     use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
         for row, t in enumerate(nxt.tolist()):
             if not done[row]:

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead.model.attention import attention_mode, current_state, register, require_attention_interface
+from kvrunahead.model.forward import fill_cache, with_cache
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import refuse_softcap
 from kvrunahead.modes.kvr import ChainLink, RunaheadLayer, split_block
@@ -127,10 +128,10 @@ def packed_prefill(model: torch.nn.Module, step: PackedStep, step_ids: list[int]
     link.start()
     with attention_mode(model, PACKED, state):
         if ending:
-            logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits = model(input_ids=ids, position_ids=positions, **with_cache(model, cache), use_cache=True,
                            logits_to_keep=keep).logits[0]
         else:
-            model.base_model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+            fill_cache(model, ids, cache, position_ids=positions)
     link.finish()
     cached = range(len(step.lengths)) if every_cache else ending
     caches = {k: prompt_cache(model, cache, link.layout, end - step.edges[k + 1], step.lengths[k]) for k in cached}

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.model.forward import with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
@@ -66,8 +67,8 @@ class BatchDecoder:
         ids = torch.tensor([[t] for t in tokens], device=self.device)
         pos = torch.tensor([[p] for p in positions], device=self.device)
         extra = {"logits_to_keep": 1} if self._keep else {}
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
-                         **extra)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **with_cache(self.model, cache), **extra)
         return out.logits[:, -1]
 
     def _unbatch(self) -> None:

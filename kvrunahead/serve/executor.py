@@ -257,7 +257,7 @@ def suffix_prefill(ctx: RankContext, cache: DynamicCache, ids: list[int], cached
     new = torch.tensor([ids[cached:]], device=ctx.device)
     positions = torch.arange(cached, len(ids), device=ctx.device).unsqueeze(0)
     t0 = time.perf_counter()
-    logits = last_token_logits(model, new, position_ids=positions, past_key_values=cache)
+    logits = last_token_logits(model, new, position_ids=positions, cache=cache)
     return PrefillOutcome(logits, cache, [_solo_stats(ctx, len(ids) - cached, time.perf_counter() - t0)])
 
 
