@@ -48,7 +48,8 @@ SOURCES = {
 XEON = {  # the runs on the 2-vCPU Xeon, all split attention, and the tables searched there
     "sources": {"balance_search/bench-12k16k-xeon": "split", "balance_search/bench-14k-xeon": "split",
                 "balance_search/bench-cap650-xeon": "split", "balance_search/bench-margin-xeon": "split",
-                "balance_search/bench-14k-margin-xeon": "split", "balance_search/bench-cap22-xeon": "split"},
+                "balance_search/bench-14k-margin-xeon": "split", "balance_search/bench-cap22-xeon": "split",
+                "balance_search/bench-cap650-tsp-xeon": "split"},
     "tables": ("balance_search/tables/loopback-carry-xeon.json", "balance_search/tables/loopback-14k-xeon.json",
                "balance_search/tables/cap650-xeon.json", "balance_search/tables/cap22-xeon.json"),
     "profile": "kvrunahead/sim/profiles/cpu-t1.json", "profile_t2": "kvrunahead/sim/profiles/cpu-t2.json",
