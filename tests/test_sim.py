@@ -1,5 +1,6 @@
 """The cost model and simulator: hand-computed schedules, units, monotonicity, model-backed search, profiles."""
 
+import dataclasses
 import json
 import math
 
@@ -397,3 +398,19 @@ def test_a_search_under_noise_is_repeatable_and_prices_the_noise():
     quiet = search_partition(m, 8192, 4, "masked", None, min_stride=64)
     assert a.boundaries == b.boundaries and a.ttft_s == b.ttft_s
     assert a.ttft_s > quiet.ttft_s  # half the link's rate gone half the time costs something at 10 GB/s
+
+
+def test_the_masked_kernels_pairs_cost_more_per_key_doubling_and_its_fit_leaves_out_chunks(tmp_path):
+    from kvrunahead.sim.calibrate import ATTENTION_SHAPES, MASKED_MIN_QUERIES, _cases
+
+    grows = AttentionCost(flops_per_s=4.0, pair_growth_s=0.5)  # a pair: 1 s, and 0.5 s more per key doubling
+    prof = dataclasses.replace(unit_profile(), attention={**unit_profile().attention, "masked": grows})
+    m = CostModel(UNIT_SHAPE, prof)
+    assert m.masked_s(1, 256) == 256 and m.masked_s(1, 512) == 512 * 1.5 and m.masked_s(2, 1024) == 2048 * 2
+    assert m.full_s(1, 1024) == 1024  # the other kernels have no growth
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert HardwareProfile.load(path).attention["masked"].pair_growth_s == 0.5
+    cases = _cases("masked", ATTENTION_SHAPES)
+    assert cases and all(q >= MASKED_MIN_QUERIES for q, _ in cases)
+    assert len(cases) < len(_cases("full", ATTENTION_SHAPES)) == len(ATTENTION_SHAPES)

@@ -5,7 +5,8 @@
   ``layer_s + FLOPs(n) / matmul rate``.
 - Attention: the kernels the modes call, on the model's head shapes: the model's SDPA path with the offset
   causal mask (KVR masked, TSP, cp-allgather), the causal diagonal block and the full prefix block with their
-  log-sum-exp merge (KVR split, ring); each fitted to ``call + per query + per key + pairs x FLOPs / rate``.
+  log-sum-exp merge (KVR split, ring); each fitted to ``call + per query + per key + pairs x FLOPs / rate``, the
+  explicit-mask one with its pairs' growth per key doubling and on whole parts only (``_cases``).
 - Copies: the cache concatenation; links: ``kvrunahead.sim.linkbench`` on two ranks (in namespaces with a cap).
 - Whole prefills of the model against the sum of their simulated steps, as a check (``fit["whole_prefill_N"]``).
 - The link's compute cost: what a rank's matrix products lose while a block crosses the link (on one host the
@@ -36,7 +37,7 @@ from kvrunahead import __version__
 from kvrunahead.net.spec import parse_net
 from kvrunahead.provenance import environment
 from kvrunahead.sim.costmodel import CostModel
-from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
+from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, key_doublings
 from kvrunahead.sim.shape import ModelShape, shape_from_config
 from kvrunahead.sim.simulate import simulate
 
@@ -53,6 +54,7 @@ LINEAR_LAYERS = 4  # decoder layers timed (the first ones of the model): per-lay
 ATTENTION_SHAPES = ((256, 256), (512, 512), (1024, 1024), (512, 2048), (2048, 2048), (1024, 4096),
                     (2048, 4096), (4096, 4096), (2048, 8192), (8192, 8192), (4096, 16384), (8192, 16384),
                     (32, 4096), (64, 8192), (32, 16384), (128, 16384), (16, 8192), (16, 16384))
+MASKED_MIN_QUERIES = 256  # the explicit-mask kernel's fit leaves out the chunk shapes
 # Keys of a decode step's attention (one new token against the cache): short chats to the KVP decode's contexts.
 DECODE_KEYS = (1024, 4096, 16384, 32768)
 LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
@@ -155,16 +157,30 @@ def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_S
     pairs_of = {"causal": lambda q, k: q * (q + 1) / 2, "full": lambda q, k: q * k, "masked": lambda q, k: q * k}
     with torch.no_grad():
         for name, make in (("causal", causal), ("full", full), ("masked", masked)):
-            cases = sorted({(q, q) for q, _ in shapes}) if name == "causal" else list(shapes)
+            cases = _cases(name, shapes)
             times = [_median_time(make(q, k), repeats) for q, k in cases]
             cols = [[1.0] * len(cases), [q for q, _ in cases], [k for _, k in cases],
                     [pairs_of[name](q, k) * shape.flops_per_pair for q, k in cases]]
+            if name == "masked":  # its pairs cost more as the rectangle grows: seconds per pair and key doubling
+                cols.append([pairs_of[name](q, k) * key_doublings(k) for q, k in cases])
             coef, worst[name] = _fit(cols, times)
             kernels[name] = AttentionCost(flops_per_s=1.0 / max(float(coef[3]), 1e-30), call_s=float(coef[0]),
-                                          query_s=float(coef[1]), key_s=float(coef[2]), skips_masked=True)
+                                          query_s=float(coef[1]), key_s=float(coef[2]), skips_masked=True,
+                                          pair_growth_s=float(coef[4]) if len(coef) > 4 else 0.0)
             log.info("attention %s: %.3g FLOP/s, worst residual %.1f%%", name, kernels[name].flops_per_s,
                      100 * worst[name])
     return kernels, worst
+
+
+def _cases(kernel: str, shapes) -> list[tuple[int, int]]:
+    """The shapes a kernel is fitted on: the causal block at each query count; the explicit-mask kernel at whole
+    parts only (TSP, cp-allgather and KVR masked call it on a rank's part; a chunk of a few dozen queries costs
+    2-7x more per pair there and would drag the rate the long rectangles take); the prefix block at all."""
+    if kernel == "causal":
+        return sorted({(q, q) for q, _ in shapes})
+    if kernel == "masked":
+        return [(q, k) for q, k in shapes if q >= MASKED_MIN_QUERIES] or list(shapes)
+    return list(shapes)
 
 
 def measure_decode(model, shape: ModelShape, repeats: int, keys=DECODE_KEYS) -> tuple[AttentionCost, float]:

@@ -113,8 +113,9 @@ def describe(profile) -> str:
              f"  projections/MLP {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, layer overhead "
              f"{profile.layer_s * 1e3:.2f} ms, copies {profile.memory_Bps / 1e9:.1f} GB/s"]
     for name, k in profile.attention.items():
+        growth = f", +{k.pair_growth_s * 1e9:.2f} ns per pair per key doubling" if k.pair_growth_s else ""
         lines.append(f"  attention {name:<6} {k.flops_per_s / 1e9:.1f} GFLOP/s on the pairs it computes, "
-                     f"{k.call_s * 1e3:.2f} ms per call")
+                     f"{k.call_s * 1e3:.2f} ms per call{growth}")
     for name, link in profile.links.items():
         lines.append(f"  link {name}: {link.bandwidth_Bps / 1e6:.0f} MB/s, {link.latency_s * 1e6:.0f} us, "
                      f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile
+from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, key_doublings
 from kvrunahead.sim.shape import ModelShape
 
 
@@ -44,7 +44,8 @@ class CostModel:
 
     def _kernel_s(self, kernel: AttentionCost, queries: float, keys: float, pairs: float) -> float:
         s = self.shape
-        per_pair = s.flops_per_pair / kernel.flops_per_s + s.heads * kernel.score_bytes / self.profile.memory_Bps
+        per_pair = (s.flops_per_pair / kernel.flops_per_s + s.heads * kernel.score_bytes / self.profile.memory_Bps
+                    + kernel.pair_growth_s * key_doublings(keys))
         return kernel.call_s + kernel.query_s * queries + kernel.key_s * keys + per_pair * pairs
 
     def causal_s(self, tokens: float) -> float:

@@ -26,7 +26,10 @@ class AttentionCost:
     head expansion for GQA, mask) and the FLOP rate on the query-key pairs it computes. ``skips_masked``:
     whether a causal diagonal block costs half of its square (flash kernels) or all of it (eager attention
     materialises every score). ``score_bytes``: memory traffic per score and query head, for kernels bound by
-    it (eager attention writes, masks, soft-maxes and reads every score); 0 for fused kernels."""
+    it (eager attention writes, masks, soft-maxes and reads every score); 0 for fused kernels. ``pair_growth_s``:
+    seconds more per pair for each doubling of the keys past ``GROWTH_FROM_KEYS``, for a kernel whose pairs cost
+    more as its rectangle outgrows the caches (the explicit-mask SDPA on CPU: about 10% more per pair at 8k x 16k
+    than at 1k x 1k); 0 for the others."""
 
     flops_per_s: float
     score_bytes: float = 0.0
@@ -34,6 +37,16 @@ class AttentionCost:
     query_s: float = 0.0
     key_s: float = 0.0
     skips_masked: bool = True
+    pair_growth_s: float = 0.0
+
+
+GROWTH_FROM_KEYS = 256  # the smallest keys of kvr-calibrate's shapes: no growth term below
+
+
+def key_doublings(keys: float) -> float:
+    """How many times ``keys`` doubles past ``GROWTH_FROM_KEYS`` (0 below it): ``AttentionCost.pair_growth_s``'s
+    multiplier per pair."""
+    return math.log2(keys / GROWTH_FROM_KEYS) if keys > GROWTH_FROM_KEYS else 0.0
 
 
 @dataclass(frozen=True)
