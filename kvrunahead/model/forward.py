@@ -12,19 +12,20 @@ from transformers import DynamicCache
 from kvrunahead.model.growing import grow_in_place
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 @functools.cache
-def _cache_keyword(cls: type) -> str:
-    # transformers 5.2x renamed forward's ``past_key_values`` to ``cache``; the old name warns until it is removed
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+def _keywords(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def forward_takes(module: torch.nn.Module, keyword: str) -> bool:
+    """Whether ``module``'s forward takes ``keyword`` (read once per class: decode asks on every token)."""
+    return keyword in _keywords(type(module))
 
 
 def with_cache(module: torch.nn.Module, cache) -> dict:
-    """``module``'s forward keyword for the KV cache, under the name its transformers version takes."""
-    return {_cache_keyword(type(module)): cache}
+    """``module``'s forward keyword for the KV cache, under the name its transformers version takes: 5.2x renamed
+    ``past_key_values`` to ``cache``, and the old name warns until it is removed."""
+    return {"cache" if forward_takes(module, "cache") else "past_key_values": cache}
 
 
 @torch.no_grad()
@@ -32,7 +33,7 @@ def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache=Non
     """Run the causal-LM head on the last position only, filling ``cache``; returns ``[vocab]`` logits."""
     if cache is not None:
         kwargs.update(with_cache(model, cache))
-    if _accepts_logits_to_keep(model):
+    if forward_takes(model, "logits_to_keep"):
         out = model(input_ids=input_ids, logits_to_keep=1, use_cache=True, **kwargs)
     else:
         out = model(input_ids=input_ids, use_cache=True, **kwargs)

@@ -12,13 +12,12 @@ row would have to be trimmed by each row's own length, which one padded cache ca
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.model.forward import with_cache
+from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
@@ -37,7 +36,7 @@ class BatchDecoder:
         self.members: list[str] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [batch, tokens]: 0 on the pads
-        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._keep = forward_takes(model, "logits_to_keep")
 
     def add(self, request_id: str, cache: DynamicCache) -> None:
         self.own[request_id] = cache_kv(cache) if self.batched else grow_in_place(cache)
