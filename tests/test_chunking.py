@@ -21,7 +21,7 @@ from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.replay import Arrival, replay
-from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler, Slack, relative_slack
+from kvrunahead.serve.scheduler import PrefillWork, Scheduler, Slack, relative_slack
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import balanced_boundaries
@@ -214,10 +214,8 @@ def test_no_request_starves_under_lars_a_long_one_among_a_stream_of_urgent_short
         arriving = _seq(f"s{prefill_steps}", 50, now)
         arriving.request.ttft_target_s = 0.1
         scheduler.add(arriving)
-        work = scheduler.schedule(now)
+        work = scheduler.schedule(now).prefill
         now += 0.05
-        if isinstance(work, DecodeWork):
-            continue
         prefill_steps += 1
         assert isinstance(work, PrefillWork)
         if work.seq.request_id == "long":
@@ -238,7 +236,7 @@ def test_fcfs_keeps_a_chunked_prompt_in_line_and_lars_needs_a_slack():
     long, short = _seq("long", 5000, 0.0, 1000), _seq("short", 10, 1.0)
     scheduler.resume(long)
     scheduler.add(short)
-    assert scheduler.schedule(2.0).seq is long
+    assert scheduler.schedule(2.0).prefill.seq is long
     with pytest.raises(ValueError, match="cost model"):
         Scheduler(8, policy="lars")
     with pytest.raises(ValueError, match="unknown schedule"):

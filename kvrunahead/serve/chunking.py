@@ -72,14 +72,16 @@ class ChunkPlanner:
         """A chunk's predicted seconds as this machine has run them lately (the model's times the correction)."""
         return self.predict_s(done, end) * self.correction
 
-    def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float, learn: bool = True) -> dict:
-        """What a response reports of one chunk: its positions, cuts, time, the model's prediction, the correction
-        that sized it, its budget. ``learn``: the chunk's measured time corrects the next predictions."""
+    def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float, learn: bool = True,
+               beside_s: float = 0.0) -> dict:
+        """What a response reports of one chunk: its positions, cuts, time (its step's, the decode rows beside it
+        included), the model's prediction, the correction that sized it, its budget. ``learn``: the step's measured
+        time corrects the next predictions; ``beside_s``: the decode rows' predicted share of it."""
         predicted, correction = self.predict_s(cuts[0], cuts[-1]), self.correction
         if learn and predicted > 0 and seconds > 0:
-            self._ratios.append(seconds / predicted)
+            self._ratios.append(seconds / (predicted + beside_s))
         return {"start": cuts[0], "end": cuts[-1], "cuts": list(cuts), "seconds": seconds,
-                "predicted_s": predicted, "correction": correction, "budget_s": budget_s}
+                "predicted_s": predicted, "beside_s": beside_s, "correction": correction, "budget_s": budget_s}
 
     def whole_s(self, n: int) -> float:
         """The predicted seconds of a whole ``n``-token prefill in one step (rounded up to ``ROUND`` tokens)."""

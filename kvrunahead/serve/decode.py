@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
+from kvrunahead.serve.rows import Row
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
 
@@ -49,6 +50,22 @@ class BatchDecoder:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.own
+
+    def riders(self, segments) -> dict[str, Row]:
+        """The decode rows ``segments`` (serve/plans.Segment, one token each) as ``Row`` s that share a prompt's
+        forward (serve/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
+        that forward (the batch is rebuilt when a decode step next runs alone). None for a sliding-window model."""
+        if not self.batched:
+            return {}
+        if self.cache is not None:
+            self._unbatch()
+        out = {}
+        for seg in segments:
+            kv = self.own[seg.request_id]
+            if not isinstance(kv[0], GrowingKV):
+                kv = self.own[seg.request_id] = [GrowingKV(k, v) for k, v in kv]
+            out[seg.request_id] = Row(seg.tokens[0], seg.start, kv)
+        return out
 
     @torch.no_grad()
     def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -83,7 +100,7 @@ class BatchDecoder:
     def _rebuild(self, members: list[str]) -> None:
         if self.cache is not None:
             self._unbatch()
-        kvs = [self.own[r] for r in members]
+        kvs = [[(g.keys, g.values) if isinstance(g, GrowingKV) else g for g in self.own[r]] for r in members]
         lengths = [kv[0][0].shape[-2] for kv in kvs]
         total = max(lengths)
         cache = DynamicCache(config=self.model.config)
@@ -118,6 +135,13 @@ class VariantDecoders:
     def members(self) -> list[str]:
         """The requests in a batch now (for tests and the queue gauges)."""
         return [r for d in self.by_variant.values() for r in d.members]
+
+    def riders(self, segments, variant: object = None) -> dict[str, Row]:
+        """The rows among ``segments`` that can share the forward of a prompt run with ``variant`` (the same
+        model), as ``BatchDecoder.riders`` gives them."""
+        decoder = self.by_variant.get(variant)
+        mine = [s for s in segments if s.request_id in self.variant_of and self.variant_of[s.request_id] == variant]
+        return decoder.riders(mine) if decoder is not None and mine else {}
 
     @property
     def own(self) -> dict[str, object]:

@@ -7,6 +7,7 @@ use is ``Engine.run_one(request)``: one request through the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -33,11 +34,11 @@ from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement
-from kvrunahead.serve.plans import Drop, KvpStep, Shutdown
+from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
-from kvrunahead.serve.scheduler import AskWork, DecodeWork, PackedPrefillWork, PrefillWork, Scheduler, Work, taken
+from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
 from kvrunahead.serve.sequence import (
     Answered,
     AskFigures,
@@ -68,6 +69,7 @@ class EngineConfig:
     schedule: str = "fcfs"  # or lars (serve/scheduler.py)
     ttft_slo_s: float = 2.0  # LARS's default TTFT target: the larger of this and
     ttft_slo_factor: float = 4.0  # this many times the request's predicted prefill alone
+    mixed_steps: bool = True  # decodes ride along every prefill step; False: a step is a prefill or a decode
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
@@ -113,7 +115,8 @@ class Engine:
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
-                                   lars_slack(self.chunks, config) if config.schedule == "lars" else None)
+                                   lars_slack(self.chunks, config) if config.schedule == "lars" else None,
+                                   mixed=config.mixed_steps)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -122,6 +125,7 @@ class Engine:
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # requests ended whose KVP shards or chunks the workers still hold
+        self._budget_s = 0.0  # the budget the last chunk was sized to
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -191,68 +195,91 @@ class Engine:
         """schedule -> execute -> postprocess. An idle step only keeps the workers' heartbeat."""
         events = self._reap_cancelled()
         with self._lock:
-            work = self.scheduler.schedule() if self.healthy else None
+            step = self.scheduler.schedule() if self.healthy else None
         try:
-            if work is None:
+            if step is None:
                 self._free_shards()
                 self.heartbeat.maybe_ping()
                 return events
-            outcome = self._execute(work)
+            outcome, prefilled = self._execute(step)
         except InputError as e:  # this request's own problem, found before any other rank took part
-            if isinstance(work, AskWork):
-                return events + [Answered(work.ask.request_id, [], error=str(e), bad_input=True)]
-            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in taken(work)]
+            if isinstance(step.prefill, AskWork):
+                return events + [Answered(step.prefill.ask.request_id, [], error=str(e), bad_input=True)]
+            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in taken(step)]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
-            return events + self._fail(e, work)
-        return events + self._postprocess(work, outcome)
+            return events + self._fail(e, step)
+        return events + self._postprocess(step, outcome, prefilled)
 
-    def _execute(self, work: Work):
+    def _execute(self, step: Step):
+        """Run the step; returns its outcome and what its prefill finished: a prompt's outcome, the packed
+        prompts', an Answered, or None (no prefill, or a chunk that was not the last)."""
         self._free_shards()
-        if isinstance(work, DecodeWork):
-            self.heartbeat.maybe_ping()
-            tokens = {s.request_id: s.output_ids[-1] for s in work.seqs}
-            kvp = tuple((r, t) for r, t in tokens.items() if r in self.ctx.shards)  # every rank takes part
-            logits = executor.kvp_step(self.ctx, self._sent(KvpStep(kvp))) if kvp else {}
-            rest = {r: t for r, t in tokens.items() if r not in self.ctx.shards}
-            if rest:
-                self.ctx.use_threads(solo=True)
-                logits.update(self.decoder.step(rest, {s.request_id: s.next_position for s in work.seqs
-                                                       if s.request_id in rest}))
-            return logits
-        if isinstance(work, PackedPrefillWork):
-            return self._packed(work.seqs)
-        if isinstance(work, AskWork):
-            return self._ask(work.ask)
+        work, rows = step.prefill, [self._row(s) for s in step.decodes]
+        if isinstance(work, (PackedPrefillWork, AskWork)):  # their own forwards; the rows run after them
+            prefilled = self._packed(work.seqs) if isinstance(work, PackedPrefillWork) else self._ask(work.ask)
+            return self._run(StepPlan(tuple(rows), self.attention)), prefilled
+        seg, held, placed = None, None, None
+        if isinstance(work, PrefillWork):
+            seg, held, placed = self._segment(work.seq)
+        plan = StepPlan(tuple(rows) + ((seg,) if seg else ()), self.attention)
+        t0 = time.monotonic()
+        outcome = self._run(plan, held)
+        if seg is None:
+            return outcome, None
         seq = work.seq
-        if seq.prefilled or (self.chunks is not None and self.chunks.chunked(seq.prompt_len)):
-            return self._chunk(seq)
-        seq.prefill_start_s = time.monotonic()
-        outcome, placed = self.placement.one(seq.request_id, seq.request.prompt_ids, seq.rope)
-        seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
-                                     list(placed.boundaries), placed.source, placed.degree_source,
-                                     cached_tokens=placed.cached_tokens, decode=placed.decode)
-        return outcome
+        if placed is None:  # a chunk
+            n = seq.prompt_len
+            seq.figures.chunks.append(self.chunks.record(seg.cuts, time.monotonic() - t0, self._budget_s,
+                                                         learn=0 < seg.start and seg.end < n,
+                                                         beside_s=self._rows_s(step.decodes)))
+            seq.prefilled = seg.end
+            if seg.end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
+                with self._lock:
+                    self.scheduler.resume(seq)
+                return outcome, None
+        return outcome, outcome.prefill(seq.request_id)
 
-    def _chunk(self, seq: Sequence) -> PrefillOutcome | None:
-        """The next chunk of a long prompt (serve/chunking.py); the outcome once its last chunk ran, else None
-        (every rank keeps the positions so far, and the sequence waits for its next turn)."""
-        n, done = seq.prompt_len, seq.prefilled
+    def _run(self, plan: StepPlan, held=None) -> StepOutcome:
+        if not plan.needs_workers:
+            self.heartbeat.maybe_ping()
+        return self.placement.execute(plan, held, self.decoder)
+
+    def _row(self, seq: Sequence) -> Segment:
+        """A running request's next token as a segment: on the front, or on every rank's shard (KVP)."""
+        place = SHARDED if seq.request_id in self.ctx.shards else FRONT
+        return Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place, decode=True)
+
+    def _rows_s(self, decodes: list[Sequence]) -> float:
+        """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
+        chunk planner)."""
+        if not decodes or self.chunks is None or not self.config.mixed_steps:
+            return 0.0
+        return self.chunks.cost.decode_step_s([s.next_position + 1 for s in decodes])
+
+    def _segment(self, seq: Sequence):
+        """The prefill's segment: the whole prompt where it is not chunked (placed by the prefix cache and the
+        degree policy), else its next chunk, sized to the step's budget (the decode rows beside it add their own
+        time: a step takes its chunk's budget plus one decode token of every running request)."""
+        n = seq.prompt_len
+        if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n)):
+            seq.prefill_start_s = time.monotonic()
+            seg, placed, held = self.placement.prompt(seq.request_id, seq.request.prompt_ids, seq.rope)
+            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
+                                         list(placed.boundaries), placed.source, placed.degree_source,
+                                         cached_tokens=placed.cached_tokens, decode=placed.decode)
+            return seg, held, placed
+        done = seq.prefilled
         if not done:
             seq.prefill_start_s = time.monotonic()
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
                                          [0, n], "chunked prefill", self.chunks.describe())
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
             budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
+        self._budget_s = budget
         end = self.chunks.end(n, done, budget)
-        cuts, t0 = self.chunks.cuts(done, end), time.monotonic()
-        outcome = self.placement.chunk(seq.request_id, seq.request.prompt_ids, cuts, seq.rope, end == n)
-        seq.figures.chunks.append(self.chunks.record(cuts, time.monotonic() - t0, budget, learn=0 < done and end < n))
-        seq.prefilled = end
-        if end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
-            with self._lock:
-                self.scheduler.resume(seq)
-            return None
-        return outcome
+        seg = self.placement.chunk(seq.request_id, seq.request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
+                                   end == n)
+        return seg, None, None
 
     def _packed(self, seqs: list) -> list[PrefillOutcome]:
         """One packed prefill of several waiting prompts (Placement.packed)."""
@@ -269,7 +296,10 @@ class Engine:
         """The context prefilled once (over the chain where the degree policy says so), then every question packed
         after it and decoded with the context read once per step, on the front (kvrunahead/questions.py)."""
         start = time.monotonic()
-        outcome, placed = self.placement.one(ask.request_id, ask.context_ids, None)
+        seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, None)
+        if seg.keep == SHARDED:  # the questions decode on the front, which must hold the whole context
+            seg = dataclasses.replace(seg, keep=FRONT)
+        outcome = self._run(StepPlan((seg,), self.attention), held)
         self.placement.prefixes.put(ask.context_ids, outcome.cache)
         context_s = time.monotonic() - start
         self.heartbeat.maybe_ping()
@@ -279,16 +309,17 @@ class Engine:
                              list(placed.boundaries))
         return Answered(ask.request_id, answers, figures)
 
-    def _postprocess(self, work: Work, outcome) -> list[Event]:
-        if isinstance(work, PrefillWork):
-            return self._after_prefill(work.seq, outcome) if outcome is not None else []  # None: a chunk ran
-        if isinstance(work, PackedPrefillWork):
-            return [e for seq, one in zip(work.seqs, outcome) for e in self._after_prefill(seq, one)]
-        if isinstance(work, AskWork):
-            return [outcome]
+    def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:
         events: list[Event] = []
-        for seq in work.seqs:
-            events += self._advance(seq, self.samplers[seq.request_id](outcome[seq.request_id]))
+        for seq in step.decodes:
+            events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
+        work = step.prefill
+        if isinstance(work, PrefillWork) and prefilled is not None:
+            events += self._after_prefill(work.seq, prefilled)
+        elif isinstance(work, PackedPrefillWork):
+            events += [e for seq, one in zip(work.seqs, prefilled) for e in self._after_prefill(seq, one)]
+        elif isinstance(work, AskWork):
+            events.append(prefilled)
         return events
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
@@ -355,7 +386,7 @@ class Engine:
         return ([self._finish(seq, "cancelled") for seq in seqs]
                 + [Answered(ask.request_id, [], error="cancelled") for ask in asks])
 
-    def _fail(self, e: Exception, work: Work | None, level: int = logging.ERROR) -> list[Event]:
+    def _fail(self, e: Exception, work: Step | None, level: int = logging.ERROR) -> list[Event]:
         """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
         self.healthy = False
         self.error = f"{type(e).__name__}: {e}"
@@ -364,7 +395,8 @@ class Engine:
             seqs = self.scheduler.drain_all()
             asks = self.scheduler.drain_asks()
         seqs += [seq for seq in taken(work) if seq not in seqs]
-        asks += [work.ask] if isinstance(work, AskWork) else []
+        prefill = work.prefill if isinstance(work, Step) else None
+        asks += [prefill.ask] if isinstance(prefill, AskWork) else []
         return ([self._finish(seq, "error", self.error) for seq in seqs]
                 + [Answered(ask.request_id, [], error=self.error) for ask in asks])
 

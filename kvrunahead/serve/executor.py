@@ -30,20 +30,30 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
-from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
-from kvrunahead.modes import MODES, Step
 from kvrunahead.modes.kvr import ChainLink, kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
-from kvrunahead.partition import Partition
 from kvrunahead.questions import answer
-from kvrunahead.runner import RankStats, rank_stats, timed_prefill
-from kvrunahead.serve.plans import ChunkPlan, Drop, KvpStep, PackedPlan, Ping, Plan, PrefillPlan, Shutdown
+from kvrunahead.runner import RankStats, rank_stats
+from kvrunahead.serve.plans import (
+    FRONT,
+    NOWHERE,
+    RANKS,
+    SHARDED,
+    Drop,
+    PackedPlan,
+    Ping,
+    Plan,
+    Segment,
+    Shutdown,
+    StepPlan,
+)
+from kvrunahead.serve.rows import mixed_forward
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -125,92 +135,108 @@ def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
     liveness.wait_for_peers(work, what)
 
 
-def chain_prefill(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] | None = None
-                  ) -> PrefillOutcome | None:
-    """This rank's part of a KV-Runahead prefill, the runner's own code; the front gets the outcome. With
-    ``plan.cached`` the front holds the K,V of those first positions (``held``, per layer) and sends them to rank
-    0, which takes them as its prefix: the chain prefills the new tokens only."""
-    if plan.cached:
-        return _chain_after_cached(ctx, plan, held)
-    mode = MODES["kvr"]
-    partition = Partition(tuple(plan.boundaries))
-    ctx.use_threads(solo=False)
-    ctx.transport.reset_stats()
-    ranges = mode.token_ranges(partition)
-    mine = ranges[ctx.rank]
-    my_ids = torch.tensor([[t for a, e in mine for t in plan.ids[a:e]]], device=ctx.device)
-    lm, layout = ctx.model(plan.rope)
-    step = Step(lm.model, my_ids, plan.ids, ranges, ctx.transport, layout, len(plan.ids), plan.attention,
-                own_kv_only=plan.kvp)
-    state = mode.setup(step)
-    emits = ctx.rank == mode.emitter(ctx.world_size)
-    logits, cache, _, total_s = timed_prefill(mode, step, state, ctx.device, emits)
-    if plan.kvp:  # this rank's own part stays here for the decode; what it received dies
-        cache = shard_cache(cache, layout, mine[0], len(plan.ids), owner=emits)
-        ctx.shards[plan.request_id] = (cache, plan.rope)
-    outcome = _gathered(ctx, mine, total_s, state, logits, cache)
-    if plan.kvp:  # after the prefill's figures: the decode holds an even share on every rank
-        level_shards(cache, plan.boundaries, ctx.transport)
-    return outcome
+@dataclass
+class StepOutcome:
+    """What a step leaves on the front: the next-token logits of every segment that emits (the prompt's where it
+    ends, every decode row's), the prompt segment's cache where the front keeps it, every rank's figures."""
+
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    cache: DynamicCache | None = None
+    ranks: list[RankStats] = field(default_factory=list)
+
+    def prefill(self, request_id: str) -> PrefillOutcome:
+        return PrefillOutcome(self.logits[request_id], self.cache, self.ranks)
 
 
-def _chain_after_cached(ctx: RankContext, plan: PrefillPlan, held: list[torch.Tensor] | None
-                        ) -> PrefillOutcome | None:
-    ctx.use_threads(solo=False)
-    ctx.transport.reset_stats()
-    lm, layout = ctx.model(plan.rope)
+def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None = None, decoder=None
+             ) -> StepOutcome | None:
+    """This rank's part of a step (every rank where ``plan.needs_workers``, else the front alone): the KV-parallel
+    rows on every rank's shard, then the prompt segment over the chain (or on the front alone) with the front's
+    decode rows in the same forward where they can share it (serve/rows.py), then the rows that cannot (another
+    RoPE variant, a sliding-window model, no prompt in the step) in the decoder's own batch. The front gets the
+    outcome.
+
+    ``held`` (front): the K,V of a prompt's positions held on the front (the prefix cache's, per layer, stacked);
+    ``decoder`` (front): the decode batch (serve/decode.py) whose requests the rows are."""
     front = ctx.rank == ctx.front
-    start, end = plan.boundaries[ctx.rank], plan.boundaries[ctx.rank + 1]
-    link = ChainLink(ctx.transport, start, layout, ctx.device, holder=ctx.front if ctx.rank == 0 else None)
-    liveness.patient_barrier("the other ranks to start the prefill")
+    seg = plan.prompt
+    together = plan.needs_workers and ctx.world_size > 1
+    ctx.use_threads(solo=not plan.sharded and (seg is None or seg.alone))
+    ctx.transport.reset_stats()
+    if together:
+        liveness.patient_barrier("the other ranks to start the step")
     t0 = time.perf_counter()
-    if front:
+    out = StepOutcome()
+    for row in plan.sharded:  # every rank: the token through the model on its shard
+        shard, rope = ctx.shards[row.request_id]
+        logits = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, row.tokens[0], owner=front)
+        if front:
+            out.logits[row.request_id] = logits
+    rows = plan.rows if front else ()
+    link, mine = None, (0, 0)
+    if seg is not None:
+        link, mine, riders = _prompt(ctx, plan, seg, held, decoder if front else None, out)
+        rows = tuple(r for r in rows if r.request_id not in riders)
+    total_s = time.perf_counter() - t0
+    if together:
+        stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
+        out.ranks = liveness.gather_objects(stats, "the other ranks to finish the step")
+    else:
+        out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
+    if seg is not None and seg.keep == SHARDED:  # after the prefill's figures: the decode holds an even share
+        level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
+    if rows:
+        ctx.use_threads(solo=True)
+        out.logits.update(decoder.step({r.request_id: r.tokens[0] for r in rows},
+                                       {r.request_id: r.start for r in rows}))
+    return out if front else None
+
+
+def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: StepOutcome):
+    """The prompt segment's part on this rank: its link, its positions and the rows that rode along (front)."""
+    front = ctx.rank == ctx.front
+    lm, layout = ctx.model(seg.rope)
+    start, end = seg.part(ctx.rank, ctx.world_size)
+    base = None
+    if seg.held == RANKS:
+        base = ctx.partial.pop(seg.request_id, None)
+    elif seg.held == FRONT and seg.alone and front:
+        base = [GrowingKV.stacked(kv) for kv in held]
+    holder = ctx.front if seg.held == FRONT and not seg.alone and ctx.rank == 0 else None
+    link = ChainLink(ctx.transport, start, layout, ctx.device, holder=holder, own_only=seg.keep == SHARDED,
+                     base=base, keep_whole=seg.keep == RANKS)
+    if front and holder is None and seg.held == FRONT and not seg.alone:
         send_held_prefix(ctx.transport, held, layout)
-    logits, cache = kvr_prefill(lm.model, torch.tensor([plan.ids[start:end]], device=ctx.device), link,
-                                plan.attention)
-    return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
-
-
-def _gathered(ctx: RankContext, mine: list[tuple[int, int]], total_s: float, state, logits, cache
-              ) -> PrefillOutcome | None:
-    """Every rank's figures to all; the outcome on the front, whose cache holds the whole prompt."""
-    stats = rank_stats(ctx.rank, mine, total_s, ctx.transport, state, ctx.device)
-    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")
-    if ctx.rank != ctx.front:
-        return None  # a worker's cache dies here: decode happens on the front alone
-    return PrefillOutcome(logits, cache, all_stats)
-
-
-def chunk_prefill(ctx: RankContext, plan: ChunkPlan) -> PrefillOutcome | None:
-    """This rank's part of one chunk (``ChunkPlan``): the chain over the chunk's positions with every rank's held
-    positions as the base, then the catch-up; the front gets the outcome (its cache holds [0, cuts[-1]))."""
-    ctx.use_threads(solo=plan.alone)
-    ctx.transport.reset_stats()
-    lm, layout = ctx.model(plan.rope)
-    front = ctx.rank == ctx.front
-    start, end = (plan.cuts[0], plan.cuts[0]) if plan.alone and not front else plan.cuts[ctx.rank:ctx.rank + 2]
-    base = ctx.partial.pop(plan.request_id, None)
-    link = ChainLink(ctx.transport, start, layout, ctx.device, base=base, keep_whole=not plan.last)
-    liveness.patient_barrier("the other ranks to start the chunk")
-    t0 = time.perf_counter()
+    # The front alone on a whole prompt computes what one process computes (the model's own attention).
+    attention = "masked" if seg.alone and seg.held == NOWHERE else plan.attention
+    riders = decoder.riders(plan.rows, seg.rope) if decoder is not None and end > start else {}
     logits, cache = None, None
-    if end > start:
-        logits, cache = kvr_prefill(lm.model, torch.tensor([plan.ids[start:end]], device=ctx.device), link,
-                                    plan.attention)
-    if not plan.last:
+    ids = list(seg.tokens[start - seg.start:end - seg.start])
+    if riders:
+        logits, row_logits, cache = mixed_forward(lm.model, ids, link, list(riders.values()), emit=True)
+        out.logits.update(zip(riders, row_logits))
+    elif end > start:
+        logits, cache = kvr_prefill(lm.model, torch.tensor([ids], device=ctx.device), link, attention)
+    if seg.keep == RANKS:
         whole = [link.whole[i] for i in range(layout.num_layers)] if end > start else base
-        ctx.partial[plan.request_id] = _catch_up(ctx, plan, layout, whole, end)
-    return _gathered(ctx, [(start, end)], time.perf_counter() - t0, link, logits, cache)
+        ctx.partial[seg.request_id] = _catch_up(ctx, seg, layout, whole, end)
+    elif seg.keep == SHARDED:  # this rank's own part stays here for the decode; what it received dies
+        cache = shard_cache(cache, layout, (start, end), seg.end, owner=front)
+        ctx.shards[seg.request_id] = (cache, seg.rope)
+    if front:
+        out.logits[seg.request_id] = logits
+        out.cache = cache
+    return link, (start, end), riders
 
 
-def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[GrowingKV] | None, held: int
+def _catch_up(ctx: RankContext, seg: Segment, layout: KVLayout, whole: list[GrowingKV] | None, held: int
               ) -> list[GrowingKV]:
-    """The front sends each worker the chunk's positions after those it holds ([held, cuts[-1]), every layer);
-    every rank returns its K,V of [0, cuts[-1]) per layer, appended in place to what it held."""
-    end = plan.cuts[-1]
+    """The front sends each worker the segment's positions after those it holds ([held, end), every layer);
+    every rank returns its K,V of [0, end) per layer, appended in place to what it held."""
+    end = seg.end
     if ctx.rank == ctx.front:
         for worker in range(ctx.world_size - 1):
-            theirs = plan.cuts[0] if plan.alone else plan.cuts[worker + 1]
+            theirs = seg.part(worker, ctx.world_size)[1]
             for layer, kv in enumerate(whole):
                 ctx.transport.isend(kv.kv[..., theirs:end, :].contiguous(), worker, tag=layer)
         ctx.transport.drain()
@@ -221,7 +247,7 @@ def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[G
         received.append((ctx.transport.irecv(buf, ctx.front, tag=layer), buf))
     out = []
     for layer, (req, buf) in enumerate(received):
-        ctx.transport.wait(req, f"the chunk's K,V of layer {layer} from the front")
+        ctx.transport.wait(req, f"the segment's K,V of layer {layer} from the front")
         if whole is None:
             out.append(GrowingKV.stacked(buf))
         else:
@@ -230,35 +256,10 @@ def _catch_up(ctx: RankContext, plan: ChunkPlan, layout: KVLayout, whole: list[G
     return out
 
 
-def single_prefill(ctx: RankContext, ids: list[int], rope: RopeExtension | None = None) -> PrefillOutcome:
-    """A prefill on the front alone (degree 1): the single-process mode, the other ranks untouched."""
-    mode = MODES["single"]
-    ranges = [[(0, len(ids))]]
-    ctx.use_threads(solo=True)
-    lm, layout = ctx.model(rope)
-    step = Step(lm.model, torch.tensor([ids], device=ctx.device), ids, ranges, ctx.transport, layout, len(ids))
-    t0 = time.perf_counter()
-    logits, cache = mode.prefill(step, None)
-    total_s = time.perf_counter() - t0
-    return PrefillOutcome(logits, cache, [_solo_stats(ctx, len(ids), total_s)])
-
-
 def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
-    """The figures of a prefill the front ran alone: all compute, nothing sent or waited for."""
+    """The figures of a step the front ran alone: all compute, nothing sent or waited for."""
     return RankStats(rank=ctx.rank, tokens=tokens, total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
-
-
-@torch.no_grad()
-def suffix_prefill(ctx: RankContext, cache: DynamicCache, ids: list[int], cached: int) -> PrefillOutcome:
-    """The prompt's tokens after the ``cached`` ones that ``cache`` already holds, on the front alone."""
-    ctx.use_threads(solo=True)
-    model = ctx.lm.model
-    new = torch.tensor([ids[cached:]], device=ctx.device)
-    positions = torch.arange(cached, len(ids), device=ctx.device).unsqueeze(0)
-    t0 = time.perf_counter()
-    logits = last_token_logits(model, new, position_ids=positions, cache=cache)
-    return PrefillOutcome(logits, cache, [_solo_stats(ctx, len(ids) - cached, time.perf_counter() - t0)])
 
 
 def packed_chain_prefill(ctx: RankContext, plan: PackedPlan) -> list[PrefillOutcome] | None:
@@ -313,19 +314,6 @@ def answer_on_front(ctx: RankContext, cache: DynamicCache, questions: list[list[
     return [a.tokens for a in answers], first[0] - t0, time.monotonic() - first[0]
 
 
-def kvp_step(ctx: RankContext, step: KvpStep) -> dict[str, torch.Tensor]:
-    """Every rank: each request's token through the model on its shard; the front gets the next-token logits."""
-    ctx.use_threads(solo=False)
-    front = ctx.rank == ctx.front
-    logits = {}
-    for request_id, token in step.tokens:
-        shard, rope = ctx.shards[request_id]
-        out = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, token, owner=front)
-        if front:
-            logits[request_id] = out
-    return logits
-
-
 def worker_loop(ctx: RankContext) -> None:
     """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone."""
     log.info("rank %d serving as a worker of front rank %d", ctx.rank, ctx.front)
@@ -334,14 +322,10 @@ def worker_loop(ctx: RankContext) -> None:
         if isinstance(plan, Shutdown):
             log.info("rank %d: shutdown", ctx.rank)
             return
-        if isinstance(plan, PrefillPlan):
-            chain_prefill(ctx, plan)
+        if isinstance(plan, StepPlan):
+            run_step(ctx, plan)
         elif isinstance(plan, PackedPlan):
             packed_chain_prefill(ctx, plan)
-        elif isinstance(plan, KvpStep):
-            kvp_step(ctx, plan)
-        elif isinstance(plan, ChunkPlan):
-            chunk_prefill(ctx, plan)
         elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
                 ctx.shards.pop(request_id, None)

@@ -22,8 +22,8 @@ from kvrunahead.policy import RunConfig, choose_partition
 from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext
-from kvrunahead.serve.plans import ChunkPlan, PackedPlan, PrefillPlan
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, PackedPlan, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
 
@@ -68,20 +68,23 @@ class Placement:
         only, and a YaRN-extended prompt runs on another model variant)."""
         return rope is None and not self.ctx.layout.windows
 
-    def one(self, request_id: str, ids: list[int], rope) -> tuple[PrefillOutcome, Placed]:
-        """One prompt's prefill: its new tokens only where the prefix cache holds its start, else on one rank or
-        over the chain as the degree policy says."""
+    def prompt(self, request_id: str, ids: list[int], rope) -> tuple[Segment, Placed, list | None]:
+        """Where one prompt's prefill runs, as a segment: its new tokens only where the prefix cache holds its
+        start (the held K,V, per layer, for the front), else on one rank or over the chain as the degree policy
+        says."""
         cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) else (0, None)
         if entry is not None:
             return self._after_cached(request_id, ids, cached, entry)
         choice = self.degrees.choose(len(ids))
         if choice.degree == 1:
-            return executor.single_prefill(self.ctx, ids, rope), Placed(1, (0, len(ids)), "one rank", choice.source)
+            return (Segment(request_id, tuple(ids), rope=rope),
+                    Placed(1, (0, len(ids)), "one rank", choice.source), None)
         partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
-        plan = PrefillPlan(request_id, ids, partition.boundaries, self.attention, rope, kvp=kvp)
-        return self._chain(plan), Placed(choice.degree, partition.boundaries, source, choice.source,
-                                         decode="kvp" if kvp else "gathered")
+        seg = Segment(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
+                      keep=SHARDED if kvp else FRONT)
+        return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
+                           decode="kvp" if kvp else "gathered"), None
 
     def decodes_kvp(self, n: int) -> bool:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
@@ -97,29 +100,33 @@ class Placement:
         return self._kvp[n]
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
-                      ) -> tuple[PrefillOutcome, Placed]:
+                      ) -> tuple[Segment, Placed, list]:
         choice = self.degrees.choose(len(ids) - cached)
         what = f"prefix cache: {cached} of {len(ids)} tokens cached"
         why = f"prefix cache; the {len(ids) - cached} new tokens: {choice.source}"
+        held = self.prefixes.held(entry, cached)
+        new = tuple(ids[cached:])
         if choice.degree == 1:
-            cache = self.prefixes.cache_of(entry, cached, self.model_config)
-            return (executor.suffix_prefill(self.ctx, cache, ids, cached),
-                    Placed(1, (0, len(ids)), what, why, cached))
+            return (Segment(request_id, new, cached, held=FRONT),
+                    Placed(1, (0, len(ids)), what, why, cached), held)
         boundaries = cuts_after_cached(cached, len(ids), self.ctx.world_size, self.work)
-        plan = PrefillPlan(request_id, ids, boundaries, self.attention, cached=cached)
-        outcome = self._chain(plan, self.prefixes.held(entry, cached))
-        return outcome, Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached)
+        return (Segment(request_id, new, cached, held=FRONT, cuts=boundaries),
+                Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached), held)
 
-    def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, last: bool
-              ) -> PrefillOutcome:
+    def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, last: bool) -> Segment:
         """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) of ``ids`` cut over
-        the chain at ``cuts``, every rank holding the positions before them; the outcome's cache holds [0, cuts[-1])
-        on the front."""
-        plan = ChunkPlan(request_id, ids[:cuts[-1]], cuts, self.attention, rope, last)
-        if self.ctx.world_size > 1:
-            executor.send_plan(self.ctx, plan)
+        the chain at ``cuts``, every rank holding the positions before them; every rank keeps [0, cuts[-1]) for
+        the next chunk, the front alone after the last."""
+        start = cuts[0]
+        return Segment(request_id, tuple(ids[start:cuts[-1]]), start, held=RANKS if start else NOWHERE,
+                       keep=FRONT if last else RANKS, cuts=cuts, rope=rope)
+
+    def execute(self, plan: StepPlan, held=None, decoder=None) -> StepOutcome:
+        """Run a step: told to the workers where any takes part, then this rank's part."""
+        if plan.needs_workers and self.ctx.world_size > 1:
+            executor.send_plan(self.ctx, plan.workers_plan)
             self.heartbeat.sent()
-        return executor.chunk_prefill(self.ctx, plan)
+        return executor.run_step(self.ctx, plan, held, decoder)
 
     def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]) -> tuple[list[PrefillOutcome], Placed]:
         """One packed prefill of several prompts: over the chain, cut by the packed work at prompt edges, or on
@@ -135,11 +142,6 @@ class Placement:
         self.heartbeat.sent()
         return (executor.packed_chain_prefill(self.ctx, plan),
                 Placed(choice.degree, boundaries, "packed work, cut at prompt edges where balanced", choice.source))
-
-    def _chain(self, plan: PrefillPlan, held=None) -> PrefillOutcome:
-        executor.send_plan(self.ctx, plan)
-        self.heartbeat.sent()
-        return executor.chain_prefill(self.ctx, plan, held)
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, lars_slack
-from kvrunahead.serve.scheduler import DecodeWork, PrefillWork, Scheduler
+from kvrunahead.serve.scheduler import PrefillWork, Scheduler
 from kvrunahead.serve.sequence import Request, Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import balanced_boundaries
@@ -76,12 +76,13 @@ class _Engine:
 
 def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callable[[int], float],
            policy: str = "fcfs", budget_s: float = 0.0, attention: str = "split", slo: SloConfig | None = None,
-           max_steps: int = 10_000_000) -> list[Replayed]:
-    """Every request's TTFT and end as the engine would schedule ``trace`` on ``cost`` over ``world_size`` ranks."""
+           max_steps: int = 10_000_000, mixed: bool = True) -> list[Replayed]:
+    """Every request's TTFT and end as the engine would schedule ``trace`` on ``cost`` over ``world_size`` ranks
+    (``mixed``: decodes ride along the prefill steps, as ``EngineConfig.mixed_steps``)."""
     planner = ChunkPlanner(cost, world_size, attention, work, budget_s)
     engine = _Engine(cost, world_size, attention, planner)
     slack = lars_slack(planner, slo or SloConfig()) if policy == "lars" else None
-    scheduler = Scheduler(len(trace) + 1, 0, policy, slack)
+    scheduler = Scheduler(len(trace) + 1, 0, policy, slack, mixed=mixed)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     out = [Replayed(a.kind, a.arrival_s) for a in trace]
     seqs: dict[str, int] = {}
@@ -93,24 +94,25 @@ def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callabl
             seqs[seq.request_id] = i
             scheduler.add(seq)
             nxt += 1
-        work = scheduler.schedule(now)
-        if work is None:
+        step = scheduler.schedule(now)
+        if step is None:
             if nxt == len(order):
                 return out
             now = trace[order[nxt]].arrival_s
             continue
-        if isinstance(work, DecodeWork):
-            now += cost.decode_step_s([s.next_position + 1 for s in work.seqs])
-            for seq in work.seqs:
+        if step.decodes:  # in a mixed step the rows share the prefill's step; their time adds to it
+            now += cost.decode_step_s([s.next_position + 1 for s in step.decodes])
+            for seq in step.decodes:
                 r = out[seqs[seq.request_id]]
                 seq.output_ids.append(0)
                 r.output_tokens += 1
                 if r.output_tokens >= trace[seqs[seq.request_id]].output_tokens:
                     r.e2e_s = now - r.arrival_s
                     scheduler.finish(seq)
+        if step.prefill is None:
             continue
-        assert isinstance(work, PrefillWork)  # packing is off
-        seq = work.seq
+        assert isinstance(step.prefill, PrefillWork)  # packing is off
+        seq = step.prefill.seq
         n = seq.prompt_len
         if seq.prefilled or planner.chunked(n):
             end = planner.end(n, seq.prefilled, chunk_budget(planner, scheduler, seq, now))

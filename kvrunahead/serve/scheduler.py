@@ -1,10 +1,11 @@
-"""What runs next: one prefill (or one chunk of a long one), or one batched decode of every running request
-(torch-free).
+"""What the next step computes (torch-free): the running requests' next tokens (decode segments) and one prefill (a
+prompt, a chunk of a long one, a packed batch of short ones, a shared-context request).
 
-TTFT first: a waiting request is prefilled as soon as the engine is free; the requests waiting behind it join its
-prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. Decodes are never starved: after a
-prefill, the next step decodes whenever any request is decoding, so a stream of arrivals still lets every running
-request advance every other step at worst.
+Mixed steps (the default; vLLM v1's and Sarathi's stall-free batching): every step carries every running request's
+next token beside the next prefill, so a long prompt's chunks never hold a decode back by more than the step they
+share. TTFT first: a waiting request is prefilled as soon as the engine is free; the requests waiting behind it join
+its prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. With ``mixed`` off, a step
+is a prefill or a decode, never both (after a prefill, the next step decodes whenever any request is decoding).
 
 Which prefill goes first is the policy's:
 - ``fcfs``: first come, first served; a long prompt prefilled in chunks keeps its place in line.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrunahead.choices import SCHEDULES
 from kvrunahead.serve.sequence import AskRequest, QueueFull, Sequence
@@ -40,22 +41,27 @@ class PackedPrefillWork:
 
 
 @dataclass
-class DecodeWork:
-    seqs: list[Sequence]
-
-
-@dataclass
 class AskWork:
     """A shared-context request, run to its answers in one step."""
 
     ask: AskRequest
 
 
-Work = PrefillWork | PackedPrefillWork | DecodeWork | AskWork
+Work = PrefillWork | PackedPrefillWork | AskWork
 
 
-def taken(work: Work | None) -> list[Sequence]:
+@dataclass
+class Step:
+    """One engine step: the running requests whose next token it computes, and at most one prefill."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefill: Work | None = None
+
+
+def taken(work: Step | Work | None) -> list[Sequence]:
     """The sequences a prefill took out of the queue (a decode's are still in the scheduler's lists)."""
+    if isinstance(work, Step):
+        work = work.prefill
     if isinstance(work, PrefillWork):
         return [work.seq]
     return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
@@ -86,7 +92,7 @@ class Slack:
 
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
-                 starve_after: int = STARVE_AFTER) -> None:
+                 starve_after: int = STARVE_AFTER, mixed: bool = True) -> None:
         if policy not in SCHEDULES:
             raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
@@ -94,6 +100,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.pack_tokens = pack_tokens  # 0: one prompt per prefill
         self.policy, self.slack, self.starve_after = policy, slack, starve_after
+        self.mixed = mixed
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.asks: deque[AskRequest] = deque()
@@ -113,16 +120,24 @@ class Scheduler:
         if queued >= self.max_queue:
             raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue})")
 
-    def schedule(self, now: float | None = None) -> Work | None:
+    def schedule(self, now: float | None = None) -> Step | None:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
         chunk's sequence comes back through ``resume``."""
+        if self.mixed:
+            prefill = self._prefill(now)
+            return Step(list(self.running), prefill) if prefill is not None or self.running else None
         decode_due = bool(self.running) and (self._last_was_prefill or not (self.waiting or self.prefilling
                                                                               or self.asks))
         if decode_due:
             self._last_was_prefill = False
-            return DecodeWork(list(self.running))
+            return Step(list(self.running))
+        prefill = self._prefill(now)
+        self._last_was_prefill = prefill is not None
+        return Step(prefill=prefill) if prefill is not None else None
+
+    def _prefill(self, now: float | None) -> Work | None:
+        """The next prefill, taken out of the queue, or None."""
         if self.waiting or self.prefilling:
-            self._last_was_prefill = True
             order = self.order(time.monotonic() if now is None else now)
             first = order[0]
             for seq in order[1:]:
@@ -146,7 +161,6 @@ class Scheduler:
                 seq.passed_over = 0
             return PrefillWork(first) if len(seqs) == 1 else PackedPrefillWork(seqs)
         if self.asks:
-            self._last_was_prefill = True
             return AskWork(self.asks.popleft())
         return None
 

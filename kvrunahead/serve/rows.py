@@ -1,0 +1,115 @@
+"""Decode rows riding along a prompt's forward on the front (Sarathi's and Medha's mixed batches).
+
+A step's prompt segment (a whole prompt or a chunk, the front's part of it where it runs over the chain) and the
+running requests' next tokens go through the model as one sequence: the part's tokens, then one token per decode
+row, each with its own position. Every layer's K,V are split by segment as the cache receives them: the part's go
+through the KV chain's exchange (``modes.kvr.ChainLink``, exactly as ``kvr_prefill`` does), each row's are appended
+in place to that request's own K,V (model/growing.py). Attention then runs segment by segment: the part's queries
+against its keys with the split attention of the chain (``split_block``), each row's query against its request's
+keys. So the weights are read once for the whole step and every row attends exactly what it would alone (greedy
+output alone == beside a chunk, tests/test_mixed_steps.py).
+
+Full-attention models only: a sliding layer's window would have to be trimmed per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvrunahead.model.attention import attention_mode, current_state, register, require_attention_interface
+from kvrunahead.model.forward import with_cache
+from kvrunahead.model.growing import GrowingKV
+from kvrunahead.modes.attention import refuse_softcap
+from kvrunahead.modes.kvr import ChainLink, RunaheadCache, split_block
+
+
+@dataclass
+class Row:
+    """A request decoding on the front: the token to compute now, its position, its K,V per layer (grown in
+    place by this step)."""
+
+    token: int
+    position: int
+    kv: list[GrowingKV]
+
+
+@dataclass
+class _State:
+    part_tokens: int
+    blocks: list = field(default_factory=list)  # the layer being run: (q_lo, q_hi, keys, values) per segment
+
+
+class _RowsLayer(DynamicLayer):
+    """One layer's cache in a mixed forward: the part's K,V through the chain layer, each row's appended to its own."""
+
+    def __init__(self, part_layer, rows: list[Row], index: int, state: _State) -> None:
+        super().__init__()
+        self.part_layer, self.rows, self.index, self.state = part_layer, rows, index, state
+
+    def get_seq_length(self) -> int:
+        return self.part_layer.get_seq_length()
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.part_layer.get_mask_sizes(*args, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = self.state.part_tokens
+        blocks = []
+        if n:
+            keys, values = self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs)
+            blocks.append((0, n, keys, values))
+        for j, row in enumerate(self.rows):
+            k, v = row.kv[self.index].append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
+            blocks.append((n + j, n + j + 1, k, v))
+        self.state.blocks = blocks
+        return key_states, value_states  # the attention reads the blocks, not these
+
+
+class RowsCache(DynamicCache):
+    """The cache a mixed forward hands the model: the chain cache of the part, the rows' own K,V beside it."""
+
+    def __init__(self, part: RunaheadCache, rows: list[Row], state: _State) -> None:
+        layers = [_RowsLayer(layer, rows, i, state) for i, layer in enumerate(part.layers)]
+        super(DynamicCache, self).__init__(layers=layers)
+
+
+MIXED = "kvrunahead_mixed_rows"
+
+
+def mixed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Each block's queries (the part's, then one per row) against that segment's keys, causally at their end."""
+    refuse_softcap(kwargs, "a mixed step")
+    outs = [split_block(query[:, :, lo:hi], k, v, scaling) for lo, hi, k, v in current_state().blocks]
+    return torch.cat(outs, dim=1), None
+
+
+register(MIXED, mixed_attention)
+
+
+@torch.no_grad()
+def mixed_forward(model: torch.nn.Module, part_ids: list[int], link: ChainLink, rows: list[Row], emit: bool
+                  ) -> tuple[torch.Tensor | None, list[torch.Tensor], RunaheadCache]:
+    """The front's part of a prompt segment (``part_ids`` at positions from ``link.prefix_len``) and ``rows`` in
+    one forward. Returns the part's last-token logits (``emit``), each row's next-token logits, and the part's
+    cache (as ``kvr_prefill`` leaves it)."""
+    require_attention_interface(model, "a mixed step")
+    device = link.device
+    n = len(part_ids)
+    ids = torch.tensor([[*part_ids, *(r.token for r in rows)]], device=device)
+    positions = torch.tensor([[*range(link.prefix_len, link.prefix_len + n), *(r.position for r in rows)]],
+                             device=device)
+    part = RunaheadCache(link)
+    state = _State(n)
+    keep = ([n - 1] if emit and n else []) + [n + j for j in range(len(rows))]
+    link.start()
+    with attention_mode(model, MIXED, state):
+        out = model(input_ids=ids, position_ids=positions, **with_cache(model, RowsCache(part, rows, state)),
+                    use_cache=True, logits_to_keep=torch.tensor(keep, device=device))
+    link.finish()
+    logits = out.logits[0]
+    first = logits[0] if emit and n else None
+    return first, list(logits[len(keep) - len(rows):]), part
