@@ -26,7 +26,7 @@ from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.runner import run_on_world
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.engine import Engine, EngineConfig
-from kvrunahead.serve.sequence import Finished, Request, SamplingParams
+from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEvent
 
 
 def match(scenario: dict, world, out: dict) -> None:
@@ -212,6 +212,68 @@ def chunked(scenario: dict, world, out: dict) -> None:
     engine.shutdown()
 
 
+def mixed(scenario: dict, world, out: dict) -> None:
+    """Short requests decoding while a long prompt prefills (in chunks of ``chunk_tokens``, or whole with 0): every
+    request's greedy tokens against transformers' ``generate`` on the prompt alone, in this process. Counts the
+    forwards in which decode rows shared the prompt's forward, and the steps that carried both."""
+    import kvrunahead.serve.executor as executor_module
+
+    run = RunConfig(**scenario["run"])
+    cfg = EngineConfig(run=run, degree=scenario.get("degree", "auto"), pack_tokens=0,
+                       chunk_tokens=scenario.get("chunk_tokens", 0), prefix_cache_tokens=0,
+                       mixed_steps=scenario.get("mixed_steps", True))
+    shared = {"forwards": 0, "rows": 0}
+    plain = executor_module.mixed_forward
+
+    def counted(model, ids, link, rows, emit):
+        shared["forwards"] += 1
+        shared["rows"] += len(rows)
+        return plain(model, ids, link, rows, emit)
+
+    executor_module.mixed_forward = counted
+    engine = Engine(cfg, world)
+    if not engine.is_front:
+        engine.worker_loop()
+        out["partial_left"], out["shards_left"] = len(engine.ctx.partial), len(engine.ctx.shards)
+        return
+    requests = {f"short{i}": ids for i, ids in enumerate(scenario["shorts"])}
+    requests |= {f"long{i}": ids for i, ids in enumerate(scenario["longs"])}
+    max_tokens = scenario["max_tokens"]
+    for rid, ids in requests.items():
+        if rid.startswith("short"):
+            engine.add(Request(rid, ids, SamplingParams(max_tokens=max_tokens)))
+    schedule, both = engine.scheduler.schedule, []
+
+    def counting(now=None):  # the steps that carry decode rows and a prefill
+        step = schedule(now)
+        both.append(step is not None and bool(step.decodes) and step.prefill is not None)
+        return step
+
+    engine.scheduler.schedule = counting
+    events = []
+    for _ in range(3):  # the short ones prefilled and decoding
+        events += engine.step()
+    for rid, ids in requests.items():
+        if rid.startswith("long"):
+            engine.add(Request(rid, ids, SamplingParams(max_tokens=max_tokens)))
+    while engine.has_work():
+        events += engine.step()
+    engine.step()  # an idle step: the workers hear of the requests that ended
+    engine.shutdown()
+    finished = {e.request_id: e for e in events if isinstance(e, Finished)}
+    out["decode"] = {rid: finished[rid].figures.decode for rid in requests}
+    out["tokens"] = {rid: [e.token_id for e in events if e.request_id == rid and isinstance(e, TokenEvent)]
+                     for rid in requests}
+    out["reference"] = {}
+    for rid, ids in requests.items():
+        model = engine.ctx.model(plan_extension(engine.model_config, len(ids), False, run.model))[0].model
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+        out["reference"][rid] = ref[0, len(ids):].tolist()
+    out["shared_forwards"], out["shared_rows"], out["mixed_steps"] = shared["forwards"], shared["rows"], sum(both)
+    out["partial_left"], out["shards_left"] = len(engine.ctx.partial), len(engine.ctx.shards)
+
+
 def idle(scenario: dict, world, out: dict) -> None:
     """The front idles with the client's loop pinging; the test kills it and watches the worker exit."""
     client = _front_client(scenario, world)
@@ -230,7 +292,7 @@ def main() -> None:
     code = 0
     try:
         scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
-                     "chunked": chunked}
+                     "chunked": chunked, "mixed": mixed}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

@@ -1,0 +1,146 @@
+"""Mixed steps (serve/rows.py, serve/executor.run_step): decode rows share a prompt's or a chunk's step, and on the
+front its forward. Every request's greedy output equals transformers' on its prompt alone, whatever ran beside it,
+on real ranks: p = 1-3, chunks over the chain and on the front alone, KV-parallel rows on every rank, a
+sliding-window model (its rows in the decoder's own forward within the step)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.growing import GrowingKV
+from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.modes.kvr import ChainLink
+from kvrunahead.runner import loaded_model
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
+from kvrunahead.serve.rows import Row, mixed_forward
+from kvrunahead.serve.scheduler import PrefillWork, Scheduler
+from kvrunahead.serve.sequence import Request, SamplingParams, Sequence
+from kvrunahead.transport import LocalTransport
+from tests.helpers import wait_all
+from tests.test_serve_engine import _start_ranks
+
+SHORTS = [list(range(7, 20)), list(range(40, 49)), list(range(90, 121))]
+LONGS = [list(range(3, 60)) + list(range(60, 120))]
+
+
+def _run(tmp_path, p: int, **scenario) -> dict:
+    scenario = {"name": "mixed", "run": {"model": "tiny-llama", "threads": 1}, "degree": str(p), "max_tokens": 24,
+                "shorts": SHORTS, "longs": LONGS, **scenario}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 240)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["tokens"] == r["reference"]
+    for rank in range(p):
+        left = json.loads(Path(f"{out}.{rank}").read_text())
+        assert left["partial_left"] == 0 and left["shards_left"] == 0, rank
+    return r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p,chunk", [(1, 9), (2, 1), (2, 16), (3, 11)])
+def test_decodes_beside_a_chunked_prompt_answer_as_alone(tmp_path, p, chunk):
+    """The short requests decode in every step of the long prompt's chunks, in the front's forward of each chunk
+    (a chunk of one token included)."""
+    r = _run(tmp_path, p, chunk_tokens=chunk)
+    chunks = -(-len(LONGS[0]) // chunk)  # the short ones decode 24 tokens: some of the long one's chunks run alone
+    assert r["mixed_steps"] >= min(chunks - 1, 10)
+    assert r["shared_forwards"] >= min(chunks - 1, 10) and r["shared_rows"] >= r["shared_forwards"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [2, 3])
+def test_decodes_beside_a_whole_prompt_over_the_chain_answer_as_alone(tmp_path, p):
+    r = _run(tmp_path, p)
+    assert r["shared_forwards"] >= 1 and r["mixed_steps"] >= 1
+
+
+@pytest.mark.timeout(300)
+def test_separate_steps_answer_the_same_without_sharing_a_forward(tmp_path):
+    r = _run(tmp_path, 2, chunk_tokens=16, mixed_steps=False)
+    assert r["shared_forwards"] == 0 and r["mixed_steps"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_kv_parallel_rows_run_on_every_rank_beside_a_chunk(tmp_path):
+    """The short requests decode KV-cache parallel (their rows on every rank's shard) while the long prompt's
+    chunks run over the chain in the same steps."""
+    r = _run(tmp_path, 2, run={"model": "tiny-llama", "threads": 1, "decode": "kvp"}, chunk_tokens=40)
+    assert all(r["decode"][f"short{i}"] == "kvp" for i in range(len(SHORTS)))
+    assert r["mixed_steps"] >= 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_sliding_window_models_decodes_beside_a_prompt_answer_as_alone(tmp_path, p):
+    """Gemma 3's hybrid layers: the rows run in the decoder's own forward within the step (no shared forward)."""
+    r = _run(tmp_path, p, run={"model": "tiny-gemma3", "threads": 1},
+             longs=[list(range(3, 200)) + list(range(3, 60))])
+    assert r["shared_forwards"] == 0 and r["mixed_steps"] >= 1
+
+
+def test_rows_in_a_prompts_forward_get_the_logits_they_get_alone():
+    lm = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0)
+    model, layout = lm.model, probe_kv_layout(lm.model)
+
+    def alone(ids, cache=None, position=0):
+        from transformers import DynamicCache
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        pos = torch.arange(position, position + len(ids)).unsqueeze(0)
+        return last_token_logits(model, torch.tensor([ids]), position_ids=pos, cache=cache), cache
+
+    rows, expected = [], []
+    for ids in SHORTS:
+        logits, cache = alone(ids)
+        token = int(logits.argmax())
+        kv = [GrowingKV(layer.keys, layer.values) for layer in cache.layers]
+        expected.append(alone([token], cache, len(ids))[0])
+        rows.append(Row(token, len(ids), kv))
+    prompt = LONGS[0]
+    first, row_logits, cache = mixed_forward(model, prompt, ChainLink(LocalTransport(), 0, layout,
+                                                                      torch.device("cpu")), rows, emit=True)
+    assert torch.allclose(first, alone(prompt)[0], atol=1e-5)
+    for got, want in zip(row_logits, expected):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert all(row.kv[0].n == len(ids) + 1 for row, ids in zip(rows, SHORTS))
+    assert cache.layers[0].keys.shape[-2] == len(prompt)
+
+
+def test_a_step_is_one_prompt_or_chunk_with_decode_rows_and_tells_the_workers_only_what_they_run():
+    chunk = Segment("long", tuple(range(10)), 20, held=RANKS, keep=RANKS, cuts=(20, 25, 30))
+    row = Segment("a", (5,), 7, held=FRONT, keep=FRONT, decode=True)
+    kvp = Segment("b", (6,), 9, held=SHARDED, keep=SHARDED, decode=True)
+    plan = StepPlan((row, kvp, chunk))
+    assert plan.prompt is chunk and plan.rows == (row,) and plan.sharded == (kvp,)
+    assert plan.needs_workers and plan.workers_plan.segments == (kvp, chunk)
+    assert chunk.part(0, 2) == (20, 25) and chunk.part(1, 2) == (25, 30)
+    alone = Segment("x", (1, 2, 3), cuts=(0, 0, 3))
+    assert alone.alone and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
+    assert not StepPlan((row, alone)).needs_workers  # a whole prompt on the front: the workers are not told
+    assert StepPlan((Segment("x", (1,), 3, held=FRONT, cuts=(3, 3, 4)),)).prompt.decode is False
+    with pytest.raises(ValueError, match="at most one prompt"):
+        StepPlan((chunk, alone))
+    with pytest.raises(ValueError, match="exactly when"):
+        Segment("x", (1,), 0, held=FRONT)
+    with pytest.raises(ValueError, match="decode segment"):
+        Segment("x", (1, 2), 4, held=FRONT, decode=True)
+    assert NOWHERE == Segment("x", (1,)).held
+
+
+def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():
+    def seq(rid, n):
+        return Sequence(Request(rid, list(range(n)), SamplingParams(max_tokens=4)))
+
+    mixed, separate = Scheduler(8), Scheduler(8, mixed=False)
+    for scheduler in (mixed, separate):
+        running = seq("r", 5)
+        scheduler.start_decoding(running)
+        scheduler.add(seq("w", 9))
+    step = mixed.schedule(0.0)
+    assert [s.request_id for s in step.decodes] == ["r"] and isinstance(step.prefill, PrefillWork)
+    first, second = separate.schedule(0.0), separate.schedule(0.0)
+    assert (first.decodes, second.prefill) == ([], None) or (first.prefill is None) != (second.prefill is None)
+    assert not first.decodes or first.prefill is None
