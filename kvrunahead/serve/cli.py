@@ -98,7 +98,8 @@ def _engine_config(options: dict):
                         degree=options["degree"], pack_tokens=options["pack_tokens"],
                         prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
                         chunk_tokens=options["chunk_tokens"], schedule=options["schedule"],
-                        ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"])
+                        ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"],
+                        mixed_steps=options["mixed_steps"])
 
 
 def _announce(url: str, model_id: str, world_size: int):
@@ -199,6 +200,11 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "whole prefill), no request passed over more than 8 prefill steps in a row. With lars a long "
                    "prefill yields part of the step budget while shorter ones wait, and a prefill of up to 3 budgets "
                    "runs whole where its chunks would miss its TTFT target.")
+@click.option("--mixed-steps/--separate-steps", default=True, show_default=True,
+              help="Mixed: every engine step carries each running request's next token beside the next prefill or "
+                   "chunk, in the front's forward of it where they share a model (stall-free batching, as vLLM v1 "
+                   "and Sarathi); a step takes its chunk's budget plus one decode token of every running request. "
+                   "Separate: a step is a prefill (or chunk) or a decode, never both.")
 @click.option("--ttft-slo-s", type=float, default=2.0, show_default=True,
               help="LARS's default TTFT target: the larger of this and --ttft-slo-factor times the request's "
                    "predicted prefill alone (a request may ask its own: ttft_target_s in the body).")
