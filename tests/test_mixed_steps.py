@@ -121,8 +121,15 @@ def test_a_step_is_one_prompt_or_chunk_with_decode_rows_and_tells_the_workers_on
     assert alone.alone and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
     assert not StepPlan((row, alone)).needs_workers  # a whole prompt on the front: the workers are not told
     assert StepPlan((Segment("x", (1,), 3, held=FRONT, cuts=(3, 3, 4)),)).prompt.decode is False
-    with pytest.raises(ValueError, match="at most one prompt"):
+    with pytest.raises(ValueError, match="one prompt or chunk, or several prompts packed"):
         StepPlan((chunk, alone))
+    with pytest.raises(ValueError, match="packed prompts are whole prompts"):
+        StepPlan((chunk, alone), packed=(0, 5, 13))
+    packed = StepPlan((row, Segment("p", (1, 2, 3)), Segment("q", (4, 5))), packed=(0, 3, 5))
+    assert packed.prompt is None and [s.request_id for s in packed.prompts] == ["p", "q"]
+    assert packed.packed_step.lengths == (3, 2) and packed.needs_workers
+    assert packed.workers_plan.packed == (0, 3, 5) and packed.workers_plan.rows == ()
+    assert not StepPlan(packed.segments, packed=(0, 0, 5)).needs_workers  # packed on the front alone
     with pytest.raises(ValueError, match="exactly when"):
         Segment("x", (1,), 0, held=FRONT)
     with pytest.raises(ValueError, match="decode segment"):

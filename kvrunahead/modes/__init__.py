@@ -16,7 +16,7 @@ from kvrunahead.model.attention import require_attention_interface
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import KVLayout, layer_windows, soft_caps
 from kvrunahead.modes import cp_allgather, ring, tsp
-from kvrunahead.modes.kvr import ChainLink, LocalPrefixLink, kvr_prefill, local_prefixes
+from kvrunahead.modes.kvr import ChainLink, LocalPrefixLink, OwnPartLink, kvr_prefill, local_prefixes
 from kvrunahead.partition import Partition, last_rank, zigzag_emitter
 from kvrunahead.transport import Transport
 
@@ -71,7 +71,8 @@ def _chain(step: Step, nocomm: bool = False) -> ChainLink:
     start = step.ranges[step.transport.rank][0][0]
     device = step.input_ids.device
     if not nocomm:
-        return ChainLink(step.transport, start, step.layout, device, own_only=step.own_kv_only)
+        link = OwnPartLink if step.own_kv_only else ChainLink
+        return link(step.transport, start, step.layout, device)
     link = LocalPrefixLink(step.transport, start, step.layout, device)
     link.prefixes = local_prefixes(step.model, torch.tensor([step.all_ids[:start]], device=device))
     return link

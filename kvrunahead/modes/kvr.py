@@ -17,7 +17,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
 from kvrunahead.model.forward import fill_cache, forward_part
-from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
 from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
@@ -32,17 +31,11 @@ class ChainLink:
     ([max(0, b - window + 1), b)), so its traffic stops growing with the context. A layer's K and V travel as one
     contiguous ``[2, 1, heads, tokens, head_dim]`` tensor: one message per layer and hop.
 
-    ``holder`` names the rank that sends rank 0 its prefix where the prompt's first ``prefix_len`` positions are
-    held already (a cached prefix, on the server's front): rank 0 then receives them instead of computing them,
-    and the chain goes on as usual.
-
-    ``own_only``: a full layer keeps only this rank's own positions once its attention has them all (the KVP
-    decode's shard, kvrunahead/kvp.py): the prefix received dies with the layer's attention, so the last rank never
-    holds the whole prompt's K,V at once.
-
-    ``base``: every rank holds the first B positions already (the chunks before this one of a chunked prefill,
-    serve/chunking.py; full-attention layers only): the chain carries only what comes after them, [B, start) to
-    this rank and [B, end) on, so a chunk's traffic does not grow with the prompt.
+    What a server adds to the chain (a prefix held by another rank, positions every rank holds already, a rank's
+    own part kept as its shard) lives in subclasses that override the hooks: ``prev`` (where the prefix comes
+    from), ``held_len`` (the first positions this rank holds already, which the chain does not carry), ``join``
+    (how the received prefix and the rank's own K,V become the layer's K,V) and ``keep`` (what the rank's cache
+    keeps of them once the layer has attended).
     """
 
     transport: Transport
@@ -50,11 +43,6 @@ class ChainLink:
     layout: KVLayout
     device: torch.device
     lookahead: int = 1
-    holder: int | None = None
-    own_only: bool = False
-    base: list[GrowingKV] | None = None  # per layer: positions [0, B) held already, the exchange appends to them
-    keep_whole: bool = False  # keep each layer's K,V after the exchange in ``whole`` (the next chunk's base)
-    whole: dict = field(default_factory=dict)
     _pending: dict = field(default_factory=dict)
     bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # "full" / "sliding" layers
 
@@ -65,14 +53,16 @@ class ChainLink:
     @property
     def prev(self) -> int:
         """Where this rank's prefix comes from."""
-        return self.rank - 1 if self.rank > 0 else self.holder
+        return self.rank - 1
 
-    def __post_init__(self) -> None:
-        self.base_len = self.base[0].n if self.base else 0  # the exchange appends to the base: fix B first
+    @property
+    def held_len(self) -> int:
+        """The first positions of the prefix this rank holds already: the chain carries only those after them."""
+        return 0
 
     @property
     def has_prev(self) -> bool:
-        return (self.rank > 0 and self.prefix_len > self.base_len) or self.holder is not None
+        return self.rank > 0 and self.prefix_len > self.held_len
 
     @property
     def has_next(self) -> bool:
@@ -87,7 +77,7 @@ class ChainLink:
         if not self.has_prev or layer >= self.layout.num_layers or layer in self._pending:
             return
         # The buffer shape follows from the partition and the window alone: no per-layer shape handshake.
-        tokens = self.layout.kept(layer, self.prefix_len) - self.base_len
+        tokens = self.layout.kept(layer, self.prefix_len) - self.held_len
         buf = torch.empty(self.layout.kv_shape(layer, tokens), dtype=self.layout.dtype, device=self.device)
         self._pending[layer] = (self.transport.irecv(buf, self.prev, tag=layer), buf)
 
@@ -103,21 +93,21 @@ class ChainLink:
     def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
         """Prepend the predecessor's prefix to ``local_kv``, forward what the successor's cache keeps of the
         result, return the result."""
-        parts = [self.prefix(layer)] if self.has_prev else []
-        if self.base:  # the last chunk's too: a copy into storage of its own size would cost the step a copy of
-            # every position on every rank (about 1.6 s at 12k on 2 CPU ranks); what keeps the cache longer (the prefix
-            # cache) keeps its own copy, a decode's ends with the request
-            kv = self.base[layer].extend(*parts, local_kv)
-        else:
-            kv = torch.cat((*parts, local_kv), dim=-2) if parts else local_kv.contiguous()
-        if self.keep_whole:
-            self.whole[layer] = self.base[layer] if self.base else GrowingKV.stacked(kv)
+        kv = self.join(layer, [self.prefix(layer)] if self.has_prev else [], local_kv)
         if self.has_next:
-            handed = self.layout.kept(layer, self.handed_on(local_kv.shape[-2])) - self.base_len
+            handed = self.layout.kept(layer, self.handed_on(local_kv.shape[-2])) - self.held_len
             out = kv[..., kv.shape[-2] - handed:, :].contiguous()
             self.transport.isend(out, self.rank + 1, tag=layer)
             kind = self.layout.kind(layer)
             self.bytes_sent_by_kind[kind] = self.bytes_sent_by_kind.get(kind, 0) + nbytes(out)
+        return kv
+
+    def join(self, layer: int, received: list[torch.Tensor], local_kv: torch.Tensor) -> torch.Tensor:
+        """The layer's K,V: the received prefix (if any), then this rank's own."""
+        return torch.cat((*received, local_kv), dim=-2) if received else local_kv.contiguous()
+
+    def keep(self, layer: int, kv: torch.Tensor) -> torch.Tensor:
+        """What this rank's cache keeps of a full layer's K,V of [0, end) after its attention: all of it."""
         return kv
 
     def handed_on(self, local_tokens: int) -> int:
@@ -129,10 +119,20 @@ class ChainLink:
         self.transport.drain()
 
 
+@dataclass
+class OwnPartLink(ChainLink):
+    """A link whose full layers keep only this rank's own positions once attended (the KVP decode's shard,
+    kvrunahead/kvp.py): the prefix received dies with the layer's attention, so the last rank never holds the
+    whole prompt's K,V at once."""
+
+    def keep(self, layer: int, kv: torch.Tensor) -> torch.Tensor:
+        return kv[..., self.prefix_len:, :].clone() if self.prefix_len else kv
+
+
 def send_held_prefix(transport: Transport, kv: list[torch.Tensor], layout: KVLayout, to: int = 0) -> None:
-    """The holder's side of a cached prefix (``ChainLink.holder``): every layer's K,V of the held positions,
-    ``[2, 1, heads, P, head_dim]``, to rank ``to`` as that layer's chain message, in the background (the sends
-    are drained with the prefill's own)."""
+    """The holder's side of a prefix held on another rank (a server's cached prefix): every layer's K,V of the held
+    positions, ``[2, 1, heads, P, head_dim]``, to rank ``to`` as that layer's chain message, in the background (the
+    sends are drained with the prefill's own)."""
     for layer, t in enumerate(kv):
         transport.isend(t[..., t.shape[-2] - layout.kept(layer, t.shape[-2]):, :].contiguous(), to, tag=layer)
 
@@ -161,10 +161,8 @@ class RunaheadLayer(DynamicLayer):
         maybe_inject(self.fault, self.link.rank, self.layer_idx)
         self.dtype, self.device = key_states.dtype, key_states.device
         kv = self.link.exchange(self.layer_idx, torch.stack((key_states, value_states)))
-        self.keys, self.values = kv[0], kv[1]
-        if self.link.own_only and self.link.prefix_len:
-            own = kv[..., self.link.prefix_len:, :].clone()
-            self.keys, self.values = own[0], own[1]
+        kept = self.link.keep(self.layer_idx, kv)
+        self.keys, self.values = kept[0], kept[1]
         self.is_initialized = True
         return kv[0], kv[1]
 

@@ -215,9 +215,13 @@ class Engine:
         prompts', an Answered, or None (no prefill, or a chunk that was not the last)."""
         self._free_shards()
         work, rows = step.prefill, [self._row(s) for s in step.decodes]
-        if isinstance(work, (PackedPrefillWork, AskWork)):  # their own forwards; the rows run after them
-            prefilled = self._packed(work.seqs) if isinstance(work, PackedPrefillWork) else self._ask(work.ask)
+        if isinstance(work, AskWork):  # its own forwards and decode loop; the rows run after them
+            prefilled = self._ask(work.ask)
             return self._run(StepPlan(tuple(rows), self.attention)), prefilled
+        if isinstance(work, PackedPrefillWork):  # the rows run beside the packed prompts, in their own forward
+            segments, cuts = self._packed(work.seqs)
+            outcome = self._run(StepPlan(tuple(rows) + tuple(segments), self.attention, packed=cuts))
+            return outcome, [outcome.prefill(seq.request_id) for seq in work.seqs]
         seg, held, placed = None, None, None
         if isinstance(work, PrefillWork):
             seg, held, placed = self._segment(work.seq)
@@ -281,16 +285,16 @@ class Engine:
                                    end == n)
         return seg, None, None
 
-    def _packed(self, seqs: list) -> list[PrefillOutcome]:
-        """One packed prefill of several waiting prompts (Placement.packed)."""
+    def _packed(self, seqs: list) -> tuple[list[Segment], tuple[int, ...]]:
+        """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
         start = time.monotonic()
-        outcomes, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
-                                                 tuple(s.request_id for s in seqs))
+        segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
+                                                       tuple(s.request_id for s in seqs))
         for seq in seqs:
             seq.prefill_start_s = start
             seq.figures = RequestFigures(0.0, start - seq.request.arrival_s, placed.degree, list(placed.boundaries),
                                          placed.source, placed.degree_source, packed_with=len(seqs))
-        return outcomes
+        return segments, cuts
 
     def _ask(self, ask: AskRequest) -> Answered:
         """The context prefilled once (over the chain where the degree policy says so), then every question packed
@@ -299,7 +303,7 @@ class Engine:
         seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, None)
         if seg.keep == SHARDED:  # the questions decode on the front, which must hold the whole context
             seg = dataclasses.replace(seg, keep=FRONT)
-        outcome = self._run(StepPlan((seg,), self.attention), held)
+        outcome = self._run(StepPlan((seg,), self.attention), held).prefill(ask.request_id)
         self.placement.prefixes.put(ask.context_ids, outcome.cache)
         context_s = time.monotonic() - start
         self.heartbeat.maybe_ping()

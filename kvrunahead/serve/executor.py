@@ -34,19 +34,19 @@ from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
-from kvrunahead.modes.kvr import ChainLink, kvr_prefill, send_held_prefix
+from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
 from kvrunahead.questions import answer
 from kvrunahead.runner import RankStats, rank_stats
+from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.plans import (
     FRONT,
     NOWHERE,
     RANKS,
     SHARDED,
     Drop,
-    PackedPlan,
     Ping,
     Plan,
     Segment,
@@ -141,11 +141,11 @@ class StepOutcome:
     ends, every decode row's), the prompt segment's cache where the front keeps it, every rank's figures."""
 
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
-    cache: DynamicCache | None = None
+    caches: dict[str, DynamicCache] = field(default_factory=dict)
     ranks: list[RankStats] = field(default_factory=list)
 
     def prefill(self, request_id: str) -> PrefillOutcome:
-        return PrefillOutcome(self.logits[request_id], self.cache, self.ranks)
+        return PrefillOutcome(self.logits[request_id], self.caches.get(request_id), self.ranks)
 
 
 def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None = None, decoder=None
@@ -161,7 +161,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     front = ctx.rank == ctx.front
     seg = plan.prompt
     together = plan.needs_workers and ctx.world_size > 1
-    ctx.use_threads(solo=not plan.sharded and (seg is None or seg.alone))
+    ctx.use_threads(solo=not plan.sharded and (seg is None or seg.alone) and (plan.packed is None or not together))
     ctx.transport.reset_stats()
     if together:
         liveness.patient_barrier("the other ranks to start the step")
@@ -177,8 +177,17 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     if seg is not None:
         link, mine, riders = _prompt(ctx, plan, seg, held, decoder if front else None, out)
         rows = tuple(r for r in rows if r.request_id not in riders)
+    elif plan.packed is not None:
+        link, mine = _packed(ctx, plan, out)
     total_s = time.perf_counter() - t0
-    if together:
+    if plan.packed is not None and together:  # the first-token logits of prompts ending off the front, to it
+        sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
+        stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
+        everyone = liveness.gather_objects((stats, sent), "the other ranks to finish the step")
+        out.ranks = [s for s, _ in everyone]
+        for _, theirs in everyone:
+            out.logits.update(theirs)
+    elif together:
         stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
         out.ranks = liveness.gather_objects(stats, "the other ranks to finish the step")
     else:
@@ -203,8 +212,8 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
     elif seg.held == FRONT and seg.alone and front:
         base = [GrowingKV.stacked(kv) for kv in held]
     holder = ctx.front if seg.held == FRONT and not seg.alone and ctx.rank == 0 else None
-    link = ChainLink(ctx.transport, start, layout, ctx.device, holder=holder, own_only=seg.keep == SHARDED,
-                     base=base, keep_whole=seg.keep == RANKS)
+    link = SegmentLink(ctx.transport, start, layout, ctx.device, holder=holder, base=base,
+                       keep_whole=seg.keep == RANKS, own_part=seg.keep == SHARDED)
     if front and holder is None and seg.held == FRONT and not seg.alone:
         send_held_prefix(ctx.transport, held, layout)
     # The front alone on a whole prompt computes what one process computes (the model's own attention).
@@ -225,7 +234,7 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
         ctx.shards[seg.request_id] = (cache, seg.rope)
     if front:
         out.logits[seg.request_id] = logits
-        out.cache = cache
+        out.caches[seg.request_id] = cache
     return link, (start, end), riders
 
 
@@ -262,43 +271,26 @@ def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
                      bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
 
 
-def packed_chain_prefill(ctx: RankContext, plan: PackedPlan) -> list[PrefillOutcome] | None:
-    """This rank's part of a packed prefill; every rank hands on all it holds, so the front ends with every prompt's
-    cache, and the first-token logits of the prompts that end on other ranks are gathered to it."""
-    ctx.use_threads(solo=False)
-    ctx.transport.reset_stats()
+def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
+    """This rank's part of several prompts packed end to end (kvrunahead/pack): over the chain every rank hands on
+    all it holds (a relaying chain), so the front ends with every prompt's cache; on the front alone a chain of
+    one. Returns the link and this rank's positions of the packed sequence."""
     lm, layout = ctx.model(None)
-    step = plan.step
+    step = plan.packed_step
+    prompts = plan.prompts
     front = ctx.rank == ctx.front
-    ids = [t for prompt in plan.prompts for t in prompt]
-    link = packed_link(step, ctx.rank, ctx.transport, layout, ctx.device, relay=True)
-    liveness.patient_barrier("the other ranks to start the packed prefill")
-    t0 = time.perf_counter()
-    out = packed_prefill(lm.model, step, ids, link, ctx.rank, every_cache=front)
-    total_s = time.perf_counter() - t0
-    mine = [(step.boundaries[ctx.rank], step.boundaries[ctx.rank + 1])]
-    stats = rank_stats(ctx.rank, mine, total_s, ctx.transport, None, ctx.device)
-    sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
-    everyone = liveness.gather_objects((stats, sent), "the other ranks to finish the packed prefill")
-    if not front:
-        return None
-    logits = dict(out.logits)
-    for _, theirs in everyone:
-        logits.update(theirs)
-    ranks = [s for s, _ in everyone]
-    return [PrefillOutcome(logits[k], out.caches[k], ranks) for k in range(len(plan.prompts))]
-
-
-def packed_front_prefill(ctx: RankContext, prompts: list[list[int]]) -> list[PrefillOutcome]:
-    """A packed prefill on the front alone (degree 1), the other ranks untouched."""
-    ctx.use_threads(solo=True)
-    lm, layout = ctx.model(None)
-    step = PackedStep(tuple(range(len(prompts))), tuple(map(len, prompts)), (0, sum(map(len, prompts))))
-    link = PackedLink(ctx.transport, 0, layout, ctx.device)  # a chain of one: nothing to receive or send
-    t0 = time.perf_counter()
-    out = packed_prefill(lm.model, step, [t for x in prompts for t in x], link, 0, every_cache=True)
-    stats = _solo_stats(ctx, step.total, time.perf_counter() - t0)
-    return [PrefillOutcome(out.logits[k], out.caches[k], [stats]) for k in range(len(prompts))]
+    ids = [t for p in prompts for t in p.tokens]
+    if plan.needs_workers:
+        rank, link = ctx.rank, packed_link(step, ctx.rank, ctx.transport, layout, ctx.device, relay=True)
+    else:  # on the front alone: the whole packed sequence is its part, nothing to receive or send
+        step = PackedStep(step.prompts, step.lengths, (0, step.total))
+        rank, link = 0, PackedLink(ctx.transport, 0, layout, ctx.device)
+    part = packed_prefill(lm.model, step, ids, link, rank, every_cache=front)
+    for k, logits in part.logits.items():
+        out.logits[prompts[k].request_id] = logits
+    if front:
+        out.caches.update((prompts[k].request_id, cache) for k, cache in part.caches.items())
+    return link, (step.boundaries[rank], step.boundaries[rank + 1])
 
 
 def answer_on_front(ctx: RankContext, cache: DynamicCache, questions: list[list[int]],
@@ -324,8 +316,6 @@ def worker_loop(ctx: RankContext) -> None:
             return
         if isinstance(plan, StepPlan):
             run_step(ctx, plan)
-        elif isinstance(plan, PackedPlan):
-            packed_chain_prefill(ctx, plan)
         elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
                 ctx.shards.pop(request_id, None)

@@ -22,8 +22,8 @@ from kvrunahead.policy import RunConfig, choose_partition
 from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, PackedPlan, Segment, StepPlan
+from kvrunahead.serve.executor import Heartbeat, RankContext, StepOutcome
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
 
@@ -128,20 +128,20 @@ class Placement:
             self.heartbeat.sent()
         return executor.run_step(self.ctx, plan, held, decoder)
 
-    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]) -> tuple[list[PrefillOutcome], Placed]:
-        """One packed prefill of several prompts: over the chain, cut by the packed work at prompt edges, or on
-        the front alone where the degree policy puts that many tokens on one rank."""
+    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]
+               ) -> tuple[list[Segment], tuple[int, ...], Placed]:
+        """Several prompts packed into one prefill: their segments and the packed sequence's cuts, over the chain
+        cut by the packed work at prompt edges, or on the front alone where the degree policy puts that many tokens
+        on one rank."""
         lengths = [len(x) for x in prompts]
+        segments = [Segment(rid, tuple(ids)) for rid, ids in zip(request_ids, prompts)]
         choice = self.degrees.choose(sum(lengths))
         if choice.degree == 1:
-            return (executor.packed_front_prefill(self.ctx, prompts),
-                    Placed(1, (0, sum(lengths)), "one rank", choice.source))
+            cuts = (0,) * self.ctx.world_size + (sum(lengths),)
+            return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source)
         boundaries = packed_cuts(lengths, self.ctx.world_size, self.work)
-        plan = PackedPlan(request_ids, tuple(map(tuple, prompts)), boundaries)
-        executor.send_plan(self.ctx, plan)
-        self.heartbeat.sent()
-        return (executor.packed_chain_prefill(self.ctx, plan),
-                Placed(choice.degree, boundaries, "packed work, cut at prompt edges where balanced", choice.source))
+        return segments, boundaries, Placed(choice.degree, boundaries,
+                                            "packed work, cut at prompt edges where balanced", choice.source)
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

@@ -1,6 +1,6 @@
-"""What the front tells every rank to run next (serve/executor.py broadcasts them): a step of segments (a prompt or a
-chunk of one over the chain, decode rows, KV-parallel decode tokens), a packed prefill, state to drop, a heartbeat,
-the end. Pickled, so plain data only."""
+"""What the front tells every rank to run next (serve/executor.py broadcasts them): a step of segments (a prompt, a
+chunk of one or packed prompts, over the chain or on the front; decode rows; KV-parallel decode tokens), state to
+drop, a heartbeat, the end. Pickled, so plain data only."""
 
 from __future__ import annotations
 
@@ -69,21 +69,39 @@ class Segment:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step on every rank: at most one segment over the chain or on the front (a prompt or a chunk),
-    the decode rows that ride along its forward on the front, and the KV-parallel requests' decode tokens, which
-    every rank runs on its shard (serve/executor.py ``run_step``)."""
+    """One engine step on every rank (serve/executor.py ``run_step``): the prompt segments (one prompt or a chunk of
+    one, over the chain or on the front alone; or several prompts packed end to end and cut at ``packed``, the
+    packed sequence's rank boundaries: Prepacking), the decode rows that ride along on the front, and the
+    KV-parallel requests' decode tokens, which every rank runs on its shard."""
 
     segments: tuple[Segment, ...]
     attention: str = "split"
+    packed: tuple[int, ...] | None = None  # several prompts packed: the rank boundaries of the packed sequence
 
     def __post_init__(self) -> None:
-        if sum(not s.decode for s in self.segments) > 1:
-            raise ValueError("a step computes at most one prompt or chunk (packed prompts run as a PackedPlan)")
+        prompts = self.prompts
+        if len(prompts) > 1 and self.packed is None:
+            raise ValueError("a step computes one prompt or chunk, or several prompts packed (with their cuts)")
+        if self.packed is not None and any(p.start or p.cuts is not None or p.keep != FRONT for p in prompts):
+            raise ValueError("packed prompts are whole prompts kept on the front, cut by the packed boundaries")
+
+    @property
+    def prompts(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if not s.decode)
 
     @property
     def prompt(self) -> Segment | None:
-        """The prompt or chunk segment, if any."""
-        return next((s for s in self.segments if not s.decode), None)
+        """The prompt or chunk segment of a step that is not packed, if any."""
+        prompts = self.prompts
+        return prompts[0] if len(prompts) == 1 and self.packed is None else None
+
+    @property
+    def packed_step(self) -> PackedStep | None:
+        """The packed prompts' step (pack/plan.py), if packed."""
+        if self.packed is None:
+            return None
+        prompts = self.prompts
+        return PackedStep(tuple(range(len(prompts))), tuple(len(p.tokens) for p in prompts), self.packed)
 
     @property
     def rows(self) -> tuple[Segment, ...]:
@@ -96,28 +114,17 @@ class StepPlan:
     @property
     def needs_workers(self) -> bool:
         """Whether a worker takes part: a segment cut over the chain, one every rank keeps or held, a KVP row."""
+        if self.sharded:
+            return True
+        if self.packed is not None:
+            return self.packed[0] != self.packed[-2]
         p = self.prompt
-        return bool(self.sharded) or (p is not None and (not p.alone or RANKS in (p.held, p.keep)
-                                                         or p.keep == SHARDED))
+        return p is not None and (not p.alone or RANKS in (p.held, p.keep) or p.keep == SHARDED)
 
     @property
     def workers_plan(self) -> StepPlan:
         """What the workers need: the front's decode rows stay on the front."""
-        return StepPlan(tuple(s for s in self.segments if not s.is_row), self.attention)
-
-
-@dataclass(frozen=True)
-class PackedPlan:
-    """Several prompts prefilled as one packed sequence cut at ``boundaries`` (kvrunahead/pack), relayed whole to
-    the front, which decodes them all."""
-
-    request_ids: tuple[str, ...]
-    prompts: tuple[tuple[int, ...], ...]
-    boundaries: tuple[int, ...]
-
-    @property
-    def step(self) -> PackedStep:
-        return PackedStep(tuple(range(len(self.prompts))), tuple(map(len, self.prompts)), self.boundaries)
+        return StepPlan(tuple(s for s in self.segments if not s.is_row), self.attention, self.packed)
 
 
 @dataclass(frozen=True)
@@ -138,4 +145,4 @@ class Shutdown:
     """Ends every worker's loop (the server is stopping)."""
 
 
-Plan = StepPlan | PackedPlan | Drop | Ping | Shutdown
+Plan = StepPlan | Drop | Ping | Shutdown
