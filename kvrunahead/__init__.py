@@ -9,12 +9,12 @@ The public API, imported on first use so that ``import kvrunahead`` (and every C
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+from kvrunahead.version import __version__
 
 _API = {
     "prefill": "kvrunahead.api",  # one prefill over local ranks started here
-    "RunConfig": "kvrunahead.policy",  # what to run: model, mode, context, partition, network, ...
-    "prepare": "kvrunahead.policy",  # the plan of a run (prompt, partition and why), before any rank works
+    "RunConfig": "kvrunahead.config",  # what to run: model, mode, context, partition, network, ...
+    "prepare": "kvrunahead.decide.policy",  # the plan of a run (prompt, partition and why), before any rank works
     "InputError": "kvrunahead.errors",
     "run_on_world": "kvrunahead.serve.oneshot",  # one prefill on ranks that have joined (torchrun, mpirun)
     "RunResult": "kvrunahead.runner",
@@ -25,7 +25,7 @@ _API = {
     "MODES": "kvrunahead.modes",
     "kvr_prefill": "kvrunahead.modes.kvr",  # the bare mechanism: one rank's part given a ChainLink
     "ChainLink": "kvrunahead.modes.kvr",
-    "Table": "kvrunahead.search.tables",
+    "Table": "kvrunahead.decide.tables",
 }
 __all__ = ["__version__", *_API]
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from kvrunahead.cli import common
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import network_spec, prepare
 from kvrunahead.errors import LaunchError
 from kvrunahead.launcher import spawn
-from kvrunahead.policy import RunConfig, network_spec, prepare
 from kvrunahead.runner import RunResult, run
 from kvrunahead.serve import oneshot
 

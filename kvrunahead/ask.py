@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import prepare
 from kvrunahead.launcher import World
+from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes import MODES, Step
-from kvrunahead.policy import RunConfig, default_threads, prepare, resolve_device, resolve_dtype
 from kvrunahead.questions import answer, context_prefixes, require_full_attention
 from kvrunahead.runner import cached_transport, check_alone, loaded_model, timed_prefill
 

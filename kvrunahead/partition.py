@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -146,3 +147,29 @@ def parse_partition(spec: str, context_len: int, world_size: int) -> Partition:
     if bounds[-1] != context_len:
         raise PartitionError(f"boundaries must end at the context length {context_len}, got {bounds[-1]}")
     return Partition(bounds)
+
+
+def equal_level_sizes(works: list[Callable[[float, float], float]], n: int) -> list[float]:
+    """Continuous part sizes, summing to ``n``, at which every rank's ``works[i](prefix, size)`` is equal (each work
+    increasing in both): bisection on the common level, each part the most tokens within it."""
+
+    def within(i: int, prefix: float, level: float) -> float:
+        lo, hi = 0.0, float(n)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if works[i](prefix, mid) <= level else (lo, mid)
+        return lo
+
+    def covered(level: float) -> list[float]:
+        prefix, sizes = 0.0, []
+        for i in range(len(works)):
+            sizes.append(within(i, prefix, level))
+            prefix += sizes[-1]
+        return sizes
+
+    lo, hi = 0.0, max(w(0.0, float(n)) for w in works)  # at that level rank 0 alone covers everything
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)
+    sizes = covered(hi)
+    return [x * n / sum(sizes) for x in sizes]

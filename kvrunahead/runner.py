@@ -12,9 +12,12 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead import launcher
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import Prepared, network_label, prepare
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.model.device import default_threads, oversubscribed, resolve_device, resolve_dtype
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model
@@ -22,16 +25,6 @@ from kvrunahead.model.rope import RopeExtension
 from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
-from kvrunahead.policy import (
-    Prepared,
-    RunConfig,
-    default_threads,
-    network_label,
-    oversubscribed,
-    prepare,
-    resolve_device,
-    resolve_dtype,
-)
 from kvrunahead.transport import Transport, make_transport
 
 log = logging.getLogger(__name__)

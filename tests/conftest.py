@@ -14,8 +14,9 @@ def write_table() -> Callable[..., Path]:
     every context, the other ranks split the rest evenly, the key (model, attention, world size, network) as
     asked."""
     # Imported here, not at the top: every test module loads this file, and the torch-free ones must stay so.
+    from kvrunahead.decide.tables import Table, TableEntry, TableMeta
     from kvrunahead.model.load import resolve_config
-    from kvrunahead.search.tables import Table, TableEntry, TableMeta, config_hash
+    from kvrunahead.sim.shape import config_hash
 
     def write(directory: Path, model: str = "tiny-llama", attention: str = "split", world_size: int = 2,
               contexts: tuple[int, ...] = (1024, 2048), share: float = 0.7, bandwidth: str = "loopback") -> Path:

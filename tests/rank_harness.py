@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
+from kvrunahead.config import RunConfig
 from kvrunahead.launcher import init_world
 from kvrunahead.pack.batch import run_batch_on_world
-from kvrunahead.policy import RunConfig
 from kvrunahead.runner import run_on_world
 
 

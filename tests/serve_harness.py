@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import prepare
 from kvrunahead.launcher import init_world, leave_world
 from kvrunahead.model.rope import plan_extension
-from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.runner import run_on_world
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.engine import Engine, EngineConfig

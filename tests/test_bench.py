@@ -11,7 +11,7 @@ import pytest
 import kvrunahead
 from kvrunahead.bench.plan import build_jobs
 from kvrunahead.bench.report import add_bounds, markdown_table, summarize
-from kvrunahead.search.tables import TABLES_DIR
+from kvrunahead.decide.tables import TABLES_DIR
 
 PACKAGE = Path(kvrunahead.__file__).parent  # the checkout kvr-bench runs from, as provenance.environment asks git
 

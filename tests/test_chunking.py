@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
 from kvrunahead.pack.batch import prompt_work
-from kvrunahead.policy import RunConfig
 from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.placement import kvp_predicted_faster

@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide import tables
+from kvrunahead.decide.policy import prepare
+from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.partition import Partition
-from kvrunahead.policy import RunConfig, prepare
-from kvrunahead.search import tables
-from kvrunahead.search.tables import TableError
 from kvrunahead.sim.flops import balanced_partition, estimated_partition, layer_cost
 
 

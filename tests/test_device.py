@@ -5,9 +5,10 @@ import subprocess
 import pytest
 import torch
 
+from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import pick_backend
-from kvrunahead.policy import RunConfig, resolve_device, resolve_dtype
+from kvrunahead.model.device import resolve_device, resolve_dtype
 
 
 def test_with_cuda_each_local_rank_takes_its_gpu_in_bfloat16_over_nccl(monkeypatch):

@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead import modes
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import prepare
 from kvrunahead.errors import InputError
 from kvrunahead.model.forward import fill_cache
 from kvrunahead.model.layout import layer_windows, probe_kv_layout
@@ -17,7 +19,6 @@ from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.modes import check_model, tsp
 from kvrunahead.modes.kvr import ChainLink, kvr_prefill
 from kvrunahead.partition import Partition, parse_partition
-from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.transport import Transport
 from tests.helpers import skewed_ratios, world_runs
 

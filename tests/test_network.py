@@ -93,8 +93,9 @@ def test_kvr_prefill_refuses_a_bad_net_before_any_rank_starts():
 
 def test_a_table_searched_on_another_network_is_refused(tmp_path, write_table):
     """A table keyed on one cap is refused on another (and on loopback), like one of another model."""
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import prepare
     from kvrunahead.errors import InputError
-    from kvrunahead.policy import RunConfig, prepare
 
     path = write_table(tmp_path, bandwidth="cap=650MB/s")
     with pytest.raises(InputError, match="made for network cap=650MB/s, not cap=22MB/s"):

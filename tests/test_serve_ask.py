@@ -10,9 +10,9 @@ import torch
 from starlette.testclient import TestClient
 from transformers import DynamicCache
 
+from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World
 from kvrunahead.model.forward import greedy_decode, last_token_logits
-from kvrunahead.policy import RunConfig
 from kvrunahead.prompt import question_prompts
 from kvrunahead.serve.app import build_app
 from kvrunahead.serve.client import AsyncEngineClient

@@ -25,7 +25,7 @@ from kvrunahead.bench.serve_bench import (
     read_json_records,
     summarize_rate,
 )
-from kvrunahead.bench.serve_bench_cli import cli
+from kvrunahead.cli.serve_bench import cli
 
 RECORDS = [
     {"id": f"c{i}", "conversations": [

@@ -34,7 +34,7 @@ class Server:
     """A ``kvr-serve --nproc 2`` process group; its stderr is collected as it comes."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrunahead.serve.cli", "--nproc", "2", "--port", "0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--port", "0",
                                       "--model", MODEL, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env=ENV, cwd=ROOT, start_new_session=True)
         self.lines: list[str] = []
@@ -138,7 +138,7 @@ def test_a_worker_that_dies_fails_the_requests_in_flight_and_the_server_exits_no
 
 
 def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2():
-    cmd = [sys.executable, "-m", "kvrunahead.serve.cli", "--model", MODEL]
+    cmd = [sys.executable, "-m", "kvrunahead.cli.serve", "--model", MODEL]
     r = subprocess.run([*cmd, "--max-queue", "0"], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["kvr-serve: error: --max-queue must be at "
                                                                    "least 1, got 0"]
@@ -202,7 +202,7 @@ def test_bad_input_overload_and_a_disconnect_on_real_ranks_leave_the_server_serv
 
 
 def test_chunking_and_lars_flags_that_cannot_run_are_one_line_and_exit_2():
-    cmd = [sys.executable, "-m", "kvrunahead.serve.cli"]
+    cmd = [sys.executable, "-m", "kvrunahead.cli.serve"]
     for args, says in ((["--model", "tiny-gemma3", "--step-budget-ms", "500"], "sliding-window layers"),
                        (["--model", MODEL, "--chunk-tokens", "-1"], "--chunk-tokens must be 0 (off) or more"),
                        (["--model", MODEL, "--schedule", "lars", "--ttft-slo-s", "0"], "must be positive")):

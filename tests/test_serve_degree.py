@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from kvrunahead.config import RunConfig
 from kvrunahead.model.load import resolve_config
-from kvrunahead.policy import RunConfig
 from kvrunahead.serve.degree import DegreePolicy, parse_degree
 from kvrunahead.serve.executor import solo_threads
 from kvrunahead.sim import profile

@@ -15,20 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, free_port
-from kvrunahead.policy import RunConfig
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.engine import Engine, EngineConfig
 from kvrunahead.serve.sampling import nucleus
-from kvrunahead.serve.sequence import (
-    EngineDead,
-    Finished,
-    QueueFull,
-    Request,
-    SamplingParams,
-    StopText,
-    TokenEvent,
-)
+from kvrunahead.serve.sequence import EngineDead, Finished, QueueFull, Request, SamplingParams, StopText, TokenEvent
 from tests.helpers import HERE, rank_env, wait_all
 
 ROOT = HERE.parent

@@ -217,8 +217,9 @@ def test_a_cap_the_profile_did_not_measure_is_priced_from_the_nearest_measured_c
 
 
 def test_without_a_table_a_capped_run_is_partitioned_on_its_cap(tmp_path, monkeypatch):
-    from kvrunahead.policy import RunConfig, prepare
-    from kvrunahead.search import tables
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide import tables
+    from kvrunahead.decide.policy import prepare
 
     monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)  # no table: the cost model decides
     monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # the shipped profile, not one calibrated here
@@ -316,7 +317,7 @@ def test_refine_measures_the_seed_and_moves_to_a_better_neighbour():
 
 
 def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
-    from kvrunahead.search.cli import main
+    from kvrunahead.cli.search import main
 
     out = tmp_path / "t.json"
     res = CliRunner().invoke(main, ["--backend", "model", "--nproc", "8", "--ctx", "16k", "--out", str(out),
@@ -343,14 +344,14 @@ def test_kvr_search_model_backend_writes_a_table_without_ranks(tmp_path):
 
 
 def test_refine_needs_the_model_backend():
-    from kvrunahead.search.cli import main
+    from kvrunahead.cli.search import main
 
     res = CliRunner().invoke(main, ["--refine", "--ctx", "1k"])
     assert res.exit_code == 2 and "--backend model" in res.output
 
 
 def test_kvr_plan_cli(tmp_path):
-    from kvrunahead.sim.cli import plan_main
+    from kvrunahead.cli.sim import plan_main
 
     res = CliRunner().invoke(plan_main, ["--ctx", "32k", "--profile", "h100-nvlink", "--max-ranks", "8", "--json",
                                          "--timeline", str(tmp_path / "t.png")])
@@ -364,7 +365,7 @@ def test_kvr_plan_cli(tmp_path):
 
 
 def test_kvr_calibrate_writes_a_profile_the_simulator_reads(tmp_path):
-    from kvrunahead.sim.cli import calibrate_main
+    from kvrunahead.cli.sim import calibrate_main
 
     out = tmp_path / "p.json"
     res = CliRunner().invoke(calibrate_main, ["--model", "tiny-llama", "--quick", "--repeats", "1", "--ranks", "1",
@@ -388,7 +389,7 @@ def test_kvr_calibrate_writes_a_profile_the_simulator_reads(tmp_path):
 
 
 def test_kvr_calibrate_refuses_bad_input():
-    from kvrunahead.sim.cli import calibrate_main
+    from kvrunahead.cli.sim import calibrate_main
 
     res = CliRunner().invoke(calibrate_main, ["--threads", "0"])
     assert res.exit_code == 2 and "at least 1" in res.output
@@ -405,7 +406,7 @@ def test_a_search_under_noise_is_repeatable_and_prices_the_noise():
 
 
 def test_the_masked_kernels_pairs_cost_more_per_key_doubling_and_its_fit_leaves_out_chunks(tmp_path):
-    from kvrunahead.sim.calibrate import ATTENTION_SHAPES, MASKED_MIN_QUERIES, _cases
+    from kvrunahead.calibrate.calibrate import ATTENTION_SHAPES, MASKED_MIN_QUERIES, _cases
 
     grows = AttentionCost(flops_per_s=4.0, pair_growth_s=0.5)  # a pair: 1 s, and 0.5 s more per key doubling
     prof = dataclasses.replace(unit_profile(), attention={**unit_profile().attention, "masked": grows})

@@ -5,17 +5,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from kvrunahead.decide.tables import TABLES_DIR, Table, TableEntry, TableError, TableKey, TableMeta, table_filename
 from kvrunahead.model.load import resolve_config
-from kvrunahead.search.tables import (
-    TABLES_DIR,
-    Table,
-    TableEntry,
-    TableError,
-    TableKey,
-    TableMeta,
-    config_hash,
-    table_filename,
-)
+from kvrunahead.sim.shape import config_hash
 
 
 def _table(world_size=2, model="tiny-llama", dtype="float32"):
@@ -129,7 +121,8 @@ def test_markdown_lists_every_entry_with_its_gain_over_even():
 
 @pytest.mark.parametrize("p", [3, 4])
 def test_three_and_four_ranks_get_the_shipped_cost_model_table_not_the_fallback(p):
-    from kvrunahead.policy import RunConfig, prepare
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import prepare
 
     prepared = prepare(RunConfig(model="smollm2-135m", context_len=3072), p)
     name = f"smollm2-135m_p{p}_float32_cpu_split.json (cost model: cpu-t1)"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from kvrunahead.calibrate.calibrate import DECODE_KEYS, measure_decode
 from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.provenance import environment
-from kvrunahead.sim.calibrate import DECODE_KEYS, measure_decode
 from kvrunahead.sim.profile import HardwareProfile
 from kvrunahead.sim.shape import shape_from_config
 

@@ -42,13 +42,14 @@ def kv_capacity_bytes(layers) -> int:
 
 
 def rank_main(args) -> None:
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import prepare
     from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
     from kvrunahead.launcher import init_world
     from kvrunahead.model.forward import greedy_decode
     from kvrunahead.model.layout import probe_kv_layout
     from kvrunahead.modes import MODES, Step
     from kvrunahead.net import liveness
-    from kvrunahead.policy import RunConfig, prepare
     from kvrunahead.prompt import parse_tokens
     from kvrunahead.provenance import environment
     from kvrunahead.runner import cached_transport, loaded_model, timed_prefill

@@ -21,9 +21,9 @@ import torch
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvrunahead.calibrate.calibrate import ATTENTION_SHAPES, MASKED_MIN_QUERIES, _fit, _median_time
 from kvrunahead.model.forward import fill_cache
 from kvrunahead.model.load import load_model
-from kvrunahead.sim.calibrate import ATTENTION_SHAPES, MASKED_MIN_QUERIES, _fit, _median_time
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.profile import HardwareProfile, key_doublings
 from kvrunahead.sim.shape import shape_from_config

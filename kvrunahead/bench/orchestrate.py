@@ -68,7 +68,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
                      env={**env, "threads_per_rank": threads, "transport": transport, "interleaved": interleave},
                      timeout_s=timeout_s, total_runs=runs_in(jobs), recorded=recorded)
     plan_file.write_text(plan.to_json())
-    cmd = [sys.executable, "-m", "kvrunahead.bench.worker", str(plan_file), str(out_prefix)]
+    cmd = [sys.executable, "-m", "kvrunahead.cli.bench_worker", str(plan_file), str(out_prefix)]
     if transport == "mpi" and spec.emulated:
         raise ValueError("the MPI transport runs on loopback only (mpirun starts its ranks itself)")
     with session.network(spec, nproc, noise_on=False) as hosts:

@@ -80,7 +80,7 @@ def check_inputs(config: dict, contexts: list[int], world_sizes: list[int], tabl
                  kvr_attention: str, nets: list[str] = ("loopback",)) -> None:
     """What every rank would find wrong (the model, a context, a table made for another setting, a network
     setting), found here once before any world starts; raises InputError."""
-    from kvrunahead.policy import RunConfig, prepare  # imports torch: only when a sweep is about to run
+    from kvrunahead.decide.policy import RunConfig, prepare  # imports torch: only when a sweep is about to run
 
     for ctx in contexts:
         for p in world_sizes:

@@ -89,8 +89,10 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
             raise InputError("--max-new-tokens must be at least 1")
         context, questions = common.read_prompt_file(context_file), read_questions(questions_file)
         from kvrunahead.ask import AskJob, ask_on_world
+        from kvrunahead.config import RunConfig
+        from kvrunahead.decide.policy import prepare
+        from kvrunahead.model.device import check_device
         from kvrunahead.model.load import load_tokenizer, resolve_config
-        from kvrunahead.policy import RunConfig, check_device, prepare
         from kvrunahead.prompt import question_prompts
         from kvrunahead.questions import require_full_attention
         from kvrunahead.runner import run

@@ -10,11 +10,12 @@ import click
 
 from kvrunahead.choices import DECODES, TRANSPORTS
 from kvrunahead.cli import common
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import network_spec, prepare
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
 from kvrunahead.model.load import MODEL_CHOICES
 from kvrunahead.modes import MODES
-from kvrunahead.policy import RunConfig, network_spec, prepare
 from kvrunahead.prompt import PromptError, parse_tokens
 from kvrunahead.runner import RunResult, run
 from kvrunahead.serve import oneshot

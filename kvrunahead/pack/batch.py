@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.model.device import check_device, default_threads, oversubscribed, resolve_device, resolve_dtype
 from kvrunahead.model.forward import greedy_decode, with_cache
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_tokenizer, resolve_config
@@ -22,14 +24,6 @@ from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
-from kvrunahead.policy import (
-    RunConfig,
-    check_device,
-    default_threads,
-    oversubscribed,
-    resolve_device,
-    resolve_dtype,
-)
 from kvrunahead.prompt import chat_prompt
 from kvrunahead.runner import cached_transport, check_alone, leave_world, loaded_model, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost

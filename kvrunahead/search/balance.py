@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrunahead.partition import equal_level_sizes
+
 Boundaries = tuple[int, ...]
 Work = Callable[[float, float], float]  # (prefix tokens, own tokens) -> modelled work of one rank
 CONFIRM = ("toward", "both")  # the neighbours confirmed: the one the imbalance points to per boundary, or both
@@ -84,32 +86,6 @@ def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Wor
     for i in range(1, p):  # every part at least one quantum, the last one included
         cuts[i] = min(max(cuts[i], cuts[i - 1] + quantum), n - (p - i) * quantum)
     return tuple(cuts)
-
-
-def equal_level_sizes(works: list[Work], n: int) -> list[float]:
-    """Continuous part sizes, summing to ``n``, at which every rank's ``works[i](prefix, size)`` is equal (each work
-    increasing in both): bisection on the common level, each part the most tokens within it."""
-
-    def within(i: int, prefix: float, level: float) -> float:
-        lo, hi = 0.0, float(n)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if works[i](prefix, mid) <= level else (lo, mid)
-        return lo
-
-    def covered(level: float) -> list[float]:
-        prefix, sizes = 0.0, []
-        for i in range(len(works)):
-            sizes.append(within(i, prefix, level))
-            prefix += sizes[-1]
-        return sizes
-
-    lo, hi = 0.0, max(w(0.0, float(n)) for w in works)  # at that level rank 0 alone covers everything
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)
-    sizes = covered(hi)
-    return [x * n / sum(sizes) for x in sizes]
 
 
 def neighbours(b: Boundaries, stride: int) -> list[Boundaries]:

@@ -10,9 +10,9 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 
+from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World
 from kvrunahead.net.liveness import gather_objects
-from kvrunahead.policy import RunConfig
 from kvrunahead.runner import run_on_world
 from kvrunahead.search.algorithm import Boundaries
 from kvrunahead.search.balance import Measurement

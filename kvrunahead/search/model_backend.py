@@ -7,17 +7,17 @@ import dataclasses
 
 import click
 
-from kvrunahead import __version__
+from kvrunahead.decide.tables import TABLES_DIR, Table, TableEntry, TableKey, TableMeta, table_filename
 from kvrunahead.errors import InputError
 from kvrunahead.partition import Partition
 from kvrunahead.search.balance import Measurement
 from kvrunahead.search.options import SearchOptions, table_key
-from kvrunahead.search.tables import TABLES_DIR, Table, TableEntry, TableKey, TableMeta, table_filename
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import ModelSearch, search_partition
 from kvrunahead.sim.profile import resolve_profile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import simulate
+from kvrunahead.version import __version__
 
 
 def cost_model(opts: SearchOptions, world_size: int) -> tuple[TableKey, CostModel, str, str]:

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrunahead.choices import DEFAULT_MODEL
+from kvrunahead.decide.tables import TABLES_DIR, Table, TableError, TableKey, table_filename
 from kvrunahead.errors import InputError
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.prompt import parse_tokens
-from kvrunahead.search.tables import TABLES_DIR, Table, TableError, TableKey, table_filename
 
 if TYPE_CHECKING:
-    from kvrunahead.policy import RunConfig
+    from kvrunahead.config import RunConfig
 
 CRITERIA = ("ttft", "balance")
 
@@ -64,7 +64,7 @@ class SearchOptions:
 
 
 def base_config(opts: SearchOptions) -> RunConfig:
-    from kvrunahead.policy import RunConfig
+    from kvrunahead.config import RunConfig
 
     return RunConfig(model=opts.model, threads=opts.threads, device=opts.device, dtype=opts.dtype,
                      max_new_tokens=1, allow_long_context=opts.allow_long_context, timeout_s=opts.timeout_s,
@@ -74,9 +74,9 @@ def base_config(opts: SearchOptions) -> RunConfig:
 def table_key(opts: SearchOptions, world_size: int, local_world_size: int | None = None, config=None) -> TableKey:
     """What the table being written is for (and what an existing --out must have been made for); ``config``:
     the model's config where the caller has resolved it already."""
+    from kvrunahead.decide.policy import resolve_attention
+    from kvrunahead.decide.policy import table_key as policy_table_key
     from kvrunahead.model.load import resolve_config
-    from kvrunahead.policy import resolve_attention
-    from kvrunahead.policy import table_key as policy_table_key
 
     base = base_config(opts)
     config = config if config is not None else resolve_config(opts.model)
@@ -86,8 +86,8 @@ def table_key(opts: SearchOptions, world_size: int, local_world_size: int | None
 
 def check_inputs(opts: SearchOptions, world_size: int) -> Path:
     """One-line errors before any rank starts; returns the table path."""
+    from kvrunahead.model.device import check_device
     from kvrunahead.model.load import ModelError, resolve_config
-    from kvrunahead.policy import check_device
 
     for flag, value, least in (("--threads", opts.threads, 1), ("--repeats", opts.repeats, 1),
                                ("--warmup", opts.warmup_runs, 0), ("--min-stride", opts.min_stride_tokens, 1),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from kvrunahead import __version__
+from kvrunahead.decide.tables import Table, TableEntry, TableMeta
 from kvrunahead.net.spec import parse_net
 from kvrunahead.partition import Partition
 from kvrunahead.provenance import environment
@@ -23,11 +23,11 @@ from kvrunahead.search.algorithm import Boundaries, refine, search
 from kvrunahead.search.balance import balance_search, balanced_boundaries
 from kvrunahead.search.model_backend import model_answer
 from kvrunahead.search.options import SearchOptions, base_config, check_inputs, table_key
-from kvrunahead.search.tables import Table, TableEntry, TableMeta
+from kvrunahead.version import __version__
 
 if TYPE_CHECKING:
+    from kvrunahead.config import RunConfig
     from kvrunahead.launcher import World
-    from kvrunahead.policy import RunConfig
 
 
 def run_search(opts: SearchOptions) -> None:
@@ -36,7 +36,7 @@ def run_search(opts: SearchOptions) -> None:
     import torch.distributed as dist
 
     from kvrunahead.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
-    from kvrunahead.policy import oversubscribed, resolve_device
+    from kvrunahead.model.device import oversubscribed, resolve_device
     from kvrunahead.runner import leave_world
 
     launcher = detect_launcher()

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import network_label, table_key
+from kvrunahead.decide.tables import Table, TableError, find_table
 from kvrunahead.errors import ProfileError
 from kvrunahead.model.layout import layer_windows
-from kvrunahead.policy import RunConfig, network_label, table_key
-from kvrunahead.search.tables import Table, TableError, find_table
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import search_partition
 from kvrunahead.sim.profile import resolve_profile

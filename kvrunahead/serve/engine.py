@@ -15,20 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
+from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, max_context, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
-from kvrunahead.policy import (
-    RunConfig,
-    default_threads,
-    resolve_attention,
-    resolve_device,
-    resolve_dtype,
-)
 from kvrunahead.questions import require_full_attention
 from kvrunahead.runner import cached_transport, loaded_model
 from kvrunahead.serve import executor

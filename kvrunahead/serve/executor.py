@@ -41,18 +41,7 @@ from kvrunahead.pack.plan import PackedStep
 from kvrunahead.questions import answer
 from kvrunahead.runner import RankStats, rank_stats
 from kvrunahead.serve.links import SegmentLink
-from kvrunahead.serve.plans import (
-    FRONT,
-    NOWHERE,
-    RANKS,
-    SHARDED,
-    Drop,
-    Ping,
-    Plan,
-    Segment,
-    Shutdown,
-    StepPlan,
-)
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Drop, Ping, Plan, Segment, Shutdown, StepPlan
 from kvrunahead.serve.rows import mixed_forward
 from kvrunahead.transport import Transport
 

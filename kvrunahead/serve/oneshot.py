@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import prepare
 from kvrunahead.launcher import World
-from kvrunahead.policy import RunConfig, prepare
 from kvrunahead.runner import Ran, RunResult, finish_result
 from kvrunahead.runner import run_on_world as run_on_runner
 from kvrunahead.serve.engine import Engine, EngineConfig

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import choose_partition
+from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
 from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
-from kvrunahead.policy import RunConfig, choose_partition
-from kvrunahead.search.tables import TableError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, RankContext, StepOutcome

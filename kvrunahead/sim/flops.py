@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvrunahead.partition import Partition
-from kvrunahead.search.balance import equal_level_sizes
-from kvrunahead.search.tables import config_hash
-from kvrunahead.sim.shape import shape_from_config
+from kvrunahead.partition import Partition, equal_level_sizes
+from kvrunahead.sim.shape import config_hash, shape_from_config
 
 
 @dataclass(frozen=True)

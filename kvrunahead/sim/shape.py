@@ -6,6 +6,8 @@ or given by hand for the paper's models (Llama-7B and Falcon-7B in fp16, from th
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -107,3 +109,10 @@ PAPER_SHAPES: dict[str, ModelShape] = {
     "falcon-7b": ModelShape("falcon-7b", 32, 4544, 71, 1, 64, 4544 * 73 * 64, 4544 * 4544 + 2 * 4544 * 18176
                             + 2 * 4544, 65024, 2),
 }
+
+
+def config_hash(config) -> str:
+    """A short hash of a model config's architecture (not of its weights or run-time settings)."""
+    d = {k: v for k, v in config.to_dict().items()
+         if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -7,7 +7,6 @@ renormalised and rounded to tokens; outside the table's range the nearest entry 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import sys
@@ -185,13 +184,6 @@ class Table:
         if problems:
             raise TableError(f"partition table {name} was made for {'; '.join(problems)}: pass --force-table "
                              "to use it anyway")
-
-
-def config_hash(config) -> str:
-    """A short hash of a model config's architecture (not of its weights or run-time settings)."""
-    d = {k: v for k, v in config.to_dict().items()
-         if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype", "architectures")}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def table_filename(key: TableKey) -> str:

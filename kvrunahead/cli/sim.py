@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
+from kvrunahead.calibrate.calibrate import calibrate
 from kvrunahead.choices import DTYPES
 from kvrunahead.cli import common
 from kvrunahead.errors import ProfileError
 from kvrunahead.net.spec import NetError, parse_net, parse_rate
 from kvrunahead.prompt import PromptError, parse_tokens
-from kvrunahead.sim.calibrate import calibrate
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.plan import Option, plan

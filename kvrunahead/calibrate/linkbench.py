@@ -1,7 +1,7 @@
 """Link microbenchmark for ``kvr-calibrate``: one rank of two, started by ``launcher.spawn`` (inside the
 emulated hosts when a cap is asked for). Times one point-to-point transfer of each size through the
 runtime's own ``Transport`` (what one hop of the KV chain costs) and its all-gather, and rank 0 writes the
-medians as JSON: ``python -m kvrunahead.sim.linkbench OUT REPEATS SIZE...``."""
+medians as JSON: ``python -m kvrunahead.calibrate.linkbench OUT REPEATS SIZE...``."""
 
 from __future__ import annotations
 

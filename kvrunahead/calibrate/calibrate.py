@@ -7,7 +7,7 @@
   causal mask (KVR masked, TSP, cp-allgather), the causal diagonal block and the full prefix block with their
   log-sum-exp merge (KVR split, ring); each fitted to ``call + per query + per key + pairs x FLOPs / rate``, the
   explicit-mask one with its pairs' growth per key doubling and on whole parts only (``_cases``).
-- Copies: the cache concatenation; links: ``kvrunahead.sim.linkbench`` on two ranks (in namespaces with a cap).
+- Copies: the cache concatenation; links: ``kvrunahead.calibrate.linkbench`` on two ranks (in namespaces with a cap).
 - Whole prefills of the model against the sum of their simulated steps, as a check (``fit["whole_prefill_N"]``).
 - The link's compute cost: what a rank's matrix products lose while a block crosses the link (on one host the
   copies run on the same cores), per byte (``LinkProfile.compute_s_per_byte``).
@@ -31,15 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-# torch, transformers and the model rooms are imported inside the functions that measure: kvr-calibrate's CLI
-# imports this module, and its --help and input checks answer without torch.
-from kvrunahead import __version__
 from kvrunahead.net.spec import parse_net
 from kvrunahead.provenance import environment
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, key_doublings
 from kvrunahead.sim.shape import ModelShape, shape_from_config
 from kvrunahead.sim.simulate import simulate
+
+# torch, transformers and the model rooms are imported inside the functions that measure: kvr-calibrate's CLI
+# imports this module, and its --help and input checks answer without torch.
+from kvrunahead.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkP
     spec = parse_net(net)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "link.json"
-        code = spawn(2, [str(out), str(repeats), *map(str, sizes)], module="kvrunahead.sim.linkbench", net=spec)
+        code = spawn(2, [str(out), str(repeats), *map(str, sizes)], module="kvrunahead.calibrate.linkbench", net=spec)
         if code != 0 or not out.exists():
             raise RuntimeError(f"the link benchmark failed (exit {code}) on {spec.label}")
         data = json.loads(out.read_text())
@@ -291,7 +292,7 @@ def _shapes(quick: bool):
 def companions(count: int, model_name: str, dtype: str, threads: int, repeats: int, quick: bool):
     """``count`` processes measuring the same steps beside the timed one, in step with it, as the other ranks
     of a run compute beside it (they share the machine's memory bandwidth and caches)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "kvrunahead.sim.calibrate", model_name, dtype, str(threads),
+    procs = [subprocess.Popen([sys.executable, "-m", "kvrunahead.calibrate.calibrate", model_name, dtype, str(threads),
                                str(repeats), str(int(quick))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
     try:

@@ -39,9 +39,9 @@ def _check_listen(host: str, port: int) -> None:
 
 def _check(options: dict, world_size: int) -> None:
     """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
+    from kvrunahead.model.device import check_device
     from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.model.rope import ContextError
-    from kvrunahead.policy import check_device
     from kvrunahead.serve.degree import parse_degree
     from kvrunahead.serve.engine import model_len_limit
 
@@ -86,7 +86,7 @@ def _check_scheduling(options: dict, model_config) -> None:
 
 
 def _engine_config(options: dict):
-    from kvrunahead.policy import RunConfig
+    from kvrunahead.config import RunConfig
     from kvrunahead.serve.engine import EngineConfig
 
     run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
@@ -147,7 +147,7 @@ def _ignore_stop_signals() -> None:
 def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
     """Join the world and serve: the front runs HTTP, the others the worker loop."""
     from kvrunahead.launcher import init_world, local_rank_hint, pick_backend
-    from kvrunahead.policy import resolve_device
+    from kvrunahead.model.device import resolve_device
     from kvrunahead.runner import leave_world
     from kvrunahead.serve.engine import Engine
 
@@ -248,8 +248,9 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
            -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
     """
     common.quiet(verbose)
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import network_spec
     from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
-    from kvrunahead.policy import RunConfig, network_spec
 
     launcher = detect_launcher()
     with common.failure_ending(PROG, rank=common.env_rank(), reraise=verbose):
@@ -264,7 +265,7 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
             if nproc > 1:
                 # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
                 sys.exit(spawn(nproc, sys.argv[1:], grace_s=max(5.0, options["timeout_s"] + 5.0),
-                               module="kvrunahead.serve.cli", net=net))
+                               module="kvrunahead.cli.serve", net=net))
             if net.emulated:
                 raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         run_rank(options, launcher, host, port, grace_s, verbose)

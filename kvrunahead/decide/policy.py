@@ -7,16 +7,18 @@ it, so a request is planned the same way wherever it comes from.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvrunahead.choices import ALLGATHERS, DECODES, KVR_ATTENTIONS, TRANSPORTS
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.tables import Lookup, Table, TableError, TableKey, find_table
 from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.kvp import check_kvp
 from kvrunahead.model.attention import uses_attention_interface
+from kvrunahead.model.device import check_device, default_threads
 from kvrunahead.model.layout import layer_windows, soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
@@ -24,77 +26,9 @@ from kvrunahead.modes import MODES, check_model
 from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
-from kvrunahead.search.tables import Lookup, Table, TableError, TableKey, config_hash, find_table
 from kvrunahead.sim.flops import estimated_partition
 from kvrunahead.sim.optimize import predicted_partition
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RunConfig:
-    model: str = "smollm2-135m"
-    mode: str = "kvr"
-    transport: str = "torch"
-    context_len: int | None = 2048
-    prompt_text: str | None = None
-    chat: bool = True
-    partition: str = "auto"  # a matching table, else the cost model; or even, boundaries, ratios, table
-    kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
-    table: str | None = None
-    force_table: bool = False
-    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
-    device: str = "auto"
-    threads: int | None = None
-    max_new_tokens: int = 1
-    decode: str = "gathered"  # or kvp: the K,V stay on the ranks that made them (kvrunahead/kvp.py)
-    verify: bool = False
-    atol: float | None = None
-    timeout_s: float = 60.0
-    allow_long_context: bool = False  # beyond the trained positions without a RoPE extension
-    seed: int = 0
-    net: str | None = None  # --net: "loopback", "cap=400MB/s", "cap=13MB/s,noise"; None: loopback for one host
-    allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers
-
-
-def check_device(spec: str) -> None:
-    """One line when ``--device cuda`` cannot be had, before anything is loaded or any rank starts."""
-    if spec != "cuda" or torch.cuda.is_available():
-        return
-    if torch.version.cuda is None:
-        why = f"this torch ({torch.__version__}) is built without CUDA"
-    else:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        why = "no CUDA device is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-    raise InputError(f"--device cuda asked for, but {why}; run on a machine with a GPU, or give --device cpu")
-
-
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        check_device(spec)
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise InputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def oversubscribed(threads: int, local_world_size: int) -> bool:
-    """More busy threads on this node than it has cores: the ranks time-share them, and timings measure the
-    scheduler as much as the work."""
-    return threads * local_world_size > (os.cpu_count() or 1)
-
-
-def default_threads(local_world_size: int) -> int:
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+from kvrunahead.sim.shape import config_hash
 
 
 @dataclass

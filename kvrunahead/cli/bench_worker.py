@@ -1,6 +1,6 @@
 """A benchmark rank: joins its world, walks the world's plan and writes one row per run it emits.
 
-Started by ``run_world`` on every rank as ``python -m kvrunahead.bench.worker PLAN OUT_PREFIX``; the ranks stay
+Started by ``run_world`` on every rank as ``python -m kvrunahead.cli.bench_worker PLAN OUT_PREFIX``; the ranks stay
 up for their whole share of the sweep (the model is loaded once).
 """
 
@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from kvrunahead.bench.plan import Job, WorldPlan, job_groups, run_key
 from kvrunahead.cli import common
+from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
+from kvrunahead.model.device import resolve_device
 from kvrunahead.net import liveness
 from kvrunahead.net.noise import switch
 from kvrunahead.net.spec import parse_net
-from kvrunahead.policy import RunConfig, resolve_device
 from kvrunahead.runner import RunResult, leave_world, run_on_world
 
 

@@ -1,0 +1,32 @@
+"""What one run is: the model, the mode, the prompt, the partition, the network and the rest, as the CLIs and the
+Python API give it (plain data: every rank derives its plan from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunConfig:
+    model: str = "smollm2-135m"
+    mode: str = "kvr"
+    transport: str = "torch"
+    context_len: int | None = 2048
+    prompt_text: str | None = None
+    chat: bool = True
+    partition: str = "auto"  # a matching table, else the cost model; or even, boundaries, ratios, table
+    kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
+    table: str | None = None
+    force_table: bool = False
+    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
+    device: str = "auto"
+    threads: int | None = None
+    max_new_tokens: int = 1
+    decode: str = "gathered"  # or kvp: the K,V stay on the ranks that made them (kvrunahead/kvp.py)
+    verify: bool = False
+    atol: float | None = None
+    timeout_s: float = 60.0
+    allow_long_context: bool = False  # beyond the trained positions without a RoPE extension
+    seed: int = 0
+    net: str | None = None  # --net: "loopback", "cap=400MB/s", "cap=13MB/s,noise"; None: loopback for one host
+    allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers

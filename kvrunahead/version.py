@@ -1,0 +1,3 @@
+"""The package's version, for the provenance of what it writes."""
+
+__version__ = "0.1.0"
