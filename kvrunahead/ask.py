@@ -13,13 +13,12 @@ import torch
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import prepare
 from kvrunahead.launcher import World
-from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
-from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes import MODES, Step
 from kvrunahead.questions import answer, context_prefixes, require_full_attention
-from kvrunahead.runner import cached_transport, check_alone, loaded_model, timed_prefill
+from kvrunahead.rank_setup import set_up_rank
+from kvrunahead.runner import check_alone, timed_prefill
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,8 @@ def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False
                        world.world_size, world.local_world_size)  # the partition and attention for this length
     total = len(job.context_ids) + max(len(q) for q in job.questions) + job.max_new_tokens
     rope = plan_extension(config, total, cfg.allow_long_context, cfg.model)
-    device = resolve_device(cfg.device, world.local_rank)
-    dtype = resolve_dtype(cfg, device)
-    torch.set_num_threads(cfg.threads or default_threads(world.local_world_size))
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope)
+    rs = set_up_rank(cfg, world, rope)
+    device, dtype, lm = rs.device, rs.dtype, rs.lm
     rank, p = world.rank, world.world_size
     if p == 1:
         t0 = time.perf_counter()
@@ -85,10 +82,10 @@ def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False
         context_s = time.perf_counter() - t0
     else:
         mode = MODES["kvr"]
-        transport = cached_transport(cfg.transport, rank, p, device, cfg.timeout_s, cfg.allgather)
+        transport = rs.transport
         ranges = mode.token_ranges(prepared.partition)
         mine = torch.tensor([[t for a, e in ranges[rank] for t in job.context_ids[a:e]]], device=device)
-        step = Step(lm.model, mine, job.context_ids, ranges, transport, probe_kv_layout(lm.model),
+        step = Step(lm.model, mine, job.context_ids, ranges, transport, rs.layout,
                     len(job.context_ids), prepared.kvr_attention)
         _, cache, _, context_s = timed_prefill(mode, step, mode.setup(step), device, rank == p - 1)
         if rank != p - 1:

@@ -17,15 +17,15 @@ from kvrunahead.decide.policy import Prepared, network_label, prepare
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import default_threads, oversubscribed, resolve_device, resolve_dtype
+from kvrunahead.model.device import oversubscribed, resolve_device
 from kvrunahead.model.forward import greedy_decode, last_token_logits
-from kvrunahead.model.layout import KVLayout, probe_kv_layout
-from kvrunahead.model.load import LoadedModel, load_model
-from kvrunahead.model.rope import RopeExtension
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.model.load import LoadedModel
 from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
-from kvrunahead.transport import Transport, make_transport
+from kvrunahead.rank_setup import forget_transports, set_up_rank
+from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunRes
 
 def leave_world() -> None:
     """Drop the cached transports (their pair groups die with the world), then leave the world."""
-    _TRANSPORTS.clear()
+    forget_transports()
     launcher.leave_world()
 
 
@@ -146,17 +146,10 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
-    device = resolve_device(cfg.device, world.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = resolve_dtype(cfg, device)
-    threads = cfg.threads or default_threads(world.local_world_size)
-    torch.set_num_threads(threads)
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, prepared.rope)
-    layout = probe_kv_layout(lm.model)
+    rs = set_up_rank(cfg, world, prepared.rope)
+    device, dtype, threads, lm, layout, transport = rs.device, rs.dtype, rs.threads, rs.lm, rs.layout, rs.transport
     rank, p = world.rank, world.world_size
     mode = MODES[cfg.mode]
-    transport = cached_transport(cfg.transport, rank, p, device, cfg.timeout_s, cfg.allgather)
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
@@ -277,10 +270,6 @@ def rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport
     )
 
 
-_MODELS: dict = {}
-_TRANSPORTS: dict = {}
-
-
 def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     """Every rank derives the partition, attention and RoPE itself (from its own partition_tables/ and
     device): ranks on hosts that differ there would size their buffers differently and hang, so compare."""
@@ -289,30 +278,6 @@ def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     if any(plan != plans[0] for plan in plans):
         raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE): {plans}; their hosts' "
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
-
-
-def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
-            rope: RopeExtension | None = None) -> LoadedModel:
-    """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
-    key = (name, dtype, str(device), seed, rope)
-    if key not in _MODELS:
-        _MODELS.clear()
-        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope)
-    return _MODELS[key]
-
-
-def cached_transport(name: str, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                     allgather: str) -> Transport:
-    """One transport (and its process groups and communicators, made here, before anything is timed) per process
-    and kind, reused across runs."""
-    backend = pick_backend(device)
-    key = (name, rank, world_size, backend)
-    if key not in _TRANSPORTS:
-        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather, device)
-    transport = _TRANSPORTS[key]
-    transport.timeout_s = timeout_s
-    transport.set_allgather(allgather)
-    return transport
 
 
 ATOL_ULPS = 32  # logits may differ by this many roundings at the scale of the largest logit

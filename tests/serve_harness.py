@@ -26,7 +26,8 @@ from kvrunahead.launcher import init_world, leave_world
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.runner import run_on_world
 from kvrunahead.serve.client import AsyncEngineClient
-from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.config import EngineConfig
+from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEvent
 
 

@@ -17,7 +17,8 @@ from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
 from kvrunahead.pack.batch import prompt_work
 from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
-from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.config import EngineConfig
+from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.replay import Arrival, replay

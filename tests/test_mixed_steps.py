@@ -13,7 +13,7 @@ from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.modes.kvr import ChainLink
-from kvrunahead.runner import loaded_model
+from kvrunahead.rank_setup import loaded_model
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
 from kvrunahead.serve.rows import Row, mixed_forward
 from kvrunahead.serve.scheduler import PrefillWork, Scheduler
@@ -151,3 +151,11 @@ def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():
     first, second = separate.schedule(0.0), separate.schedule(0.0)
     assert (first.decodes, second.prefill) == ([], None) or (first.prefill is None) != (second.prefill is None)
     assert not first.decodes or first.prefill is None
+
+
+def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention():
+    """A model that computes attention itself (Falcon) keeps its decode rows in the decoder's own forward."""
+    from kvrunahead.serve.rows import can_mix
+
+    assert can_mix(loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model)
+    assert not can_mix(loaded_model("tiny-falcon", torch.float32, torch.device("cpu"), 0).model)

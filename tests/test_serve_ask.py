@@ -16,7 +16,8 @@ from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.prompt import question_prompts
 from kvrunahead.serve.app import build_app
 from kvrunahead.serve.client import AsyncEngineClient
-from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.config import EngineConfig
+from kvrunahead.serve.engine import Engine
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 6
 QUESTIONS = ["Who jumps?", "What colour is the fox, and what does the dog do all day long?", "Why?"]

@@ -18,7 +18,8 @@ import torch
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, free_port
 from kvrunahead.serve.client import AsyncEngineClient
-from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.config import EngineConfig
+from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sampling import nucleus
 from kvrunahead.serve.sequence import EngineDead, Finished, QueueFull, Request, SamplingParams, StopText, TokenEvent
 from tests.helpers import HERE, rank_env, wait_all

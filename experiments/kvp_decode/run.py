@@ -52,7 +52,8 @@ def rank_main(args) -> None:
     from kvrunahead.net import liveness
     from kvrunahead.prompt import parse_tokens
     from kvrunahead.provenance import environment
-    from kvrunahead.runner import cached_transport, loaded_model, timed_prefill
+    from kvrunahead.rank_setup import cached_transport, loaded_model
+    from kvrunahead.runner import timed_prefill
 
     world = init_world("torchrun", "gloo", timeout_s=3600)
     rank, front = world.rank, world.rank == world.world_size - 1

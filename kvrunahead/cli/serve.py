@@ -42,8 +42,8 @@ def _check(options: dict, world_size: int) -> None:
     from kvrunahead.model.device import check_device
     from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.model.rope import ContextError
+    from kvrunahead.serve.config import model_len_limit
     from kvrunahead.serve.degree import parse_degree
-    from kvrunahead.serve.engine import model_len_limit
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
@@ -87,7 +87,7 @@ def _check_scheduling(options: dict, model_config) -> None:
 
 def _engine_config(options: dict):
     from kvrunahead.config import RunConfig
-    from kvrunahead.serve.engine import EngineConfig
+    from kvrunahead.serve.config import EngineConfig
 
     run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
                     table=options["table"], dtype=options["dtype"], device=options["device"],

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import check_device, default_threads, oversubscribed, resolve_device, resolve_dtype
+from kvrunahead.model.device import check_device, oversubscribed, resolve_device
 from kvrunahead.model.forward import greedy_decode, with_cache
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_tokenizer, resolve_config
@@ -25,7 +25,8 @@ from kvrunahead.net import liveness
 from kvrunahead.pack.chain import packed_link, packed_prefill
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
 from kvrunahead.prompt import chat_prompt
-from kvrunahead.runner import cached_transport, check_alone, leave_world, loaded_model, peak_memory_bytes
+from kvrunahead.rank_setup import set_up_rank
+from kvrunahead.runner import check_alone, leave_world, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")
@@ -155,11 +156,8 @@ def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], b
     rank, p = world.rank, world.world_size
     config = resolve_config(cfg.model)
     rope = plan_extension(config, max(map(len, prompts)) + cfg.max_new_tokens, cfg.allow_long_context, cfg.model)
-    device = resolve_device(cfg.device, world.local_rank)
-    dtype = resolve_dtype(cfg, device)
-    threads = cfg.threads or default_threads(world.local_world_size)
-    torch.set_num_threads(threads)
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope)
+    rs = set_up_rank(cfg, world, rope)
+    device, dtype, threads, lm = rs.device, rs.dtype, rs.threads, rs.lm
     if batching == "padded":
         results, steps, sent = _padded(lm, prompts, cfg.max_new_tokens), [], 0
         prefill_s = results[0].ttft_s
@@ -168,7 +166,7 @@ def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], b
         lengths = [len(x) for x in prompts]
         plan = (plan_steps(lengths, p, work, step_tokens, edge_slack) if batching == "packed" else
                 [PackedStep((i,), (n,), packed_cuts([n], p, work)) for i, n in enumerate(lengths)])
-        transport = cached_transport(cfg.transport, rank, p, device, cfg.timeout_s, cfg.allgather)
+        transport = rs.transport
         results, prefill_s, sent = _chain(lm, prompts, plan, rank, transport, cfg.max_new_tokens)
         steps = [StepReport(list(s.prompts), list(s.boundaries), [s.handed_on(b) for b in s.boundaries[1:-1]])
                  for s in plan]

@@ -11,24 +11,21 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
-from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
-from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
-from kvrunahead.model.rope import ContextError, max_context, plan_extension
+from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.questions import require_full_attention
-from kvrunahead.runner import cached_transport, loaded_model
+from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.serve import executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
+from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement
@@ -51,33 +48,6 @@ from kvrunahead.serve.sequence import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineConfig:
-    run: RunConfig = field(default_factory=RunConfig)  # model, partition, attention, transport, net, timeout, ...
-    max_queue: int = 64
-    max_model_len: int | None = None  # None: the longest context the model takes (RoPE extension included)
-    degree: str = "auto"  # auto, 1, or the world size
-    heartbeat_s: float = 1.0
-    pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
-    prefix_cache_tokens: int = 32768  # prompts' K,V kept for later prompts that start the same way; 0: none
-    step_budget_ms: float = 0.0  # a longer prefill (as the cost model predicts it) runs in chunks; 0: never chunked
-    chunk_tokens: int = 0  # chunks of this many tokens instead of the budget's (fixed chunking); 0: by the budget
-    schedule: str = "fcfs"  # or lars (serve/scheduler.py)
-    ttft_slo_s: float = 2.0  # LARS's default TTFT target: the larger of this and
-    ttft_slo_factor: float = 4.0  # this many times the request's predicted prefill alone
-    mixed_steps: bool = True  # decodes ride along every prefill step; False: a step is a prefill or a decode
-
-
-def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:
-    """The most tokens a request may hold: ``--max-model-len``, else the longest context the model takes (its
-    RoPE extension included). Raises InputError or ContextError for a limit the model cannot run."""
-    limit = asked or max_context(model_config, run.allow_long_context) or 2048
-    if limit < 2:
-        raise InputError(f"--max-model-len must be at least 2, got {limit}")
-    plan_extension(model_config, limit, run.allow_long_context, run.model)
-    return limit
-
-
 class Engine:
     def __init__(self, config: EngineConfig, world: World) -> None:
         cfg = config.run
@@ -86,18 +56,11 @@ class Engine:
         self.max_model_len = model_len_limit(cfg, model_config, config.max_model_len)
         self.attention, _ = resolve_attention(cfg, model_config)
         check_model("kvr", model_config, self.attention)
-        device = resolve_device(cfg.device, world.local_rank)
-        threads = cfg.threads or default_threads(world.local_world_size)
-        torch.set_num_threads(threads)
-        dtype = resolve_dtype(cfg, device)
-        lm = loaded_model(cfg.model, dtype, device, cfg.seed)
-        transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s,
-                                     cfg.allgather)
-        layout = probe_kv_layout(lm.model)
-        solo = executor.solo_threads(threads, world.local_world_size) if device.type == "cpu" else threads
-        self.ctx = RankContext(lm, layout, transport, device, world.rank, world.world_size,
-                               load=lambda rope: loaded_model(cfg.model, dtype, device, cfg.seed, rope),
-                               threads=threads, solo_threads=solo)
+        rs = set_up_rank(cfg, world)
+        threads = rs.threads
+        solo = executor.solo_threads(threads, world.local_world_size) if rs.device.type == "cpu" else threads
+        self.ctx = RankContext(rs.lm, rs.layout, rs.transport, rs.device, world.rank, world.world_size,
+                               load=lambda rope: rs.load(cfg, rope), threads=threads, solo_threads=solo)
         self.model_config = model_config
         self.threads = threads
         why = why_not_packable(model_config)

@@ -42,7 +42,7 @@ from kvrunahead.questions import answer
 from kvrunahead.runner import RankStats, rank_stats
 from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Drop, Ping, Plan, Segment, Shutdown, StepPlan
-from kvrunahead.serve.rows import mixed_forward
+from kvrunahead.serve.rows import can_mix, mixed_forward
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
         send_held_prefix(ctx.transport, held, layout)
     # The front alone on a whole prompt computes what one process computes (the model's own attention).
     attention = "masked" if seg.alone and seg.held == NOWHERE else plan.attention
-    riders = decoder.riders(plan.rows, seg.rope) if decoder is not None and end > start else {}
+    riders = decoder.riders(plan.rows, seg.rope) if decoder is not None and end > start and can_mix(lm.model) else {}
     logits, cache = None, None
     ids = list(seg.tokens[start - seg.start:end - seg.start])
     if riders:

@@ -16,7 +16,8 @@ from kvrunahead.decide.policy import prepare
 from kvrunahead.launcher import World
 from kvrunahead.runner import Ran, RunResult, finish_result
 from kvrunahead.runner import run_on_world as run_on_runner
-from kvrunahead.serve.engine import Engine, EngineConfig
+from kvrunahead.serve.config import EngineConfig
+from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEvent
 
 

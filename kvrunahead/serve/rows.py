@@ -20,8 +20,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvrunahead.model.attention import attention_mode, current_state, register, require_attention_interface
-from kvrunahead.model.forward import with_cache
+from kvrunahead.model.attention import (
+    attention_mode,
+    current_state,
+    register,
+    require_attention_interface,
+    uses_attention_interface,
+)
+from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.modes.attention import refuse_softcap
 from kvrunahead.modes.kvr import ChainLink, RunaheadCache, split_block
@@ -75,6 +81,12 @@ class RowsCache(DynamicCache):
     def __init__(self, part: RunaheadCache, rows: list[Row], state: _State) -> None:
         layers = [_RowsLayer(layer, rows, i, state) for i, layer in enumerate(part.layers)]
         super(DynamicCache, self).__init__(layers=layers)
+
+
+def can_mix(model: torch.nn.Module) -> bool:
+    """Whether decode rows can share ``model``'s forward: its attention goes through transformers' interface (where
+    the segment attention goes in) and its forward keeps the logits of chosen positions only."""
+    return uses_attention_interface(model) and forward_takes(model, "logits_to_keep")
 
 
 MIXED = "kvrunahead_mixed_rows"

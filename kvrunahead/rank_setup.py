@@ -1,0 +1,78 @@
+"""A rank's set-up, written once for every way into the ranks (the serving engine, the runner, kvr-ask, a packed
+batch): device, dtype, threads, the model (kept loaded across runs of one process), its KV layout, the transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrunahead.config import RunConfig
+from kvrunahead.launcher import World, pick_backend
+from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
+from kvrunahead.model.layout import KVLayout, probe_kv_layout
+from kvrunahead.model.load import LoadedModel, load_model
+from kvrunahead.model.rope import RopeExtension
+from kvrunahead.transport import Transport, make_transport
+
+_MODELS: dict = {}
+_TRANSPORTS: dict = {}
+
+
+@dataclass
+class RankSetup:
+    """What a rank works with, set up once for every way into the ranks (the engine, the runner, kvr-ask, a packed
+    batch): its device, dtype and threads, the model (with the RoPE extension asked), its KV layout and the
+    transport to its peers."""
+
+    device: torch.device
+    dtype: torch.dtype
+    threads: int
+    lm: LoadedModel
+    layout: KVLayout
+    transport: Transport
+
+    def load(self, cfg: RunConfig, rope: RopeExtension | None) -> LoadedModel:
+        """The same model with another RoPE extension (loaded once per extension)."""
+        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope)
+
+
+def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None) -> RankSetup:
+    device = resolve_device(cfg.device, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(cfg, device)
+    threads = cfg.threads or default_threads(world.local_world_size)
+    torch.set_num_threads(threads)
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope)
+    transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s, cfg.allgather)
+    return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport)
+
+
+def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
+            rope: RopeExtension | None = None) -> LoadedModel:
+    """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
+    key = (name, dtype, str(device), seed, rope)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope)
+    return _MODELS[key]
+
+
+def cached_transport(name: str, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                     allgather: str) -> Transport:
+    """One transport (and its process groups and communicators, made here, before anything is timed) per process
+    and kind, reused across runs."""
+    backend = pick_backend(device)
+    key = (name, rank, world_size, backend)
+    if key not in _TRANSPORTS:
+        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather, device)
+    transport = _TRANSPORTS[key]
+    transport.timeout_s = timeout_s
+    transport.set_allgather(allgather)
+    return transport
+
+
+def forget_transports() -> None:
+    """Drop the cached transports (their pair groups die with the world that made them)."""
+    _TRANSPORTS.clear()
