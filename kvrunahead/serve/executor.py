@@ -152,6 +152,8 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     together = plan.needs_workers and ctx.world_size > 1
     ctx.use_threads(solo=not plan.sharded and (seg is None or seg.alone) and (plan.packed is None or not together))
     ctx.transport.reset_stats()
+    for rope in {s.rope for s in plan.segments if not s.is_row}:  # a model variant first used here loads untimed
+        ctx.model(rope)
     if together:
         liveness.patient_barrier("the other ranks to start the step")
     t0 = time.perf_counter()
