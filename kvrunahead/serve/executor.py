@@ -171,16 +171,13 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     elif plan.packed is not None:
         link, mine = _packed(ctx, plan, out)
     total_s = time.perf_counter() - t0
-    if plan.packed is not None and together:  # the first-token logits of prompts ending off the front, to it
+    if together:  # every rank's figures, and the first-token logits of packed prompts ending off the front
         sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
         stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
         everyone = liveness.gather_objects((stats, sent), "the other ranks to finish the step")
         out.ranks = [s for s, _ in everyone]
         for _, theirs in everyone:
             out.logits.update(theirs)
-    elif together:
-        stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
-        out.ranks = liveness.gather_objects(stats, "the other ranks to finish the step")
     else:
         out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
     if seg is not None and seg.keep == SHARDED:  # after the prefill's figures: the decode holds an even share
