@@ -145,42 +145,72 @@ class Answer:
     first_logits: torch.Tensor | None = None  # [vocab], float32, on the CPU: what the first token was chosen from
 
 
-@torch.no_grad()
+class SharedContext:
+    """Questions after one context, decoding together: ``prefill`` runs them packed (IPPD) and gives each one's
+    first-token logits; ``step`` then advances every unfinished question by one token in one forward, the context
+    read once for them all (PAT). The serving engine keeps one per shared-context request beside its decode batch
+    (serve/decode.py), so the questions' tokens are decode rows of its steps like any request's."""
+
+    def __init__(self, model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list[list[int]]) -> None:
+        if not questions or any(not q for q in questions):
+            raise ValueError("every question needs at least one token")
+        self.model, self.questions = model, questions
+        self.device = next(model.parameters()).device
+        self.context_len = prefixes[0].shape[-2]
+        self.cache = SharedPrefixCache(prefixes, [len(q) for q in questions])
+        self.rows = list(range(len(questions)))  # the questions in the cache's rows, in order
+
+    @torch.no_grad()
+    def prefill(self) -> torch.Tensor:
+        """The questions packed into one forward after the context: each one's next-token logits ``[n, vocab]``."""
+        lengths = self.cache.lengths
+        packed = torch.tensor([list(itertools.chain(*self.questions))], device=self.device)
+        positions = torch.cat([torch.arange(self.context_len, self.context_len + n, device=self.device)
+                               for n in lengths])[None]
+        last = torch.tensor(list(itertools.accumulate(lengths)), device=self.device) - 1
+        with attention_mode(self.model, IMPLEMENTATION, self.cache):
+            logits = self.model(input_ids=packed, position_ids=positions, **with_cache(self.model, self.cache),
+                                use_cache=True, logits_to_keep=last).logits[0]
+        self.cache.packing = False
+        return logits
+
+    def position(self, question: int, generated: int) -> int:
+        """Where a question's ``generated``-th answer token (0: the first) sits: after the context and itself."""
+        return self.context_len + len(self.questions[question]) + generated
+
+    @torch.no_grad()
+    def step(self, tokens: dict[int, int], positions: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Feed each question in ``tokens`` (question index -> its last token) at its position; the questions not
+        in it have finished and leave the batch for good. Each one's next-token logits ``[vocab]``."""
+        going = [i for i, q in enumerate(self.rows) if q in tokens]
+        if len(tokens) != len(going):
+            raise ValueError("a question that left the batch cannot come back")
+        if len(going) < len(self.rows):
+            self.cache.keep(torch.tensor(going, device=self.device))
+            self.rows = [self.rows[i] for i in going]
+        ids = torch.tensor([[tokens[q]] for q in self.rows], device=self.device)
+        pos = torch.tensor([[positions[q]] for q in self.rows], device=self.device)
+        with attention_mode(self.model, IMPLEMENTATION, self.cache):
+            logits = self.model(input_ids=ids, position_ids=pos, **with_cache(self.model, self.cache),
+                                use_cache=True, logits_to_keep=1).logits[:, -1]
+        return dict(zip(self.rows, logits))
+
+
 def answer(model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list[list[int]], max_new_tokens: int,
            eos_token_ids: set[int], on_first_tokens: Callable[[], None] | None = None) -> list[Answer]:
     """Greedy answers of every question after the context whose K,V are ``prefixes``: one packed prefill of the
     questions, then one decode step per token for all unfinished questions at once. ``on_first_tokens`` is
     called when every question's first token is chosen (its time to first token)."""
-    if not questions or any(not q for q in questions):
-        raise ValueError("every question needs at least one token")
-    device = next(model.parameters()).device
-    context_len = prefixes[0].shape[-2]
-    lengths = [len(q) for q in questions]
-    cache = SharedPrefixCache(prefixes, lengths)
-    packed = torch.tensor([list(itertools.chain(*questions))], device=device)
-    positions = torch.cat([torch.arange(context_len, context_len + n, device=device) for n in lengths])[None]
-    last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
-    with attention_mode(model, IMPLEMENTATION, cache):
-        logits = model(input_ids=packed, position_ids=positions, **with_cache(model, cache), use_cache=True,
-                       logits_to_keep=last).logits[0]
-        answers = [Answer(first_logits=row.float().cpu()) for row in logits]
-        if on_first_tokens is not None:
-            on_first_tokens()
-        cache.packing = False
-        rows = list(range(len(questions)))
-        while True:
-            tokens = logits.argmax(-1).tolist()
-            for row, token in zip(rows, tokens):
-                answers[row].tokens.append(token)
-            going = [i for i, row in enumerate(rows) if len(answers[row].tokens) < max_new_tokens
-                     and answers[row].tokens[-1] not in eos_token_ids]
-            if not going:
-                return answers
-            if len(going) < len(rows):
-                cache.keep(torch.tensor(going, device=device))
-                rows = [rows[i] for i in going]
-            ids = torch.tensor([[answers[row].tokens[-1]] for row in rows], device=device)
-            pos = torch.tensor([[context_len + lengths[row] + len(answers[row].tokens) - 1] for row in rows],
-                               device=device)
-            logits = model(input_ids=ids, position_ids=pos, **with_cache(model, cache), use_cache=True,
-                           logits_to_keep=1).logits[:, -1]
+    shared = SharedContext(model, prefixes, questions)
+    logits = shared.prefill()
+    answers = [Answer(tokens=[int(row.argmax())], first_logits=row.float().cpu()) for row in logits]
+    if on_first_tokens is not None:
+        on_first_tokens()
+    while True:
+        going = {i: a.tokens[-1] for i, a in enumerate(answers)
+                 if len(a.tokens) < max_new_tokens and a.tokens[-1] not in eos_token_ids}
+        if not going:
+            return answers
+        step = shared.step(going, {i: shared.position(i, len(answers[i].tokens) - 1) for i in going})
+        for i, row in step.items():
+            answers[i].tokens.append(int(row.argmax()))

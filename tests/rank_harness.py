@@ -9,8 +9,8 @@ import sys
 
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import init_world
-from kvrunahead.pack.batch import run_batch_on_world
 from kvrunahead.runner import run_on_world
+from kvrunahead.serve.oneshot import batch_on_world
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     results = {}
     for case in cases:
         if "prompts" in case:  # a batch of prompts (kvrunahead/pack)
-            batch = run_batch_on_world(RunConfig(**case["config"]), world, case["prompts"], **case["batch"])
+            batch = batch_on_world(RunConfig(**case["config"]), world, case["prompts"], **case["batch"])
             if batch is not None:
                 results[case["name"]] = batch.to_dict()
             continue

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvrunahead.pack.plan import PackedStep, cuts_after_cached, ffd_bins, packed_cuts, plan_steps
+from kvrunahead.pack.plan import PackedStep, cuts_after_cached, ffd_bins, packed_cuts
 from tests.helpers import world_runs
 
 
@@ -67,13 +67,17 @@ def test_a_step_knows_its_segments_positions_and_what_a_boundary_hands_on():
     assert step.ending_in(0, 5) == [0] and step.ending_in(5, 9) == [1, 2]
 
 
-def test_plan_steps_keeps_every_prompt_once_and_under_the_step_size():
+def test_ffd_bins_keep_every_prompt_once_and_under_the_step_size():
     rng = random.Random(1)
-    lengths = [rng.randrange(1, 400) for _ in range(40)]
-    steps = plan_steps(lengths, 3, quadratic, max_tokens=1000)
-    assert sorted(i for s in steps for i in s.prompts) == list(range(40))
-    assert all(s.total <= 1000 for s in steps)
-    assert all(len(s.boundaries) == 4 and s.boundaries[-1] == s.total for s in steps)
+    lengths = [rng.randrange(1, 400) for _ in range(40)] + [1500]
+    bins = ffd_bins(lengths, 1000)
+    assert sorted(i for b in bins for i in b) == list(range(41))
+    assert [40] in bins  # longer than a step: a bin of its own
+    assert all(sum(lengths[i] for i in b) <= 1000 for b in bins if b != [40])
+    # the engine packs waiting prompts in order up to the first that does not fit: submitted bin by bin, it takes
+    # each bin whole, because no prompt of a later bin fitted an earlier one
+    for earlier, later in zip(bins, bins[1:]):
+        assert sum(lengths[i] for i in earlier) + lengths[later[0]] > 1000
 
 
 # Mixed lengths: 1-token prompts, one far longer than the rest (cut across ranks without edge slack), short

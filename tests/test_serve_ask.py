@@ -4,6 +4,7 @@ equals the standalone prompt's greedy continuation, and bad requests are 400s th
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -13,11 +14,13 @@ from transformers import DynamicCache
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World
 from kvrunahead.model.forward import greedy_decode, last_token_logits
+from kvrunahead.model.rope import plan_extension
 from kvrunahead.prompt import question_prompts
 from kvrunahead.serve.app import build_app
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
+from kvrunahead.serve.sequence import Answered, AskRequest, Finished, Request, SamplingParams, TokenEvent
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 6
 QUESTIONS = ["Who jumps?", "What colour is the fox, and what does the dog do all day long?", "Why?"]
@@ -72,9 +75,70 @@ def test_bad_ask_requests_get_400_naming_the_problem(served, body, words):
 
 
 def test_a_context_beyond_the_model_is_refused(served):
-    _, http = served
-    r = _ask(http, context="word " * 5000, questions=["a"], max_tokens=4, chat=False)
+    engine, http = served
+    r = _ask(http, context="word " * (engine.max_model_len + 10), questions=["a"], max_tokens=4, chat=False)
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"], r.text
+
+
+def _alone(lm, ids: list[int], max_tokens: int) -> list[int]:
+    cache = DynamicCache(config=lm.model.config)
+    first = int(last_token_logits(lm.model, torch.tensor([ids]), cache=cache).argmax())
+    return greedy_decode(lm.model, first, cache, len(ids), max_tokens, lm.eos_token_ids)
+
+
+def _until_done(engine: Engine, ids: set[str]) -> list:
+    events = []
+    for _ in range(200):
+        events += engine.step()
+        if ids <= {e.request_id for e in events if isinstance(e, (Answered, Finished))}:
+            return events
+    raise AssertionError("the requests did not end in 200 steps")
+
+
+def test_the_questions_decode_as_rows_beside_other_requests_and_every_answer_is_exact():
+    """A shared-context request's questions are decode rows of the engine's steps: another request's prefill and
+    decode run beside them (its first token comes before the questions' last), and every answer is still its
+    standalone prompt's."""
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
+    rng = random.Random(3)
+    context = [rng.randrange(3, 250) for _ in range(90)]
+    questions = [[rng.randrange(3, 250) for _ in range(n)] for n in (4, 11, 1)]
+    other = [rng.randrange(3, 250) for _ in range(37)]
+    engine.add_ask(AskRequest("ask", context, questions, max_tokens=8))
+    engine.add(Request("other", other, SamplingParams(max_tokens=8)))
+    events = _until_done(engine, {"ask", "other"})
+    order = [(type(e).__name__, e.request_id) for e in events]
+    assert order.index(("TokenEvent", "other")) < order.index(("Answered", "ask"))
+    lm = engine.ctx.lm
+    answered = next(e for e in events if isinstance(e, Answered))
+    assert answered.error is None and answered.figures.decode_s > 0
+    assert answered.answers == [_alone(lm, context + q, 8) for q in questions]
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == _alone(lm, other, 8)
+    assert not engine.decoder.shared and not engine.scheduler.answering  # freed once answered
+
+
+def test_a_cancelled_ask_frees_its_questions():
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
+    engine.add_ask(AskRequest("ask", list(range(3, 40)), [[5, 6], [7]], max_tokens=50))
+    engine.step()  # the context and the questions' prefill
+    assert "ask" in engine.decoder.shared
+    engine.cancel("ask")
+    events = engine.step()
+    assert [(type(e).__name__, e.error) for e in events] == [("Answered", "cancelled")]
+    assert not engine.decoder.shared and not engine.scheduler.answering and not engine.has_work()
+
+
+def test_a_context_beyond_the_trained_positions_runs_with_its_yarn_extension():
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
+    rng = random.Random(5)
+    context = [rng.randrange(3, 250) for _ in range(8190)]  # 8192 trained positions; the questions go beyond
+    questions = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 6)]
+    engine.add_ask(AskRequest("ask", context, questions, max_tokens=3))
+    answered = next(e for e in _until_done(engine, {"ask"}) if isinstance(e, Answered))
+    rope = plan_extension(engine.model_config, len(context) + 6 + 3, False, "tiny-llama")
+    assert rope is not None and answered.error is None
+    lm = engine.ctx.model(rope)[0]
+    assert answered.answers == [_alone(lm, context + q, 3) for q in questions]
 
 
 def test_a_sliding_window_model_refuses_the_ask_form():

@@ -88,7 +88,7 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
         if max_new_tokens < 1:
             raise InputError("--max-new-tokens must be at least 1")
         context, questions = common.read_prompt_file(context_file), read_questions(questions_file)
-        from kvrunahead.ask import AskJob, ask_on_world
+        from kvrunahead.ask import AskJob
         from kvrunahead.config import RunConfig
         from kvrunahead.decide.policy import prepare
         from kvrunahead.model.device import check_device
@@ -96,6 +96,7 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
         from kvrunahead.prompt import question_prompts
         from kvrunahead.questions import require_full_attention
         from kvrunahead.runner import run
+        from kvrunahead.serve.oneshot import ask_on_world
 
         check_device(options["device"])
         context_ids, question_ids = question_prompts(load_tokenizer(options["model"]), context, questions,

@@ -217,7 +217,8 @@ def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, 
 
 
 def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, nproc, launcher, options):
-    from kvrunahead.pack.batch import check_batch, run_batch, tokenize_prompts
+    from kvrunahead.pack.batch import check_batch, tokenize_prompts
+    from kvrunahead.serve.oneshot import run_batch
 
     if ctx is not None or prompt_file:
         raise InputError("--prompts is a batch of whole prompts: --ctx and --prompt-file do not apply")

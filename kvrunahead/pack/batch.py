@@ -1,6 +1,8 @@
-"""A batch of prompts on ranks that have joined: packed over the KV chain (Prepacking), one prompt at a time over
-it (sequential), or, in one process, transformers' usual padded batch; each prompt's first token, TTFT and greedy
-continuation, and with ``verify`` each checked against the prompt prefilled alone in one process."""
+"""A batch of prompts: packed over the KV chain (Prepacking), one prompt at a time over it (sequential), or, in one
+process, transformers' usual padded batch; each prompt's first token, TTFT and greedy continuation, and with
+``verify`` each checked against the prompt prefilled alone in one process. The packed and sequential batches run as
+requests to the serving engine (serve/oneshot.py); this module holds the batch's checks, its report and the padded
+baseline."""
 
 from __future__ import annotations
 
@@ -14,19 +16,15 @@ from transformers import DynamicCache
 
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import check_device, oversubscribed, resolve_device
-from kvrunahead.model.forward import greedy_decode, with_cache
-from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.launcher import World
+from kvrunahead.model.device import check_device, oversubscribed
+from kvrunahead.model.forward import with_cache
 from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes.attention import why_not_inserted
-from kvrunahead.net import liveness
-from kvrunahead.pack.chain import packed_link, packed_prefill
-from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, packed_cuts, plan_steps
 from kvrunahead.prompt import chat_prompt
 from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.runner import check_alone, leave_world, peak_memory_bytes
+from kvrunahead.runner import check_alone, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")
@@ -130,80 +128,18 @@ def tokenize_prompts(cfg: RunConfig, texts: list[str]) -> list[list[int]]:
     return [chat_prompt(tokenizer, text, cfg.chat) for text in texts]
 
 
-def run_batch(cfg: RunConfig, launcher: str, world_size: int, prompts: list[list[int]], batching: str = "packed",
-              step_tokens: int = DEFAULT_STEP_TOKENS) -> BatchResult | None:
-    """Join the ranks, run the batch, leave together; the last rank returns the result."""
-    check_batch(cfg, batching, world_size)
-    device = resolve_device(cfg.device, local_rank_hint())
-    world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
-    try:
-        result = run_batch_on_world(cfg, world, prompts, batching, step_tokens)
-        liveness.patient_barrier("the last rank to finish its report")
-        return result
-    finally:
-        leave_world()
-
-
-def run_batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], batching: str = "packed",
-                       step_tokens: int = DEFAULT_STEP_TOKENS, edge_slack: float = EDGE_SLACK) -> BatchResult | None:
-    """The batch on ranks that have joined; the last rank returns the result, the others None. ``edge_slack``:
-    how much of a part's work a cut may give up to sit on a prompt edge (0: cut where the work balances)."""
-    check_batch(cfg, batching, world.world_size)
-    if not prompts or any(not p for p in prompts):
-        raise InputError("every prompt needs at least one token")
-    if step_tokens < 1:
-        raise InputError("--step-tokens must be at least 1")
-    rank, p = world.rank, world.world_size
-    config = resolve_config(cfg.model)
-    rope = plan_extension(config, max(map(len, prompts)) + cfg.max_new_tokens, cfg.allow_long_context, cfg.model)
+def padded_on_world(cfg: RunConfig, world: World, prompts: list[list[int]]) -> BatchResult:
+    """transformers' padded batch in one process (``--batching padded``): the baseline a packed batch is measured
+    against, with its tokens and, with ``cfg.verify``, each prompt checked alone."""
+    rope = plan_extension(resolve_config(cfg.model), max(map(len, prompts)) + cfg.max_new_tokens,
+                          cfg.allow_long_context, cfg.model)
     rs = set_up_rank(cfg, world, rope)
-    device, dtype, threads, lm = rs.device, rs.dtype, rs.threads, rs.lm
-    if batching == "padded":
-        results, steps, sent = _padded(lm, prompts, cfg.max_new_tokens), [], 0
-        prefill_s = results[0].ttft_s
-    else:
-        work = prompt_work(config)
-        lengths = [len(x) for x in prompts]
-        plan = (plan_steps(lengths, p, work, step_tokens, edge_slack) if batching == "packed" else
-                [PackedStep((i,), (n,), packed_cuts([n], p, work)) for i, n in enumerate(lengths)])
-        transport = rs.transport
-        results, prefill_s, sent = _chain(lm, prompts, plan, rank, transport, cfg.max_new_tokens)
-        steps = [StepReport(list(s.prompts), list(s.boundaries), [s.handed_on(b) for b in s.boundaries[1:-1]])
-                 for s in plan]
-    atol = _verify(lm, prompts, results, dtype, cfg.max_new_tokens) if cfg.verify else None
-    mine = (results, RankReport(rank, prefill_s, sent, peak_memory_bytes(device)), atol)
-    everyone = liveness.gather_objects(mine, "the other ranks to finish their prompts") if p > 1 else [mine]
-    if rank != p - 1:
-        return None
-    merged = sorted((r for rs, _, _ in everyone for r in rs), key=lambda r: r.index)
-    atols = [a for _, _, a in everyone if a is not None]
-    return BatchResult(cfg.model, batching, p, str(device), str(dtype).removeprefix("torch."), threads,
-                       oversubscribed(threads, world.local_world_size), step_tokens, steps,
-                       [r for _, r, _ in everyone], merged, max(atols) if cfg.verify and atols else None)
-
-
-def _chain(lm, prompts: list[list[int]], plan: list[PackedStep], rank: int, transport, max_new_tokens: int):
-    """This rank's parts of every step, in order (a rank goes on to its next step while its successor still works
-    on the last one), then the greedy continuation of the prompts whose first token it emitted."""
-    model, device = lm.model, next(lm.model.parameters()).device
-    layout = probe_kv_layout(model)
-    transport.reset_stats()
-    liveness.patient_barrier("the other ranks to start the batch")
-    emitted = []
-    t0 = time.perf_counter()
-    for s, step in enumerate(plan):
-        step_ids = [t for i in step.prompts for t in prompts[i]]
-        out = packed_prefill(model, step, step_ids, packed_link(step, rank, transport, layout, device), rank)
-        now = time.perf_counter() - t0
-        for k, logits in out.logits.items():
-            emitted.append((step.prompts[k], s, now, logits.float().cpu(), out.caches[k]))
-    prefill_s = time.perf_counter() - t0
-    results = []
-    for index, s, ttft_s, logits, cache in emitted:
-        n = len(prompts[index])
-        tokens = greedy_decode(model, int(logits.argmax()), cache, n, max_new_tokens, lm.eos_token_ids)
-        results.append(PromptResult(index, n, s, rank, ttft_s, tokens, lm.decode(tokens), logits))
-    return results, prefill_s, transport.stats.bytes_sent
+    results = _padded(rs.lm, prompts, cfg.max_new_tokens)
+    atol = verify_prompts(lambda n: rs.lm, prompts, results, cfg.max_new_tokens) if cfg.verify else None
+    report = RankReport(world.rank, results[0].ttft_s, 0, peak_memory_bytes(rs.device))
+    return BatchResult(cfg.model, "padded", 1, str(rs.device), str(rs.dtype).removeprefix("torch."), rs.threads,
+                       oversubscribed(rs.threads, world.local_world_size), DEFAULT_STEP_TOKENS, [], [report], results,
+                       atol)
 
 
 @torch.no_grad()
@@ -247,11 +183,14 @@ def _padded(lm, prompts: list[list[int]], max_new_tokens: int) -> list[PromptRes
     return out
 
 
-def _verify(lm, prompts: list[list[int]], results: list[PromptResult], dtype: torch.dtype,
-            max_new_tokens: int) -> float:
-    """Each prompt this rank emitted, prefilled and decoded alone in one process; returns the largest tolerance."""
+def verify_prompts(model_for: Callable[[int], object], prompts: list[list[int]], results: list[PromptResult],
+                   max_new_tokens: int) -> float:
+    """Each prompt of ``results`` prefilled and decoded alone in this process (``model_for(n)``: the loaded model
+    for an n-token prompt, its RoPE variant); returns the largest tolerance."""
     atols = [0.0]
     for r in results:
+        lm = model_for(r.prompt_tokens)
+        dtype = next(lm.model.parameters()).dtype
         check = check_alone(lm, prompts[r.index], r.tokens, r.first_logits, dtype, max_new_tokens)
         r.first_logit_diff, r.matches, r.reference_text = check.first_logit_diff, check.matches, check.reference_text
         atols.append(check.atol)

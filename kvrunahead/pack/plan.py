@@ -138,13 +138,3 @@ def _first_reaching(F: Callable[[int], float], target: float, lo: int, hi: int) 
         else:
             lo = mid + 1
     return lo
-
-
-def plan_steps(lengths: Sequence[int], world_size: int, work: Callable[[int], float], max_tokens: int,
-               edge_slack: float = EDGE_SLACK) -> list[PackedStep]:
-    """The batch's packed steps: FFD bins of at most ``max_tokens`` tokens, each cut over the ranks."""
-    steps = []
-    for members in ffd_bins(lengths, max_tokens):
-        sizes = tuple(lengths[i] for i in members)
-        steps.append(PackedStep(tuple(members), sizes, packed_cuts(sizes, world_size, work, edge_slack)))
-    return steps

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.model.rope import max_context, plan_extension
+from kvrunahead.pack.plan import EDGE_SLACK
 
 
 @dataclass
@@ -18,6 +19,7 @@ class EngineConfig:
     degree: str = "auto"  # auto, 1, or the world size
     heartbeat_s: float = 1.0
     pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
+    pack_edge_slack: float = EDGE_SLACK  # how much of a part's work a packed cut may give up to sit on a prompt edge
     prefix_cache_tokens: int = 32768  # prompts' K,V kept for later prompts that start the same way; 0: none
     step_budget_ms: float = 0.0  # a longer prefill (as the cost model predicts it) runs in chunks; 0: never chunked
     chunk_tokens: int = 0  # chunks of this many tokens instead of the budget's (fixed chunking); 0: by the budget

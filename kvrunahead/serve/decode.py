@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
+from kvrunahead.questions import SharedContext
 from kvrunahead.serve.rows import Row
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
@@ -109,14 +110,33 @@ class BatchDecoder:
         self.members, self.cache = members, cache
 
 
+def question_id(request_id: str, question: int) -> str:
+    """The decode row id of a shared-context request's question."""
+    return f"{request_id}/q{question}"
+
+
 class VariantDecoders:
     """One ``BatchDecoder`` per RoPE variant (see ``executor.RankContext``): requests whose prompts run different
-    rotary embeddings advance in separate forwards, one per variant in use, each batched."""
+    rotary embeddings advance in separate forwards, one per variant in use, each batched. Beside them, the
+    shared-context requests' questions (kvrunahead/questions.py): one forward per request for all its questions
+    still answering, its context read once."""
 
     def __init__(self, decoder_for: Callable[[object], BatchDecoder]) -> None:
         self.decoder_for = decoder_for
         self.by_variant: dict[object, BatchDecoder] = {}
         self.variant_of: dict[str, object] = {}
+        self.shared: dict[str, SharedContext] = {}  # request id -> its questions after its context
+        self.question_of: dict[str, tuple[str, int]] = {}  # question row id -> (request id, question index)
+
+    def add_questions(self, request_id: str, model: torch.nn.Module, cache: DynamicCache,
+                      questions: list[list[int]]) -> torch.Tensor:
+        """A shared context's questions join the decode after their packed prefill behind ``cache`` (the context's
+        whole cache); each question's first-token logits ``[n, vocab]``."""
+        shared = SharedContext(model, [torch.stack((layer.keys, layer.values)) for layer in cache.layers], questions)
+        logits = shared.prefill()
+        self.shared[request_id] = shared
+        self.question_of.update((question_id(request_id, i), (request_id, i)) for i in range(len(questions)))
+        return logits
 
     def add(self, request_id: str, cache: DynamicCache, variant: object = None) -> None:
         if variant not in self.by_variant:
@@ -127,9 +147,11 @@ class VariantDecoders:
     def remove(self, request_id: str) -> None:
         if request_id in self.variant_of:
             self.by_variant[self.variant_of.pop(request_id)].remove(request_id)
+        if self.shared.pop(request_id, None) is not None:
+            self.question_of = {q: owner for q, owner in self.question_of.items() if owner[0] != request_id}
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self.variant_of
+        return request_id in self.variant_of or request_id in self.shared
 
     @property
     def members(self) -> list[str]:
@@ -149,6 +171,16 @@ class VariantDecoders:
 
     def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
         logits: dict[str, torch.Tensor] = {}
+        asked: dict[str, dict[int, str]] = {}  # request id -> question index -> row id
+        for row in tokens:
+            if row in self.question_of:
+                owner, i = self.question_of[row]
+                asked.setdefault(owner, {})[i] = row
+        for owner, rows in asked.items():
+            got = self.shared[owner].step({i: tokens[r] for i, r in rows.items()},
+                                          {i: positions[r] for i, r in rows.items()})
+            logits.update((rows[i], row_logits) for i, row_logits in got.items())
+        tokens = {r: t for r, t in tokens.items() if r not in self.question_of}
         for variant, decoder in self.by_variant.items():
             mine = [r for r in tokens if self.variant_of[r] == variant]
             if mine:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,10 +24,11 @@ from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.questions import require_full_attention
 from kvrunahead.rank_setup import set_up_rank
+from kvrunahead.runner import RankStats
 from kvrunahead.serve import executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
+from kvrunahead.serve.decode import BatchDecoder, VariantDecoders, question_id
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
@@ -34,6 +36,7 @@ from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
 from kvrunahead.serve.sequence import (
     Answered,
+    Answering,
     AskFigures,
     AskRequest,
     EngineDead,
@@ -48,8 +51,24 @@ from kvrunahead.serve.sequence import (
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class PrefillRecord:
+    """A step that gave prompts their first tokens, as the one-shot tools report it (kept with ``record``): the
+    prompts (request ids), their lengths as packed, the rank boundaries, every rank's figures, each prompt's
+    first-token logits (float32, CPU; for a shared context, each question's, keyed ``<id>/<question index>``)."""
+
+    request_ids: tuple[str, ...]
+    lengths: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    ranks: list[RankStats]
+    first_logits: dict[str, torch.Tensor]
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, world: World) -> None:
+    """``record``: keep a PrefillRecord of every step that prefilled (``kvr-prefill``, ``--prompts`` and
+    ``kvr-ask`` report them; a server does not keep them)."""
+
+    def __init__(self, config: EngineConfig, world: World, record: bool = False) -> None:
         cfg = config.run
         self.config, self.world = config, world
         model_config = resolve_config(cfg.model)
@@ -70,7 +89,7 @@ class Engine:
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
-                                   self.heartbeat)
+                                   self.heartbeat, config.pack_edge_slack)
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
@@ -80,7 +99,7 @@ class Engine:
         self.healthy = True
         self.error: str | None = None
         self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
-        self.last_prefill_ranks: list = []  # every rank's RankStats of the last prefill (kvr-prefill's report)
+        self.prefills: list[PrefillRecord] | None = [] if record else None
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # requests ended whose KVP shards or chunks the workers still hold
@@ -136,12 +155,12 @@ class Engine:
         longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
         cfg = self.config.run
         try:
-            rope = plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
+            plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
         except ContextError as e:
             raise ValueError(str(e)) from None
-        if rope is not None or longest > self.max_model_len:
-            raise ValueError(f"the context, the longest question and max_tokens come to {longest} tokens; shared-"
-                             f"context requests run within the model's trained positions and --max-model-len")
+        if longest > self.max_model_len:
+            raise ValueError(f"the context, the longest question and max_tokens come to {longest} tokens; this "
+                             f"server takes {self.max_model_len}")
         with self._lock:
             self.scheduler.add_ask(ask)
 
@@ -171,12 +190,12 @@ class Engine:
 
     def _execute(self, step: Step):
         """Run the step; returns its outcome and what its prefill finished: a prompt's outcome, the packed
-        prompts', an Answered, or None (no prefill, or a chunk that was not the last)."""
+        prompts', a shared-context request's Answering, or None (no prefill, or a chunk that was not the last)."""
         self._free_shards()
-        work, rows = step.prefill, [self._row(s) for s in step.decodes]
-        if isinstance(work, AskWork):  # its own forwards and decode loop; the rows run after them
-            prefilled = self._ask(work.ask)
-            return self._run(StepPlan(tuple(rows), self.attention)), prefilled
+        work = step.prefill
+        rows = [self._row(s) for s in step.decodes] + [row for run in step.answering for row in self._questions(run)]
+        if isinstance(work, AskWork):  # the context's segment with the rows beside it, then its questions
+            return self._ask(work.ask, rows)
         if isinstance(work, PackedPrefillWork):  # the rows run beside the packed prompts, in their own forward
             segments, cuts = self._packed(work.seqs)
             outcome = self._run(StepPlan(tuple(rows) + tuple(segments), self.attention, packed=cuts))
@@ -211,6 +230,13 @@ class Engine:
         """A running request's next token as a segment: on the front, or on every rank's shard (KVP)."""
         place = SHARDED if seq.request_id in self.ctx.shards else FRONT
         return Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place, decode=True)
+
+    def _questions(self, run: Answering) -> list[Segment]:
+        """A shared-context request's unfinished questions' next tokens, as decode rows on the front."""
+        shared = self.decoder.shared[run.request_id]
+        return [Segment(question_id(run.request_id, i), (run.answers[i][-1],),
+                        shared.position(i, len(run.answers[i]) - 1), held=FRONT, keep=FRONT, decode=True)
+                for i in run.going(self.ctx.lm.eos_token_ids)]
 
     def _rows_s(self, decodes: list[Sequence]) -> float:
         """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
@@ -255,39 +281,79 @@ class Engine:
                                          placed.source, placed.degree_source, packed_with=len(seqs))
         return segments, cuts
 
-    def _ask(self, ask: AskRequest) -> Answered:
-        """The context prefilled once (over the chain where the degree policy says so), then every question packed
-        after it and decoded with the context read once per step, on the front (kvrunahead/questions.py)."""
+    def _ask(self, ask: AskRequest, rows: list[Segment]) -> tuple[StepOutcome, Answering]:
+        """A shared-context request's prefill: its context as a prompt segment (over the chain where the degree
+        policy says so, the running requests' rows beside it), then its questions packed after it on the front
+        (IPPD); they join the decode with their first tokens (kvrunahead/questions.py)."""
         start = time.monotonic()
-        seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, None)
+        cfg = self.config.run
+        longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
+        rope = plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
+        seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, rope)
         if seg.keep == SHARDED:  # the questions decode on the front, which must hold the whole context
             seg = dataclasses.replace(seg, keep=FRONT)
-        outcome = self._run(StepPlan((seg,), self.attention), held).prefill(ask.request_id)
-        self.placement.prefixes.put(ask.context_ids, outcome.cache)
-        context_s = time.monotonic() - start
+        outcome = self._run(StepPlan((*rows, seg), self.attention), held)
+        cache = outcome.caches[ask.request_id]
+        if self.placement.cacheable(rope):
+            self.placement.prefixes.put(ask.context_ids, cache)
+        questions_start = time.monotonic()
         self.heartbeat.maybe_ping()
-        answers, questions_s, decode_s = executor.answer_on_front(self.ctx, outcome.cache, ask.question_ids,
-                                                                  ask.max_tokens)
-        figures = AskFigures(start - ask.arrival_s, context_s, questions_s, decode_s, placed.degree,
-                             list(placed.boundaries))
-        return Answered(ask.request_id, answers, figures)
+        self.ctx.use_threads(solo=True)
+        logits = self.decoder.add_questions(ask.request_id, self.ctx.model(rope)[0].model, cache, ask.question_ids)
+        first_s = time.monotonic()
+        if self.prefills is not None:
+            self.prefills.append(PrefillRecord(
+                (ask.request_id,), (len(ask.context_ids),), tuple(placed.boundaries), outcome.ranks,
+                {f"{ask.request_id}/{i}": row.float().cpu() for i, row in enumerate(logits)}))
+        run = Answering(ask, [[int(row.argmax())] for row in logits], start, questions_start - start,
+                        first_s - questions_start, first_s, placed.degree, list(placed.boundaries))
+        return outcome, run
 
     def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:
         events: list[Event] = []
         for seq in step.decodes:
             events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
+        for run in step.answering:
+            events += self._answer(run, outcome)
         work = step.prefill
         if isinstance(work, PrefillWork) and prefilled is not None:
+            self._record([work.seq], [prefilled], outcome.ranks)
             events += self._after_prefill(work.seq, prefilled)
         elif isinstance(work, PackedPrefillWork):
+            self._record(work.seqs, prefilled, outcome.ranks)
             events += [e for seq, one in zip(work.seqs, prefilled) for e in self._after_prefill(seq, one)]
         elif isinstance(work, AskWork):
-            events.append(prefilled)
+            with self._lock:
+                self.scheduler.start_answering(prefilled)
+            events += self._answered(prefilled)
         return events
+
+    def _answer(self, run: Answering, outcome: StepOutcome) -> list[Event]:
+        """Each unfinished question of ``run`` takes its next token (greedy) from the step."""
+        for i in run.going(self.ctx.lm.eos_token_ids):
+            run.answers[i].append(int(outcome.logits[question_id(run.request_id, i)].argmax()))
+        return self._answered(run)
+
+    def _answered(self, run: Answering) -> list[Event]:
+        """The request's Answered once every question has ended (EOS or max_tokens), its questions freed."""
+        if run.going(self.ctx.lm.eos_token_ids):
+            return []
+        with self._lock:
+            self.scheduler.finish_ask(run)
+        self.decoder.remove(run.request_id)
+        figures = AskFigures(run.start_s - run.ask.arrival_s, run.context_s, run.questions_s,
+                             time.monotonic() - run.first_s, run.degree, run.boundaries)
+        return [Answered(run.request_id, run.answers, figures)]
+
+    def _record(self, seqs: list[Sequence], outcomes: list[PrefillOutcome], ranks: list[RankStats]) -> None:
+        if self.prefills is not None:
+            self.prefills.append(PrefillRecord(
+                tuple(s.request_id for s in seqs), tuple(s.prompt_len for s in seqs),
+                tuple(seqs[0].figures.boundaries), ranks,
+                {s.request_id: o.logits.float().cpu() for s, o in zip(seqs, outcomes)}))
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
-        self.last_prefill_ranks = outcome.ranks
         sampler = self.samplers[seq.request_id] = Sampler(seq.request.params)
         token = sampler(outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
@@ -346,6 +412,8 @@ class Engine:
             cancelled, self._cancelled = self._cancelled, set()
             seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
             asks = [a for a in (self.scheduler.remove_ask(rid) for rid in cancelled) if a is not None]
+        for ask in asks:
+            self.decoder.remove(ask.request_id)
         return ([self._finish(seq, "cancelled") for seq in seqs]
                 + [Answered(ask.request_id, [], error="cancelled") for ask in asks])
 
@@ -357,6 +425,8 @@ class Engine:
         with self._lock:
             seqs = self.scheduler.drain_all()
             asks = self.scheduler.drain_asks()
+        for ask in asks:
+            self.decoder.remove(ask.request_id)
         seqs += [seq for seq in taken(work) if seq not in seqs]
         prefill = work.prefill if isinstance(work, Step) else None
         asks += [prefill.ask] if isinstance(prefill, AskWork) else []

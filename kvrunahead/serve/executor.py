@@ -38,7 +38,6 @@ from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
-from kvrunahead.questions import answer
 from kvrunahead.runner import RankStats, rank_stats
 from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Drop, Ping, Plan, Segment, Shutdown, StepPlan
@@ -279,19 +278,6 @@ def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
     if front:
         out.caches.update((prompts[k].request_id, cache) for k, cache in part.caches.items())
     return link, (step.boundaries[rank], step.boundaries[rank + 1])
-
-
-def answer_on_front(ctx: RankContext, cache: DynamicCache, questions: list[list[int]],
-                    max_tokens: int) -> tuple[list[list[int]], float, float]:
-    """Questions after a context whose whole cache the front holds (kvrunahead/questions.py): each one's tokens,
-    the seconds to every first token and the decode's seconds."""
-    ctx.use_threads(solo=True)
-    prefixes = [torch.stack((layer.keys, layer.values)) for layer in cache.layers]
-    first: list[float] = []
-    t0 = time.monotonic()
-    answers = answer(ctx.lm.model, prefixes, questions, max_tokens, ctx.lm.eos_token_ids,
-                     on_first_tokens=lambda: first.append(time.monotonic()))
-    return [a.tokens for a in answers], first[0] - t0, time.monotonic() - first[0]
 
 
 def worker_loop(ctx: RankContext) -> None:

@@ -19,7 +19,7 @@ from kvrunahead.decide.policy import choose_partition
 from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
-from kvrunahead.pack.plan import cuts_after_cached, packed_cuts
+from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
@@ -54,9 +54,11 @@ def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: 
 
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
-                 local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat) -> None:
+                 local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat,
+                 edge_slack: float = EDGE_SLACK) -> None:
         self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
+        self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries)
         self.prefixes = PrefixCache(prefix_cache_tokens)
@@ -140,9 +142,14 @@ class Placement:
         if choice.degree == 1:
             cuts = (0,) * self.ctx.world_size + (sum(lengths),)
             return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source)
-        boundaries = packed_cuts(lengths, self.ctx.world_size, self.work)
+        boundaries = packed_cuts(lengths, self.ctx.world_size, self.work, self.edge_slack)
         return segments, boundaries, Placed(choice.degree, boundaries,
                                             "packed work, cut at prompt edges where balanced", choice.source)
+
+    def use_partition(self, n: int, partition, source: str) -> None:
+        """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare): used as it is,
+        not chosen a second time."""
+        self._partitions[n] = partition, source
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.choices import SCHEDULES
-from kvrunahead.serve.sequence import AskRequest, QueueFull, Sequence
+from kvrunahead.serve.sequence import Answering, AskRequest, QueueFull, Sequence
 
 
 @dataclass
@@ -42,7 +42,8 @@ class PackedPrefillWork:
 
 @dataclass
 class AskWork:
-    """A shared-context request, run to its answers in one step."""
+    """A shared-context request's prefill: its context, then its questions packed after it; the questions then
+    decode beside the other running requests (``Step.answering``)."""
 
     ask: AskRequest
 
@@ -52,10 +53,12 @@ Work = PrefillWork | PackedPrefillWork | AskWork
 
 @dataclass
 class Step:
-    """One engine step: the running requests whose next token it computes, and at most one prefill."""
+    """One engine step: the running requests whose next token it computes (and the shared-context requests whose
+    questions' next tokens), and at most one prefill."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefill: Work | None = None
+    answering: list[Answering] = field(default_factory=list)
 
 
 def taken(work: Step | Work | None) -> list[Sequence]:
@@ -105,6 +108,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.asks: deque[AskRequest] = deque()
         self.running: list[Sequence] = []
+        self.answering: list[Answering] = []  # shared-context requests whose questions decode
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
@@ -123,14 +127,15 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> Step | None:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
         chunk's sequence comes back through ``resume``."""
+        decoding = bool(self.running or self.answering)
         if self.mixed:
             prefill = self._prefill(now)
-            return Step(list(self.running), prefill) if prefill is not None or self.running else None
-        decode_due = bool(self.running) and (self._last_was_prefill or not (self.waiting or self.prefilling
-                                                                              or self.asks))
+            return Step(list(self.running), prefill, list(self.answering)) if prefill is not None or decoding \
+                else None
+        decode_due = decoding and (self._last_was_prefill or not (self.waiting or self.prefilling or self.asks))
         if decode_due:
             self._last_was_prefill = False
-            return Step(list(self.running))
+            return Step(list(self.running), answering=list(self.answering))
         prefill = self._prefill(now)
         self._last_was_prefill = prefill is not None
         return Step(prefill=prefill) if prefill is not None else None
@@ -213,16 +218,29 @@ class Scheduler:
                 return seq
         return None
 
+    def start_answering(self, run: Answering) -> None:
+        self.answering.append(run)
+
+    def finish_ask(self, run: Answering) -> None:
+        if run in self.answering:
+            self.answering.remove(run)
+
     def remove_ask(self, request_id: str) -> AskRequest | None:
+        """Take a shared-context request out, waiting or answering (cancel); the caller frees its questions."""
         for ask in self.asks:
             if ask.request_id == request_id:
                 self.asks.remove(ask)
                 return ask
+        for run in self.answering:
+            if run.request_id == request_id:
+                self.answering.remove(run)
+                return run.ask
         return None
 
     def drain_asks(self) -> list[AskRequest]:
-        asks = list(self.asks)
+        asks = [*self.asks, *(run.ask for run in self.answering)]
         self.asks.clear()
+        self.answering.clear()
         return asks
 
     def drain_all(self) -> list[Sequence]:
@@ -235,4 +253,4 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.asks)
+        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.asks) + len(self.answering)

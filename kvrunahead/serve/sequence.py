@@ -100,6 +100,30 @@ class AskRequest:
 
 
 @dataclass
+class Answering:
+    """A shared-context request whose questions are decoding: each question's tokens so far (its first from the
+    questions' packed prefill) and the times its figures need."""
+
+    ask: AskRequest
+    answers: list[list[int]]
+    start_s: float  # when its context's prefill began
+    context_s: float
+    questions_s: float
+    first_s: float  # when every question had its first token
+    degree: int
+    boundaries: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.ask.request_id
+
+    def going(self, eos_token_ids: set[int]) -> list[int]:
+        """The questions still answering: below max_tokens and not ended by an EOS."""
+        return [i for i, a in enumerate(self.answers)
+                if len(a) < self.ask.max_tokens and a[-1] not in eos_token_ids]
+
+
+@dataclass
 class AskFigures:
     queue_s: float
     context_s: float  # the context's prefill (over the chain at degree > 1)
