@@ -32,7 +32,7 @@ def prefill(cfg: RunConfig, nproc: int = 1) -> RunResult:
     """
     prepare(cfg, nproc)  # one clear error here rather than one per rank
     if nproc == 1:
-        return run(cfg, "single", 1)
+        return run(cfg, "single", 1, oneshot.run_on_world)
     with tempfile.TemporaryDirectory(prefix="kvrunahead-") as tmp:
         plan, out = Path(tmp) / "config.json", Path(tmp) / "result.pt"
         plan.write_text(json.dumps(asdict(cfg)))

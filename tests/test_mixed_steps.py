@@ -109,6 +109,16 @@ def test_rows_in_a_prompts_forward_get_the_logits_they_get_alone():
     assert cache.layers[0].keys.shape[-2] == len(prompt)
 
 
+def test_a_shared_contexts_questions_ride_on_its_segment_and_stay_on_the_front():
+    context = Segment("c", tuple(range(10)), cuts=(0, 6, 10), questions=((1, 2), (3,)))
+    plan = StepPlan((context,))
+    assert plan.workers_plan.segments[0].questions == () and plan.prompt.questions == ((1, 2), (3,))
+    with pytest.raises(ValueError, match="questions follow a prompt kept whole on the front"):
+        Segment("c", tuple(range(10)), cuts=(0, 6, 10), keep=SHARDED, questions=((1,),))
+    with pytest.raises(ValueError, match="at least one token"):
+        Segment("c", (1, 2), questions=((),))
+
+
 def test_a_step_is_one_prompt_or_chunk_with_decode_rows_and_tells_the_workers_only_what_they_run():
     chunk = Segment("long", tuple(range(10)), 20, held=RANKS, keep=RANKS, cuts=(20, 25, 30))
     row = Segment("a", (5,), 7, held=FRONT, keep=FRONT, decode=True)
@@ -151,6 +161,18 @@ def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():
     first, second = separate.schedule(0.0), separate.schedule(0.0)
     assert (first.decodes, second.prefill) == ([], None) or (first.prefill is None) != (second.prefill is None)
     assert not first.decodes or first.prefill is None
+
+
+def test_prefill_first_holds_the_decodes_until_no_prefill_waits():
+    def seq(rid, n):
+        return Sequence(Request(rid, list(range(n)), SamplingParams(max_tokens=4)))
+
+    batch = Scheduler(8, prefill_first=True)
+    batch.start_decoding(seq("r", 5))
+    batch.add(seq("w", 9))
+    batch.add(seq("v", 3))
+    steps = [batch.schedule(0.0) for _ in range(3)]
+    assert [(bool(s.decodes), s.prefill is not None) for s in steps] == [(False, True), (False, True), (True, False)]
 
 
 def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention():

@@ -27,6 +27,7 @@ class EngineConfig:
     ttft_slo_s: float = 2.0  # LARS's default TTFT target: the larger of this and
     ttft_slo_factor: float = 4.0  # this many times the request's predicted prefill alone
     mixed_steps: bool = True  # decodes ride along every prefill step; False: a step is a prefill or a decode
+    prefill_first: bool = False  # decodes wait until no prefill does (an offline batch: every first token first)
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:

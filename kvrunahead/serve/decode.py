@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.questions import SharedContext
+from kvrunahead.serve.plans import question_id
 from kvrunahead.serve.rows import Row
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
@@ -108,11 +109,6 @@ class BatchDecoder:
         cache.layers = [GrowingLayer(GrowingKV.left_padded([kv[layer] for kv in kvs])) for layer in range(len(kvs[0]))]
         self.mask = torch.tensor([[0] * (total - n) + [1] * n for n in lengths], device=self.device)
         self.members, self.cache = members, cache
-
-
-def question_id(request_id: str, question: int) -> str:
-    """The decode row id of a shared-context request's question."""
-    return f"{request_id}/q{question}"
 
 
 class VariantDecoders:

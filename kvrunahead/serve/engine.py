@@ -28,10 +28,10 @@ from kvrunahead.runner import RankStats
 from kvrunahead.serve import executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.decode import BatchDecoder, VariantDecoders, question_id
+from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement
-from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan, question_id
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
 from kvrunahead.serve.sequence import (
@@ -94,7 +94,7 @@ class Engine:
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
                                    lars_slack(self.chunks, config) if config.schedule == "lars" else None,
-                                   mixed=config.mixed_steps)
+                                   mixed=config.mixed_steps, prefill_first=config.prefill_first)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -282,31 +282,28 @@ class Engine:
         return segments, cuts
 
     def _ask(self, ask: AskRequest, rows: list[Segment]) -> tuple[StepOutcome, Answering]:
-        """A shared-context request's prefill: its context as a prompt segment (over the chain where the degree
-        policy says so, the running requests' rows beside it), then its questions packed after it on the front
-        (IPPD); they join the decode with their first tokens (kvrunahead/questions.py)."""
+        """A shared-context request's prefill, one step: its context as a prompt segment (over the chain where the
+        degree policy says so, the running requests' rows beside it) carrying its questions, which the front then
+        prefills packed behind the context (IPPD); they join the decode with their first tokens."""
         start = time.monotonic()
         cfg = self.config.run
         longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
         rope = plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
         seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, rope)
-        if seg.keep == SHARDED:  # the questions decode on the front, which must hold the whole context
-            seg = dataclasses.replace(seg, keep=FRONT)
+        # the questions decode on the front, which must hold the whole context
+        seg = dataclasses.replace(seg, keep=FRONT, questions=tuple(map(tuple, ask.question_ids)))
         outcome = self._run(StepPlan((*rows, seg), self.attention), held)
-        cache = outcome.caches[ask.request_id]
-        if self.placement.cacheable(rope):
-            self.placement.prefixes.put(ask.context_ids, cache)
-        questions_start = time.monotonic()
-        self.heartbeat.maybe_ping()
-        self.ctx.use_threads(solo=True)
-        logits = self.decoder.add_questions(ask.request_id, self.ctx.model(rope)[0].model, cache, ask.question_ids)
         first_s = time.monotonic()
+        if self.placement.cacheable(rope):
+            self.placement.prefixes.put(ask.context_ids, outcome.caches[ask.request_id])
+        logits = [outcome.logits[question_id(ask.request_id, i)] for i in range(len(ask.question_ids))]
         if self.prefills is not None:
             self.prefills.append(PrefillRecord(
                 (ask.request_id,), (len(ask.context_ids),), tuple(placed.boundaries), outcome.ranks,
                 {f"{ask.request_id}/{i}": row.float().cpu() for i, row in enumerate(logits)}))
-        run = Answering(ask, [[int(row.argmax())] for row in logits], start, questions_start - start,
-                        first_s - questions_start, first_s, placed.degree, list(placed.boundaries))
+        run = Answering(ask, [[int(row.argmax())] for row in logits], start,
+                        first_s - start - outcome.questions_s, outcome.questions_s, first_s, placed.degree,
+                        list(placed.boundaries))
         return outcome, run
 
     def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:

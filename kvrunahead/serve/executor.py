@@ -40,7 +40,19 @@ from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
 from kvrunahead.runner import RankStats, rank_stats
 from kvrunahead.serve.links import SegmentLink
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Drop, Ping, Plan, Segment, Shutdown, StepPlan
+from kvrunahead.serve.plans import (
+    FRONT,
+    NOWHERE,
+    RANKS,
+    SHARDED,
+    Drop,
+    Ping,
+    Plan,
+    Segment,
+    Shutdown,
+    StepPlan,
+    question_id,
+)
 from kvrunahead.serve.rows import can_mix, mixed_forward
 from kvrunahead.transport import Transport
 
@@ -131,6 +143,7 @@ class StepOutcome:
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
     caches: dict[str, DynamicCache] = field(default_factory=dict)
     ranks: list[RankStats] = field(default_factory=list)
+    questions_s: float = 0.0  # the front's seconds prefilling a shared context's questions
 
     def prefill(self, request_id: str) -> PrefillOutcome:
         return PrefillOutcome(self.logits[request_id], self.caches.get(request_id), self.ranks)
@@ -140,8 +153,9 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
              ) -> StepOutcome | None:
     """This rank's part of a step (every rank where ``plan.needs_workers``, else the front alone): the KV-parallel
     rows on every rank's shard, then the prompt segment over the chain (or on the front alone) with the front's
-    decode rows in the same forward where they can share it (serve/rows.py), then the rows that cannot (another
-    RoPE variant, a sliding-window model, no prompt in the step) in the decoder's own batch. The front gets the
+    decode rows in the same forward where they can share it (serve/rows.py), then a shared context's questions
+    packed behind it on the front, then the rows that cannot share the prompt's forward (another RoPE variant, a
+    sliding-window model, a question's, no prompt in the step) in the decoder's own batch. The front gets the
     outcome.
 
     ``held`` (front): the K,V of a prompt's positions held on the front (the prefix cache's, per layer, stacked);
@@ -181,6 +195,13 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
     if seg is not None and seg.keep == SHARDED:  # after the prefill's figures: the decode holds an even share
         level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
+    if front and seg is not None and seg.questions:  # behind the whole cache, they join the decode
+        ctx.use_threads(solo=True)
+        t1 = time.perf_counter()
+        logits = decoder.add_questions(seg.request_id, ctx.model(seg.rope)[0].model, out.caches[seg.request_id],
+                                       [list(q) for q in seg.questions])
+        out.logits.update((question_id(seg.request_id, i), row) for i, row in enumerate(logits))
+        out.questions_s = time.perf_counter() - t1
     if rows:
         ctx.use_threads(solo=True)
         out.logits.update(decoder.step({r.request_id: r.tokens[0] for r in rows},

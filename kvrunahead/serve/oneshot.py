@@ -189,8 +189,8 @@ def batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], batch
                    step_tokens: int = DEFAULT_STEP_TOKENS, edge_slack: float = EDGE_SLACK) -> BatchResult | None:
     """A batch of prompts on ranks that have joined, as requests to the engine: packed (Prepacking: submitted in
     first-fit-decreasing bins of ``step_tokens``, which the engine's packing takes whole, each bin one step cut at
-    prompt edges within ``edge_slack``) or one at a time (sequential); every prompt's greedy continuation decodes on
-    the front beside the next steps. The last rank returns the result, the others None."""
+    prompt edges within ``edge_slack``) or one at a time (sequential); once every prompt has its first token, their
+    greedy continuations decode on the front in one batch. The last rank returns the result, the others None."""
     check_batch(cfg, batching, world.world_size)
     if not prompts or any(not p for p in prompts):
         raise InputError("every prompt needs at least one token")
@@ -202,7 +202,7 @@ def batch_on_world(cfg: RunConfig, world: World, prompts: list[list[int]], batch
     order = [i for b in ffd_bins([len(x) for x in prompts], step_tokens) for i in b] if packed else \
         list(range(len(prompts)))
     config = _one_shot(cfg, world, max(map(len, prompts)) + cfg.max_new_tokens, max_queue=len(prompts),
-                       pack_tokens=step_tokens if packed else 0, pack_edge_slack=edge_slack)
+                       pack_tokens=step_tokens if packed else 0, pack_edge_slack=edge_slack, prefill_first=True)
     return on_engine(config, world, lambda engine: _batch(cfg, engine, prompts, order, batching, step_tokens))
 
 

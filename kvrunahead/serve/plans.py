@@ -4,6 +4,7 @@ drop, a heartbeat, the end. Pickled, so plain data only."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvrunahead.model.rope import RopeExtension
@@ -11,6 +12,11 @@ from kvrunahead.pack.plan import PackedStep
 
 NOWHERE, FRONT, RANKS, SHARDED = "nowhere", "front", "ranks", "sharded"
 PLACES = (NOWHERE, FRONT, RANKS, SHARDED)
+
+
+def question_id(request_id: str, question: int) -> str:
+    """The id under which a shared context's question emits and decodes."""
+    return f"{request_id}/q{question}"
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,11 @@ class Segment:
 
     ``cuts``: the rank boundaries over the chain (absolute positions, ``cuts[0] == start``, ``cuts[-1] == end``); a
     segment whose every part but the last is empty runs on the front alone, and so does one without cuts (a decode
-    row). Only a segment kept on the front or sharded emits: its last token's logits go to the front's sampler."""
+    row). Only a segment kept on the front or sharded emits: its last token's logits go to the front's sampler.
+
+    ``questions``: a shared context's questions. After the segment's prefill the front prefills them packed behind
+    its whole cache (kvrunahead/questions.py); each one's first-token logits are emitted under ``question_id``, and
+    its later tokens are decode rows of that id."""
 
     request_id: str
     tokens: tuple[int, ...]
@@ -36,6 +46,7 @@ class Segment:
     cuts: tuple[int, ...] | None = None
     rope: RopeExtension | None = None
     decode: bool = False  # a running request's next token (a decode row), not a prompt's
+    questions: tuple[tuple[int, ...], ...] = ()  # IPPD: questions after this prompt (a shared context), see below
 
     def __post_init__(self) -> None:
         if self.held not in PLACES or self.keep not in PLACES or self.keep == NOWHERE:
@@ -45,6 +56,8 @@ class Segment:
         if self.decode and (len(self.tokens) != 1 or self.cuts is not None or self.held != self.keep
                             or self.held not in (FRONT, SHARDED)):
             raise ValueError("a decode segment is one token of a request held on the front or sharded")
+        if self.questions and (self.decode or self.keep != FRONT or not all(self.questions)):
+            raise ValueError("questions follow a prompt kept whole on the front, each at least one token")
 
     @property
     def end(self) -> int:
@@ -123,8 +136,9 @@ class StepPlan:
 
     @property
     def workers_plan(self) -> StepPlan:
-        """What the workers need: the front's decode rows stay on the front."""
-        return StepPlan(tuple(s for s in self.segments if not s.is_row), self.attention, self.packed)
+        """What the workers need: the front's decode rows and a prompt's questions stay on the front."""
+        return StepPlan(tuple(dataclasses.replace(s, questions=()) for s in self.segments if not s.is_row),
+                        self.attention, self.packed)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ prompt, a chunk of a long one, a packed batch of short ones, a shared-context re
 Mixed steps (the default; vLLM v1's and Sarathi's stall-free batching): every step carries every running request's
 next token beside the next prefill, so a long prompt's chunks never hold a decode back by more than the step they
 share. TTFT first: a waiting request is prefilled as soon as the engine is free; the requests waiting behind it join
-its prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. With ``mixed`` off, a step
+its prefill as one packed sequence (Prepacking) while their tokens fit ``pack_tokens``. With ``prefill_first`` (an
+offline batch, whose figure is the time to every prompt's first token), the running requests decode only once no
+prefill waits. With ``mixed`` off, a step
 is a prefill or a decode, never both (after a prefill, the next step decodes whenever any request is decoding).
 
 Which prefill goes first is the policy's:
@@ -95,7 +97,7 @@ class Slack:
 
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
-                 starve_after: int = STARVE_AFTER, mixed: bool = True) -> None:
+                 starve_after: int = STARVE_AFTER, mixed: bool = True, prefill_first: bool = False) -> None:
         if policy not in SCHEDULES:
             raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
@@ -103,7 +105,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.pack_tokens = pack_tokens  # 0: one prompt per prefill
         self.policy, self.slack, self.starve_after = policy, slack, starve_after
-        self.mixed = mixed
+        self.mixed, self.prefill_first = mixed, prefill_first
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.asks: deque[AskRequest] = deque()
@@ -128,6 +130,8 @@ class Scheduler:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
         chunk's sequence comes back through ``resume``."""
         decoding = bool(self.running or self.answering)
+        if self.prefill_first and (self.waiting or self.prefilling or self.asks):
+            return Step(prefill=self._prefill(now))
         if self.mixed:
             prefill = self._prefill(now)
             return Step(list(self.running), prefill, list(self.answering)) if prefill is not None or decoding \
