@@ -1,17 +1,15 @@
 """The serving engine: owns the world, the model (loaded once per rank), the scheduler and the caches in flight.
 
 ``Engine.step()`` is nano-vllm's three lines, schedule -> execute -> postprocess, and returns the events of the
-step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. ``kvr-prefill``-style one-shot
-use is ``Engine.run_one(request)``: one request through the same path.
+step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. The one-shot tools submit their
+requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one request to its end.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -22,22 +20,20 @@ from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
-from kvrunahead.questions import require_full_attention
 from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.runner import RankStats
-from kvrunahead.serve import executor
+from kvrunahead.serve import asking, executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillRecord, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement
-from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan, question_id
+from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
 from kvrunahead.serve.sequence import (
     Answered,
     Answering,
-    AskFigures,
     AskRequest,
     EngineDead,
     Event,
@@ -49,19 +45,6 @@ from kvrunahead.serve.sequence import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillRecord:
-    """A step that gave prompts their first tokens, as the one-shot tools report it (kept with ``record``): the
-    prompts (request ids), their lengths as packed, the rank boundaries, every rank's figures, each prompt's
-    first-token logits (float32, CPU; for a shared context, each question's, keyed ``<id>/<question index>``)."""
-
-    request_ids: tuple[str, ...]
-    lengths: tuple[int, ...]
-    boundaries: tuple[int, ...]
-    ranks: list[RankStats]
-    first_logits: dict[str, torch.Tensor]
 
 
 class Engine:
@@ -144,23 +127,7 @@ class Engine:
         """Queue a shared-context request; raises QueueFull, EngineDead, or ValueError naming what is wrong."""
         if not self.healthy:
             raise EngineDead(f"the engine has failed: {self.error}")
-        try:
-            require_full_attention(self.model_config)
-        except NotImplementedError as e:
-            raise ValueError(str(e)) from None
-        if ask.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {ask.max_tokens}")
-        if not ask.context_ids or not ask.question_ids or any(not q for q in ask.question_ids):
-            raise ValueError("the context and every question need at least one token")
-        longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
-        cfg = self.config.run
-        try:
-            plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
-        except ContextError as e:
-            raise ValueError(str(e)) from None
-        if longest > self.max_model_len:
-            raise ValueError(f"the context, the longest question and max_tokens come to {longest} tokens; this "
-                             f"server takes {self.max_model_len}")
+        asking.check_ask(ask, self.model_config, self.config.run, self.max_model_len)
         with self._lock:
             self.scheduler.add_ask(ask)
 
@@ -193,7 +160,9 @@ class Engine:
         prompts', a shared-context request's Answering, or None (no prefill, or a chunk that was not the last)."""
         self._free_shards()
         work = step.prefill
-        rows = [self._row(s) for s in step.decodes] + [row for run in step.answering for row in self._questions(run)]
+        eos, shared = self.ctx.lm.eos_token_ids, self.decoder.shared
+        rows = [self._row(s) for s in step.decodes] + [
+            row for run in step.answering for row in asking.question_rows(run, shared[run.request_id], eos)]
         if isinstance(work, AskWork):  # the context's segment with the rows beside it, then its questions
             return self._ask(work.ask, rows)
         if isinstance(work, PackedPrefillWork):  # the rows run beside the packed prompts, in their own forward
@@ -230,13 +199,6 @@ class Engine:
         """A running request's next token as a segment: on the front, or on every rank's shard (KVP)."""
         place = SHARDED if seq.request_id in self.ctx.shards else FRONT
         return Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place, decode=True)
-
-    def _questions(self, run: Answering) -> list[Segment]:
-        """A shared-context request's unfinished questions' next tokens, as decode rows on the front."""
-        shared = self.decoder.shared[run.request_id]
-        return [Segment(question_id(run.request_id, i), (run.answers[i][-1],),
-                        shared.position(i, len(run.answers[i]) - 1), held=FRONT, keep=FRONT, decode=True)
-                for i in run.going(self.ctx.lm.eos_token_ids)]
 
     def _rows_s(self, decodes: list[Sequence]) -> float:
         """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
@@ -283,27 +245,17 @@ class Engine:
 
     def _ask(self, ask: AskRequest, rows: list[Segment]) -> tuple[StepOutcome, Answering]:
         """A shared-context request's prefill, one step: its context as a prompt segment (over the chain where the
-        degree policy says so, the running requests' rows beside it) carrying its questions, which the front then
-        prefills packed behind the context (IPPD); they join the decode with their first tokens."""
+        degree policy says so, the running requests' rows beside it) carrying its questions (serve/asking.py)."""
         start = time.monotonic()
-        cfg = self.config.run
-        longest = len(ask.context_ids) + max(map(len, ask.question_ids)) + ask.max_tokens
-        rope = plan_extension(self.model_config, longest, cfg.allow_long_context, cfg.model)
+        rope = asking.ask_rope(ask, self.model_config, self.config.run)
         seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, rope)
-        # the questions decode on the front, which must hold the whole context
-        seg = dataclasses.replace(seg, keep=FRONT, questions=tuple(map(tuple, ask.question_ids)))
-        outcome = self._run(StepPlan((*rows, seg), self.attention), held)
-        first_s = time.monotonic()
+        outcome = self._run(StepPlan((*rows, asking.with_questions(seg, ask)), self.attention), held)
+        run = asking.started(ask, outcome, start, placed.degree, placed.boundaries)
         if self.placement.cacheable(rope):
             self.placement.prefixes.put(ask.context_ids, outcome.caches[ask.request_id])
-        logits = [outcome.logits[question_id(ask.request_id, i)] for i in range(len(ask.question_ids))]
         if self.prefills is not None:
-            self.prefills.append(PrefillRecord(
-                (ask.request_id,), (len(ask.context_ids),), tuple(placed.boundaries), outcome.ranks,
-                {f"{ask.request_id}/{i}": row.float().cpu() for i, row in enumerate(logits)}))
-        run = Answering(ask, [[int(row.argmax())] for row in logits], start,
-                        first_s - start - outcome.questions_s, outcome.questions_s, first_s, placed.degree,
-                        list(placed.boundaries))
+            self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.context_ids),), tuple(placed.boundaries),
+                                               outcome.ranks, asking.first_logits(ask, outcome)))
         return outcome, run
 
     def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:
@@ -326,9 +278,7 @@ class Engine:
         return events
 
     def _answer(self, run: Answering, outcome: StepOutcome) -> list[Event]:
-        """Each unfinished question of ``run`` takes its next token (greedy) from the step."""
-        for i in run.going(self.ctx.lm.eos_token_ids):
-            run.answers[i].append(int(outcome.logits[question_id(run.request_id, i)].argmax()))
+        asking.take_tokens(run, outcome, self.ctx.lm.eos_token_ids)
         return self._answered(run)
 
     def _answered(self, run: Answering) -> list[Event]:
@@ -338,16 +288,11 @@ class Engine:
         with self._lock:
             self.scheduler.finish_ask(run)
         self.decoder.remove(run.request_id)
-        figures = AskFigures(run.start_s - run.ask.arrival_s, run.context_s, run.questions_s,
-                             time.monotonic() - run.first_s, run.degree, run.boundaries)
-        return [Answered(run.request_id, run.answers, figures)]
+        return [asking.answered(run)]
 
     def _record(self, seqs: list[Sequence], outcomes: list[PrefillOutcome], ranks: list[RankStats]) -> None:
         if self.prefills is not None:
-            self.prefills.append(PrefillRecord(
-                tuple(s.request_id for s in seqs), tuple(s.prompt_len for s in seqs),
-                tuple(seqs[0].figures.boundaries), ranks,
-                {s.request_id: o.logits.float().cpu() for s, o in zip(seqs, outcomes)}))
+            self.prefills.append(PrefillRecord.of(seqs, outcomes, ranks))
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
@@ -392,16 +337,12 @@ class Engine:
         self.samplers.pop(seq.request_id, None)
         return seq.finished(reason, error, bad_input)
 
-    def _sent(self, plan):
-        executor.send_plan(self.ctx, plan)
-        self.heartbeat.sent()
-        return plan
-
     def _free_shards(self) -> None:
         """Tell the workers which requests holding state on them ended (KVP shards, chunked prefills' positions),
         before the next plan that needs every rank."""
         if self._unfreed and self.healthy:
-            self._sent(Drop(tuple(self._unfreed)))
+            executor.send_plan(self.ctx, Drop(tuple(self._unfreed)))
+            self.heartbeat.sent()
         self._unfreed = []
 
     def _reap_cancelled(self) -> list[Event]:

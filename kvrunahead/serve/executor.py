@@ -114,6 +114,26 @@ class PrefillOutcome:
     ranks: list[RankStats] = field(default_factory=list)
 
 
+@dataclass
+class PrefillRecord:
+    """A step that gave prompts their first tokens, as the one-shot tools report it (kept with ``record``): the
+    prompts (request ids), their lengths as packed, the rank boundaries, every rank's figures, each prompt's
+    first-token logits (float32, CPU; for a shared context, each question's, keyed ``<id>/<question index>``)."""
+
+    request_ids: tuple[str, ...]
+    lengths: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    ranks: list[RankStats]
+    first_logits: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, seqs: list, outcomes: list[PrefillOutcome], ranks: list[RankStats]) -> PrefillRecord:
+        """The record of prompts (serve/sequence.Sequence) prefilled in one step."""
+        return cls(tuple(s.request_id for s in seqs), tuple(s.prompt_len for s in seqs),
+                   tuple(seqs[0].figures.boundaries), ranks,
+                   {s.request_id: o.logits.float().cpu() for s, o in zip(seqs, outcomes)})
+
+
 def send_plan(ctx: RankContext, plan: Plan) -> None:
     """Broadcast ``plan`` from the front to every rank (as long as they are alive)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
