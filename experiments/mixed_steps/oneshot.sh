@@ -4,13 +4,14 @@
 # checkout goes to /tmp/kvr-before (git worktree) and runs through PYTHONPATH, with this install's packages; each
 # row records the package directory its ranks imported.
 # Rows (one JSON object per run: which, round, TTFT, partition) to experiments/mixed_steps/oneshot.jsonl.
-# Usage: bash experiments/mixed_steps/oneshot.sh  (ROUNDS=3 BEFORE=5b3e448 CTX=16k)
+# Usage: bash experiments/mixed_steps/oneshot.sh  (ROUNDS=3 BEFORE=5b3e448 CTX=16k OUT=experiments/mixed_steps/oneshot.jsonl;
+# an existing /tmp/kvr-before checkout is used as it is)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}
 BEFORE=${BEFORE:-5b3e448}
 CTX=${CTX:-16k}
-OUT=experiments/mixed_steps/oneshot.jsonl
+OUT=${OUT:-experiments/mixed_steps/oneshot.jsonl}
 [ -d /tmp/kvr-before ] || git worktree add -f /tmp/kvr-before "$BEFORE"
 now=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- kvrunahead || echo -dirty)
 run() {  # $1: which (before|now), $2: round
