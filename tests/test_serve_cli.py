@@ -163,16 +163,16 @@ def test_bad_input_overload_and_a_disconnect_on_real_ranks_leave_the_server_serv
         url = server.url()
         post = f"{url}/v1/completions"
         good = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-        bad = [  # (body as sent, the words its error must name)
-            ('{"model": "tiny-llama", "prompt": ', "JSON"),
-            (json.dumps({**good, "max_tokens": "four"}), "max_tokens"),
-            (json.dumps({**good, "model": "gpt-4"}), "gpt-4"),
-            (json.dumps({**good, "prompt": "x" * 5000}), "4096"),
-            (json.dumps({**good, "max_tokens": 0}), "max_tokens"),
+        bad = [  # (body as sent, the status, the words its error must name)
+            ('{"model": "tiny-llama", "prompt": ', 400, "JSON"),
+            (json.dumps({**good, "max_tokens": "four"}), 400, "max_tokens"),
+            (json.dumps({**good, "model": "gpt-4"}), 404, "gpt-4"),
+            (json.dumps({**good, "prompt": "x" * 5000}), 400, "4096"),
+            (json.dumps({**good, "max_tokens": 0}), 400, "max_tokens"),
         ]
-        for body, words in bad:
+        for body, status, words in bad:
             r = httpx.post(post, content=body, headers={"Content-Type": "application/json"}, timeout=30)
-            assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+            assert r.status_code == status and words in r.json()["error"]["message"], (body, r.text)
         assert httpx.post(post, json=good, timeout=60).status_code == 200  # still serving
 
         # More waiting requests than --max-queue: 429 with Retry-After at once, the others served.

@@ -131,7 +131,6 @@ COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0}
     ({**COMPLETION, "frobnicate": True}, "frobnicate", "unknown parameter 'frobnicate'"),
     ({**COMPLETION, "n": 2}, "n", "not supported"),
     ({**COMPLETION, "logprobs": 3}, "logprobs", "not supported"),
-    ({**COMPLETION, "model": "gpt-4"}, "model", "unknown model 'gpt-4'"),
     ({**COMPLETION, "prompt": "x" * 70}, "prompt", "at most 64"),
     ({**COMPLETION, "prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "at most 64"),
     ({"prompt": "Hi"}, "model", "'model' is required"),
@@ -141,6 +140,45 @@ def test_bad_completion_requests_get_400_naming_the_problem(body, param, words):
     err = _error(_post(client, "/v1/completions", body), 400)
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
     assert client.requests == []  # nothing reached the engine
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_model_not_found():
+    client = FakeClient()
+    for path, body in (("/v1/completions", {**COMPLETION, "model": "gpt-4"}),
+                       ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})):
+        err = _error(_post(client, path, body), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert "unknown model 'gpt-4'" in err["message"]
+    assert client.requests == []
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed_or_tokenised():
+    client = FakeClient()
+    big = json.dumps({**COMPLETION, "prompt": "x" * 5000}).encode()
+    with TestClient(build_app(client, Metrics(), max_request_bytes=1000)) as http:
+        declared = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        streamed = http.post("/v1/completions", content=iter([big[:600], big[600:]]),
+                             headers={"Content-Type": "application/json"})  # chunked: no Content-Length
+        small = http.post("/v1/completions", content=json.dumps(COMPLETION).encode(),
+                          headers={"Content-Type": "application/json"})
+    for r in (declared, streamed):
+        err = _error(r, 413)
+        assert err["code"] == "request_too_large" and "1000" in err["message"]
+    assert small.status_code == 200 and len(client.requests) == 1
+
+
+def test_a_body_that_is_not_json_is_a_415_and_version_answers():
+    client = FakeClient()
+    with TestClient(_app(client)) as http:
+        r = http.post("/v1/completions", content=json.dumps(COMPLETION).encode(),
+                      headers={"Content-Type": "text/plain"})
+        with_charset = http.post("/v1/completions", content=json.dumps(COMPLETION).encode(),
+                                 headers={"Content-Type": "application/json; charset=utf-8"})
+        version = http.get("/version")
+    err = _error(r, 415)
+    assert "text/plain" in err["message"] and err["code"] == "unsupported_media_type"
+    assert with_charset.status_code == 200
+    assert version.status_code == 200 and version.json()["version"]
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -228,6 +266,58 @@ def test_stream_is_server_sent_events_ending_in_done():
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
+def test_streamed_usage_is_on_the_final_chunk_only_or_on_every_chunk_when_asked():
+    """OpenAI's: usage only on the extra last chunk (so LangChain's sum of the chunks' usage counts each token
+    once); vLLM's ``continuous_usage_stats``: the usage so far on every chunk."""
+    with TestClient(_app(FakeClient())) as http:
+        plain, counted, continuous = (
+            [json.loads(e) for e in _events(http.post("/v1/completions", json={
+                **COMPLETION, "stream": True, **({"stream_options": options} if options else {})}).text)[:-1]]
+            for options in (None, {"include_usage": True},
+                            {"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.get("usage") is None for c in plain)
+    assert [c.get("usage") is not None for c in counted] == [False] * (len(counted) - 1) + [True]
+    assert sum(c["usage"]["completion_tokens"] for c in counted if c.get("usage")) == 3
+    assert [c["usage"]["completion_tokens"] for c in continuous[:3]] == [1, 2, 3]
+    final = continuous[-1]["usage"]
+    assert continuous[-1]["choices"] == [] and final["completion_tokens"] == 3
+    assert final["total_tokens"] == final["prompt_tokens"] + 3 == continuous[0]["usage"]["prompt_tokens"] + 3
+
+
+def test_vllms_sampling_parameters_reach_the_engine():
+    client = FakeClient()
+    r = _post(client, "/v1/completions", {
+        **COMPLETION, "ignore_eos": True, "top_k": 5, "min_p": 0.05, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7, 9],
+        "logit_bias": {"42": 3.5}})
+    assert r.status_code == 200, r.text
+    params = client.requests[0][1]
+    assert (params.ignore_eos, params.top_k, params.min_p, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.min_tokens, params.stop_token_ids, params.logit_bias) == \
+        (True, 5, 0.05, 0.5, -0.5, 1.2, 2, [7, 9], {42: 3.5})
+    r = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                               "top_k": -1})
+    assert r.status_code == 200 and client.requests[1][1].top_k == 0  # -1: every token, as in vLLM
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias", "token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "between -100 and 100"),
+    ({"logit_bias": {"99999999": 1.0}}, "logit_bias", "outside the vocabulary"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
+    ({"min_tokens": 9, "max_tokens": 5}, "min_tokens", "must not exceed max_tokens"),
+])
+def test_bad_sampling_parameters_are_400s_naming_them(extra, param, words):
+    client = FakeClient()
+    err = _error(_post(client, "/v1/completions", {**COMPLETION, **extra}), 400)
+    assert err["param"] == param and words in err["message"], err
+    assert client.requests == []
+
+
 def test_an_error_mid_stream_is_an_error_event_then_done():
     with TestClient(_app(FakeClient(finish="error"))) as http:
         r = http.post("/v1/completions", json={**COMPLETION, "stream": True})
@@ -296,7 +386,7 @@ def test_openai_client_completion_chat_and_stream_against_uvicorn():
         assert len(chunks) >= 3 and chunks[-1].choices[0].finish_reason == "stop"
         text = "".join(ch.choices[0].text for ch in api.completions.create(model=MODEL, prompt="Hi", stream=True))
         assert text == "Hello world!"
-        with pytest.raises(openai.BadRequestError, match="unknown model"):
+        with pytest.raises(openai.NotFoundError, match="unknown model"):
             api.completions.create(model="gpt-4", prompt="Hi")
 
 

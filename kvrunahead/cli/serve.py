@@ -47,6 +47,8 @@ def _check(options: dict, world_size: int) -> None:
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
+    if options["max_request_bytes"] < 1:
+        raise InputError(f"--max-request-bytes must be at least 1, got {options['max_request_bytes']}")
     for name in ("pack_tokens", "prefix_cache_tokens", "step_budget_ms", "chunk_tokens"):
         if options[name] < 0:
             raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
@@ -109,7 +111,8 @@ def _announce(url: str, model_id: str, world_size: int):
     return started
 
 
-def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool) -> str | None:
+def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
+                max_request_bytes: int = 4 * 1024 * 1024) -> str | None:
     """Run the engine loop and the HTTP server on this (the front) rank until drained or the engine dies; returns
     why the engine failed, None after a clean stop. The workers are told to shut down either way."""
     import uvicorn
@@ -122,7 +125,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool) -> 
     client = AsyncEngineClient(engine)
     metrics = Metrics()
     metrics.track(lambda: len(engine.scheduler.waiting), lambda: len(engine.scheduler.running))
-    config = uvicorn.Config(build_app(client, metrics), host=host, port=port, lifespan="off",
+    config = uvicorn.Config(build_app(client, metrics, max_request_bytes), host=host, port=port, lifespan="off",
                             log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=5)
     url = f"http://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
@@ -159,7 +162,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
         _ignore_stop_signals()
     engine = Engine(config, world)  # a failure from here on ends the rank without teardown (failure_ending)
     if front:
-        failure = serve_front(engine, host, port, grace_s, verbose)
+        failure = serve_front(engine, host, port, grace_s, verbose, options["max_request_bytes"])
         if failure is not None:  # the process group may be broken: no teardown (it can block)
             common.hard_exit(PROG, f"stopped: {failure}")
     else:
@@ -175,6 +178,8 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for their prefill; more are refused at once with 429 and Retry-After.")
+@click.option("--max-request-bytes", type=int, default=4 * 1024 * 1024, show_default=True,
+              help="Request bodies over this size are refused with 413 before they are read whole or tokenised.")
 @click.option("--pack-tokens", type=int, default=8192, show_default=True,
               help="Prompts waiting together are prefilled as one packed sequence (each seeing only itself; "
                    "Prepacking) up to this many tokens; 0: one prompt per prefill. A response's kvrunahead.packed_with "

@@ -1,9 +1,10 @@
 """The HTTP layer: a thin FastAPI app over an ``AsyncEngineClient`` (it knows nothing of ranks).
 
 POST /v1/completions (the raw prompt, as ``kvr-prefill --no-chat``), POST /v1/chat/completions (the model's chat
-template), GET /v1/models, GET /health, GET /metrics. Errors are OpenAI's body with the status a client of vLLM
-or SGLang expects: 400 for bad input, 429 with Retry-After when the queue is full, 503 while draining or once the
-engine is dead, 500 when the engine failed a request.
+template), POST /v1/ask, GET /v1/models, GET /version, GET /health, GET /metrics. Errors are OpenAI's body with the
+status a client of vLLM or SGLang expects: 400 for bad input, 404 for a model it does not serve, 413 for a body
+over ``--max-request-bytes``, 415 for one that is not JSON, 429 with Retry-After when the queue is full, 503 while
+draining or once the engine is dead, 500 when the engine failed a request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvrunahead.serve.sequence import (
     TokenEvent,
     new_request_id,
 )
+from kvrunahead.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,11 @@ class _Completions:
         return p.CompletionResponse(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
                                     choices=[p.CompletionChoice(text=text, finish_reason=done.finish_reason)])
 
-    def chunk(self, rid: str, model: str, text: str, first: bool) -> BaseModel:
-        return p.CompletionResponse(id=rid, model=model, choices=[p.CompletionChoice(text=text)])
+    def chunk(self, rid: str, model: str, text: str, first: bool, usage: p.Usage | None = None) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, choices=[p.CompletionChoice(text=text)], usage=usage)
 
-    def last(self, rid: str, model: str, done: Finished) -> BaseModel:
-        return p.CompletionResponse(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+    def last(self, rid: str, model: str, done: Finished, usage: p.Usage | None = None) -> BaseModel:
+        return p.CompletionResponse(id=rid, model=model, usage=usage, kvrunahead=_figures(done.figures),
                                     choices=[p.CompletionChoice(text="", finish_reason=done.finish_reason)])
 
     def usage_chunk(self, rid: str, model: str, done: Finished) -> BaseModel:
@@ -104,12 +106,12 @@ class _Chat:
             id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
             choices=[p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=done.finish_reason)])
 
-    def chunk(self, rid: str, model: str, text: str, first: bool) -> BaseModel:
+    def chunk(self, rid: str, model: str, text: str, first: bool, usage: p.Usage | None = None) -> BaseModel:
         delta = p.Delta(role="assistant" if first else None, content=text)
-        return p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta)])
+        return p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta)], usage=usage)
 
-    def last(self, rid: str, model: str, done: Finished) -> BaseModel:
-        return p.ChatCompletionChunk(id=rid, model=model, usage=_usage(done), kvrunahead=_figures(done.figures),
+    def last(self, rid: str, model: str, done: Finished, usage: p.Usage | None = None) -> BaseModel:
+        return p.ChatCompletionChunk(id=rid, model=model, usage=usage, kvrunahead=_figures(done.figures),
                                      choices=[p.ChatChunkChoice(delta=p.Delta(), finish_reason=done.finish_reason)])
 
     def usage_chunk(self, rid: str, model: str, done: Finished) -> BaseModel:
@@ -238,14 +240,20 @@ async def _whole(run: _Run, first, shape, model: str) -> Response:
     return JSONResponse(shape.response(run.rid, model, "".join(parts), event).model_dump(mode="json"))
 
 
-async def _stream(run: _Run, first, shape, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token with text, the last chunk with the finish reason, usage and the
-    figures, then ``data: [DONE]``. A failure mid-stream is an error event (the status is already sent)."""
-    event, sent = first, False
+async def _stream(run: _Run, first, shape, model: str, stream_options: p.StreamOptions | None,
+                  n_prompt: int) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token with text, the last chunk with the finish reason and the figures,
+    then, where ``stream_options.include_usage`` asks, a chunk of no choices carrying the usage (OpenAI's: the usage
+    on that final chunk only), then ``data: [DONE]``. ``continuous_usage_stats`` (vLLM's) puts the usage so far on
+    every chunk. A failure mid-stream is an error event (the status is already sent)."""
+    event, sent, tokens = first, False, 0
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
     try:
         while isinstance(event, TokenEvent):
+            tokens += 1
             if event.text:
-                yield _sse(shape.chunk(run.rid, model, event.text, first=not sent))
+                usage = p.Usage(prompt_tokens=n_prompt, completion_tokens=tokens, total_tokens=n_prompt + tokens)
+                yield _sse(shape.chunk(run.rid, model, event.text, first=not sent, usage=usage if continuous else None))
                 sent = True
             event = await run.next()
         run.end(event)
@@ -253,8 +261,8 @@ async def _stream(run: _Run, first, shape, model: str, include_usage: bool) -> A
             e = _failure(event, run.client)
             yield _sse(p.error_body(e.message, e.type, e.param, e.code))
         else:
-            yield _sse(shape.last(run.rid, model, event))
-            if include_usage:
+            yield _sse(shape.last(run.rid, model, event, usage=_usage(event) if continuous else None))
+            if stream_options and stream_options.include_usage:
                 yield _sse(shape.usage_chunk(run.rid, model, event))
         yield "data: [DONE]\n\n"
     except ClientGone:
@@ -265,9 +273,29 @@ async def _stream(run: _Run, first, shape, model: str, include_usage: bool) -> A
 
 # --- the routes --------------------------------------------------------------------------------------------------
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's JSON body, refused before it is read whole where it is over ``limit`` bytes (413) or not JSON
+    by its Content-Type (415)."""
+    kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"the body must be JSON (Content-Type: application/json), not {kind!r}",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
+                       "(--max-request-bytes)", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"the body is over {limit} bytes (--max-request-bytes)", code="request_too_large")
+    return bytes(body)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    body = await _body(request, limit)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as e:
         message, param = p.describe_validation(e.errors(include_url=False))
         raise ApiError(400, message, param=param) from None
@@ -275,6 +303,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
 
 async def _serve(client, metrics: Metrics, request: Request, req, ids: list[int], max_tokens: int | None,
                  shape, rid: str, arrival_s: float) -> Response:
+    inputs.check_token_ids(client.tokenizer, req)
     params = inputs.sampling(req, len(ids), max_tokens, client.max_model_len)
     if (refusal := _unavailable(client)) is not None:
         raise refusal
@@ -283,19 +312,23 @@ async def _serve(client, metrics: Metrics, request: Request, req, ids: list[int]
     except ClientGone:
         return Response(status_code=499)
     if req.stream:
-        return StreamingResponse(_stream(run, first, shape, req.model, req.include_usage),
+        return StreamingResponse(_stream(run, first, shape, req.model, req.stream_options, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _whole(run, first, shape, req.model)
 
 
 def _check_model(client, name: str) -> None:
-    if name != client.model_id:
-        raise ApiError(400, f"unknown model {name!r}: this server serves {client.model_id!r} (GET /v1/models)",
+    if name != client.model_id:  # 404, as OpenAI and vLLM answer a model they do not serve
+        raise ApiError(404, f"unknown model {name!r}: this server serves {client.model_id!r} (GET /v1/models)",
                        param="model", code="model_not_found")
 
 
-def build_app(client, metrics: Metrics | None = None) -> FastAPI:
-    """The OpenAI-compatible app over ``client`` (an ``AsyncEngineClient`` or anything with its interface)."""
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI-compatible app over ``client`` (an ``AsyncEngineClient`` or anything with its interface); request
+    bodies over ``max_request_bytes`` are refused (413) before they are read whole or tokenised."""
     metrics = metrics or Metrics()  # its queue gauges are the caller's to track (the app never sees the engine)
     app = FastAPI(title="kvr-serve", docs_url=None, redoc_url=None)
 
@@ -308,7 +341,7 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival_s = time.monotonic()
-        req = await _parse(request, p.CompletionRequest)
+        req = await _parse(request, p.CompletionRequest, max_request_bytes)
         _check_model(client, req.model)
         ids = await run_in_threadpool(inputs.token_ids, client.tokenizer, req.prompt)
         return await _serve(client, metrics, request, req, ids, req.max_tokens, _Completions(), new_request_id(),
@@ -317,7 +350,7 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrival_s = time.monotonic()
-        req = await _parse(request, p.ChatCompletionRequest)
+        req = await _parse(request, p.ChatCompletionRequest, max_request_bytes)
         _check_model(client, req.model)
         ids = await run_in_threadpool(inputs.chat_ids, client.tokenizer, req.messages)
         rid = "chat" + new_request_id()
@@ -325,7 +358,7 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
 
     @app.post("/v1/ask")
     async def ask(request: Request) -> Response:
-        req = await _parse(request, p.AskRequest)
+        req = await _parse(request, p.AskRequest, max_request_bytes)
         _check_model(client, req.model)
         context_ids, question_ids = await run_in_threadpool(question_prompts, client.tokenizer, req.context,
                                                             req.questions, req.chat)
@@ -343,6 +376,10 @@ def build_app(client, metrics: Metrics | None = None) -> FastAPI:
     async def models() -> dict:
         card = p.ModelCard(id=client.model_id, max_model_len=client.max_model_len)
         return p.ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> JSONResponse:

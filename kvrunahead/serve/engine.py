@@ -296,7 +296,8 @@ class Engine:
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
-        sampler = self.samplers[seq.request_id] = Sampler(seq.request.params)
+        sampler = self.samplers[seq.request_id] = Sampler(seq.request.params, seq.request.prompt_ids,
+                                                          self.ctx.lm.eos_token_ids)
         token = sampler(outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
@@ -312,14 +313,13 @@ class Engine:
     def _advance(self, seq: Sequence, token: int) -> list[Event]:
         """Take ``token`` into ``seq``; its text delta and, when it ends (EOS, a stop string, max_tokens), its
         Finished."""
-        lm = self.ctx.lm
-        eos = token in lm.eos_token_ids
+        lm, params = self.ctx.lm, seq.request.params
+        eos = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         seq.output_ids.append(token)
         text_ids = seq.output_ids[:-1] if eos else seq.output_ids  # EOS ends the text; it is not part of it
         text = lm.decode(text_ids)
         delta, stopped = seq.text.advance(text)
-        reason = "stop" if eos or stopped else "length" if len(seq.output_ids) >= seq.request.params.max_tokens \
-            else None
+        reason = "stop" if eos or stopped else "length" if len(seq.output_ids) >= params.max_tokens else None
         if reason is not None and not stopped:
             delta += seq.text.flush(text)
         events: list[Event] = [TokenEvent(seq.request_id, token, delta)]

@@ -42,7 +42,8 @@ def chat_ids(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
 
 def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, max_tokens: int | None,
               max_model_len: int) -> SamplingParams:
-    """The engine's parameters; the prompt and the tokens asked for must fit the model's positions."""
+    """The engine's parameters (vLLM's: penalties, top-k, min-p, min_tokens, stop_token_ids, logit_bias,
+    ignore_eos); the prompt and the tokens asked for must fit the model's positions."""
     if n_prompt == 0:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if n_prompt >= max_model_len:
@@ -54,5 +55,22 @@ def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, 
         raise ApiError(400, f"this model takes at most {max_model_len} tokens, but {n_prompt + max_tokens} were "
                        f"asked for ({n_prompt} in the prompt, max_tokens {max_tokens})", param="max_tokens",
                        code="context_length_exceeded")
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                       param="min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=req.sampling_temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, stop=req.stop_list, seed=req.seed)
+                          top_p=1.0 if req.top_p is None else req.top_p, stop=req.stop_list, seed=req.seed,
+                          ignore_eos=req.ignore_eos, top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
+                          presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=req.repetition_penalty or 1.0, min_tokens=req.min_tokens,
+                          stop_token_ids=list(req.stop_token_ids or []),
+                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
+
+
+def check_token_ids(tokenizer, req) -> None:
+    """``stop_token_ids`` and ``logit_bias``'s keys must be tokens of the vocabulary."""
+    vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
+    for param, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", map(int, req.logit_bias or {}))):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param=param)

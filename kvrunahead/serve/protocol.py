@@ -2,7 +2,7 @@
 
 Requests are strict: a parameter this server does not know is refused by name (``extra="forbid"``), never
 ignored, and a value of the wrong type is refused rather than coerced (``"max_tokens": "16"`` is an error, as it
-is at OpenAI). Parameters the server knows but does not implement (``n``, penalties, logprobs, ...) are accepted
+is at OpenAI). Parameters the server knows but does not implement (``n``, ``logprobs``, ...) are accepted
 only at their neutral value, so a client that spells out the defaults still works; any other value is refused
 by name. The official ``openai`` client sends only what its caller passes.
 
@@ -22,18 +22,16 @@ _NEUTRAL: dict[str, tuple] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk of no choices carrying the usage (OpenAI)
+    continuous_usage_stats: bool = False  # the usage so far on every chunk (vLLM)
 
 
 class _Request(BaseModel):
@@ -50,20 +48,36 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label: recorded nowhere, changes nothing
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # vLLM's sampling parameters (serve/sampling.py)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: every token
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     ttft_target_s: float | None = Field(default=None, gt=0.0)  # the TTFT this request asks for (--schedule lars)
+    ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token, up to max_tokens
 
     DEFAULT_TEMPERATURE: ClassVar[float] = 1.0  # OpenAI's (and vLLM's) default: sampling unless asked otherwise
 
-    @field_validator("n", "best_of", "echo", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
-                     "logit_bias", "suffix", check_fields=False)
+    @field_validator("n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info) -> Any:
         if value not in _NEUTRAL[info.field_name]:
             allowed = " or ".join(repr(v) for v in _NEUTRAL[info.field_name] if v is not None)
             raise ValueError(f"{value!r} is not supported by this server (only {allowed})")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"a logit_bias key is a token id, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"a logit_bias value is between -100 and 100, got {bias} for token {token}")
         return value
 
     @field_validator("stop")
@@ -81,10 +95,6 @@ class _Request(BaseModel):
     @property
     def sampling_temperature(self) -> float:
         return self.DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Request):

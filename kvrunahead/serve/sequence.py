@@ -28,9 +28,28 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # an end-of-sequence token does not end the request (vLLM's ignore_eos)
+    top_k: int = 0  # sample among the k most likely tokens; 0: all
+    min_p: float = 0.0  # drop the tokens less likely than this share of the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds it
+    repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative) of any token seen so far
+    min_tokens: int = 0  # the end tokens are held back until this many were chosen
+    stop_token_ids: list[int] = field(default_factory=list)  # more tokens that end the request, as EOS does
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.min_tokens)
 
     def check(self) -> None:
         """Raise ValueError naming the bad field (the HTTP layer turns it into a 400)."""
+        if self.top_k < 0 or not 0 <= self.min_p <= 1 or self.repetition_penalty <= 0 or self.min_tokens < 0:
+            raise ValueError(f"top_k >= 0, 0 <= min_p <= 1, repetition_penalty > 0 and min_tokens >= 0, got "
+                             f"{self.top_k}, {self.min_p}, {self.repetition_penalty}, {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
