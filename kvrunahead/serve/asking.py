@@ -59,9 +59,9 @@ def started(ask: AskRequest, outcome: StepOutcome, start_s: float, degree: int, 
 
 
 def first_logits(ask: AskRequest, outcome: StepOutcome) -> dict:
-    """Each question's first-token logits (float32, CPU), keyed ``<id>/<question index>`` (a one-shot report's)."""
-    return {f"{ask.request_id}/{i}": outcome.logits[question_id(ask.request_id, i)].float().cpu()
-            for i in range(len(ask.question_ids))}
+    """Each question's first-token logits (float32, CPU), keyed by its ``question_id`` (a one-shot report's)."""
+    return {q: outcome.logits[q].float().cpu()
+            for q in (question_id(ask.request_id, i) for i in range(len(ask.question_ids)))}
 
 
 def question_rows(run: Answering, shared: SharedContext, eos_token_ids: set[int]) -> list[Segment]:

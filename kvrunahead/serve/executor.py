@@ -118,7 +118,7 @@ class PrefillOutcome:
 class PrefillRecord:
     """A step that gave prompts their first tokens, as the one-shot tools report it (kept with ``record``): the
     prompts (request ids), their lengths as packed, the rank boundaries, every rank's figures, each prompt's
-    first-token logits (float32, CPU; for a shared context, each question's, keyed ``<id>/<question index>``)."""
+    first-token logits (float32, CPU; for a shared context, each question's, keyed by its ``plans.question_id``)."""
 
     request_ids: tuple[str, ...]
     lengths: tuple[int, ...]

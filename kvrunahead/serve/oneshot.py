@@ -38,8 +38,10 @@ from kvrunahead.pack.batch import (
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, ffd_bins
 from kvrunahead.runner import Ran, RunResult, finish_result, leave_world, peak_memory_bytes
 from kvrunahead.runner import run_on_world as run_on_runner
+from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
+from kvrunahead.serve.plans import question_id
 from kvrunahead.serve.sequence import (
     Answered,
     AskRequest,
@@ -136,24 +138,24 @@ def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False
     """``kvr-ask``'s job on ranks that have joined: one shared-context request to the engine (the context over the
     chain at the world's degree, the questions after it on the front); the front returns the result."""
 
+    request = AskRequest("kvr-ask", job.context_ids, job.questions, job.max_new_tokens)
+
     def ask(engine: Engine) -> AskResult:
-        request = AskRequest("kvr-ask", job.context_ids, job.questions, job.max_new_tokens)
         _submit(lambda: engine.add_ask(request))
         answered = until_ended(engine, {request.request_id})[request.request_id][-1]
         engine.shutdown()
         f, record = answered.figures, engine.prefills[-1]
         result = AskResult(cfg.model, world.world_size, len(job.context_ids), list(f.boundaries), f.context_s,
                            f.questions_s, f.decode_s, max(map(len, answered.answers)) - 1)
-        first_logits = [record.first_logits[f"{request.request_id}/{i}"] for i in range(len(job.questions))]
-        lm = engine.ctx.model(_rope(cfg, longest))[0]
+        first_logits = [record.first_logits[question_id(request.request_id, i)] for i in range(len(job.questions))]
+        lm = engine.ctx.model(asking.ask_rope(request, engine.model_config, cfg))[0]  # the variant the engine ran
         for text, tokens in zip(job.question_texts, answered.answers):
             result.answers.append(QuestionResult(text, tokens, lm.decode(tokens)))
         if verify:
             verify_answers(lm, job, first_logits, result, next(lm.model.parameters()).dtype)
         return result
 
-    longest = len(job.context_ids) + max(map(len, job.questions)) + job.max_new_tokens
-    return on_engine(_one_shot(cfg, world, longest), world, ask)
+    return on_engine(_one_shot(cfg, world, asking.longest(request)), world, ask)
 
 
 def _one_shot(cfg: RunConfig, world: World, longest: int, **kw) -> EngineConfig:
@@ -178,9 +180,7 @@ def run_batch(cfg: RunConfig, launcher: str, world_size: int, prompts: list[list
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
     try:
-        result = batch_on_world(cfg, world, prompts, batching, step_tokens)
-        liveness.patient_barrier("the last rank to finish its report")
-        return result
+        return batch_on_world(cfg, world, prompts, batching, step_tokens)  # its engine's ranks leave together
     finally:
         leave_world()
 

@@ -45,11 +45,14 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ValueError naming the bad field (the HTTP layer turns it into a 400)."""
-        if self.top_k < 0 or not 0 <= self.min_p <= 1 or self.repetition_penalty <= 0 or self.min_tokens < 0:
-            raise ValueError(f"top_k >= 0, 0 <= min_p <= 1, repetition_penalty > 0 and min_tokens >= 0, got "
-                             f"{self.top_k}, {self.min_p}, {self.repetition_penalty}, {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
