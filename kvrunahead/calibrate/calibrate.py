@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -62,12 +63,23 @@ LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 LARGE_MESSAGE = 1 << 22
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued kernels (a CUDA call returns before its kernel ends); nothing on CPU."""
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up: allocations, kernel selection
     times = []
     for _ in range(repeats):
+        _synchronize()
         start = time.perf_counter()
         fn()
+        _synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -230,12 +242,14 @@ def measure_whole(model, repeats: int, tokens=WHOLE_TOKENS) -> list[tuple[int, f
     return out
 
 
-def measure_copy(repeats: int, tokens: int = 8192, bytes_per_token: int = 1536) -> float:
-    """Bytes per second of the cache concatenation (prefix and own K,V into one tensor)."""
+def measure_copy(repeats: int, tokens: int = 8192, bytes_per_token: int = 1536, device: str = "cpu") -> float:
+    """Bytes per second of the cache concatenation (prefix and own K,V into one tensor). On a GPU the tensors are
+    64 times larger: 12 MB would stay in its L2 cache, which a long prompt's K,V does not."""
     import torch
 
-    a = torch.zeros(bytes_per_token * tokens // 8)
-    b = torch.zeros(bytes_per_token * tokens // 8)
+    scale = 64 if device != "cpu" else 1
+    a = torch.zeros(bytes_per_token * tokens * scale // 8, device=device)
+    b = torch.zeros(bytes_per_token * tokens * scale // 8, device=device)
     return 2 * a.numel() * 4 / _median_time(lambda: torch.cat((a, b)), repeats)
 
 
@@ -310,21 +324,33 @@ def companions(count: int, model_name: str, dtype: str, threads: int, repeats: i
             p.wait()
 
 
+def gpu_profile_name(device_name: str) -> str:
+    """A measured GPU profile's name from the GPU's: ``h100-measured`` for 'NVIDIA H100 80GB HBM3'."""
+    family = re.search(r"\b([ABHL]\d{1,3}S?|B200|GB200)\b", device_name.upper())
+    return f"{family.group(1).lower() if family else 'gpu'}-measured"
+
+
 def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads: int = 1,
               nets: tuple[str, ...] = ("loopback",), repeats: int = 3, quick: bool = False,
-              on_step: Callable[[str], None] | None = None, concurrent: int = 1) -> HardwareProfile:
+              on_step: Callable[[str], None] | None = None, concurrent: int = 1,
+              device: str = "cpu") -> HardwareProfile:
     """Measure a profile; with ``concurrent`` > 1 the compute steps are timed while that many ranks compute
-    in all (the others run the same layers), as in a run of that many ranks on this machine."""
+    in all (the others run the same layers), as in a run of that many ranks on this machine. On ``device``
+    "cuda" one GPU is timed alone (every rank of a GPU node has its own) and no link is measured here (``nets``
+    must be empty: one GPU has no peer; the caller takes a link from a built-in profile)."""
     import torch
     import transformers
 
     from kvrunahead.model.load import load_model, resolve_config
 
+    gpu = device != "cpu"
+    if gpu and (nets or concurrent > 1):
+        raise ValueError("on a GPU the profile is measured on one GPU alone, without a link (no --net, --ranks 1)")
     step = on_step or (lambda s: None)
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     shape = shape_from_config(resolve_config(model_name), dtype, model_name)
-    model = load_model(model_name, torch_dtype, torch.device("cpu")).model
+    model = load_model(model_name, torch_dtype, torch.device(device)).model
     linear_tokens, attention_shapes = _shapes(quick)
     with companions(concurrent - 1, model_name, dtype, threads, repeats, quick):
         step(f"projections and MLP at {', '.join(map(str, linear_tokens))} tokens"
@@ -336,7 +362,7 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
         step(f"decode attention over {', '.join(map(str, decode_keys))} keys")
         kernels["decode"], attention_worst["decode"] = measure_decode(model, shape, repeats, decode_keys)
         step("memory copies")
-        memory = measure_copy(repeats)
+        memory = measure_copy(repeats, device=device)
         step(f"whole prefills at {', '.join(map(str, WHOLE_TOKENS))} tokens")
         whole = measure_whole(model, repeats, WHOLE_TOKENS[:1] if quick else WHOLE_TOKENS)
     links, link_worst = {}, {}
@@ -345,16 +371,23 @@ def calibrate(model_name: str = "smollm2-135m", dtype: str = "float32", threads:
         step(f"link on {label} (2 ranks)")
         links[label], link_worst[label], _ = measure_link(net, repeats, LINK_SIZES[:3] if quick else LINK_SIZES)
     env = environment(model_name, "torch", threads, next(iter(links), "loopback"))
+    if gpu:
+        name = torch.cuda.get_device_name()
+        what = (f"{name}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB", gpu_profile_name(name),
+                f"one GPU alone, {dtype}")
+    else:
+        what = (f"{env['cpu']}, {env['cores']} cores", f"cpu-t{threads}",
+                f"{dtype}, {threads} thread(s) per rank, {concurrent} rank(s) computing")
     profile = HardwareProfile(
-        name=f"cpu-t{threads}", device=f"{env['cpu']}, {env['cores']} cores",
+        name=what[1], device=what[0],
         matmul_flops_per_s=matmul, matmul_half_tokens=0.0, memory_Bps=memory, layer_s=layer_s,
-        attention=kernels, threads=threads, dtype=dtype,
-        # --no-link: a placeholder the CLI replaces with the shipped profile's links
+        attention=kernels, threads=threads, dtype=dtype, device_kind="cuda" if gpu else "cpu",
+        # --no-link: a placeholder the CLI replaces with the shipped (or built-in GPU) profile's links
         links=links or {"loopback": LinkProfile(2.5e9)}, default_link=next(iter(links), "loopback"),
         versions={"torch": torch.__version__, "transformers": transformers.__version__, "kvrunahead": __version__,
-                  "python": platform.python_version()},
-        sources={"calibrated": f"kvr-calibrate on {model_name} ({dtype}, {threads} thread(s) per rank, "
-                               f"{concurrent} rank(s) computing)",
+                  "python": platform.python_version(),
+                  **({"cuda": str(torch.version.cuda)} if gpu else {})},
+        sources={"calibrated": f"kvr-calibrate on {model_name} ({what[2]})",
                  "shape": json.dumps(shape.to_dict())},
         fit={"linear": round(linear_worst, 4), **{f"attention_{k}": round(v, 4) for k, v in attention_worst.items()},
              **{f"link_{k}": round(v, 4) for k, v in link_worst.items()}})

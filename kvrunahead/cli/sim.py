@@ -61,10 +61,14 @@ def parse_noise(spec: str | None, interval_s: float = 1.0, duty: float = 0.5):
 @click.option("--ranks", "concurrent", type=int, default=None,
               help="Ranks computing at once while the steps are timed, as in the runs to predict (they share "
                    "memory bandwidth and caches). Default: 2 where the machine has 2 or more cores, else 1.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="What to time: this machine's CPU, or its GPU (one GPU alone; no link is measured: the "
+                   "NVLink figures of the built-in profile are kept and the profile says so).")
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Profile to write. Default: this machine's profile, where kvr-plan and kvr-search "
-                   "--backend model find it (~/.cache/kvrunahead/profiles/cpu-t<threads>.json).")
-def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurrent, out) -> None:
+                   "--backend model find it (~/.cache/kvrunahead/profiles/cpu-t<threads>.json; gpu-measured.json "
+                   "with --device cuda).")
+def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurrent, device, out) -> None:
     """Measure this machine's hardware profile for the cost model and simulator.
 
     \b
@@ -72,15 +76,32 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
     the attention kernels of every mode at the shapes of 1k-16k prompts, a decode step's attention over
     1k-32k keys, the cache copies; and, on two
     ranks, the link through the runtime's transport (point-to-point and all-gather), on each --net.
-    Writes JSON with the machine, versions, date and each fit's worst residual. Example:
+    Writes JSON with the machine, versions, date and each fit's worst residual. On a GPU (--device cuda) the
+    same steps run on one GPU alone, with a random-weight model of the shape given (llama-7b: the paper's).
+    Examples:
       kvr-calibrate --out /tmp/cpu.json
+      kvr-calibrate --device cuda --model llama-7b --dtype bfloat16 --out h100-measured.json
     """
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    gpu = device == "cuda"
     if concurrent is None:
-        concurrent = 2 if (os.cpu_count() or 1) >= 2 * threads else 1
+        concurrent = 1 if gpu else 2 if (os.cpu_count() or 1) >= 2 * threads else 1
     if threads < 1 or repeats < 1 or concurrent < 1:
         common.fail("kvr-calibrate", "--threads, --repeats and --ranks must be at least 1")
+    if gpu and (nets or concurrent > 1):
+        common.fail("kvr-calibrate", "--device cuda times one GPU alone: --net and --ranks do not apply (its link "
+                                     "figures come from the built-in GPU profile)")
+    if gpu:
+        from kvrunahead.errors import InputError
+        from kvrunahead.model.device import check_device
+
+        try:
+            check_device("cuda")
+        except InputError as e:
+            common.fail("kvr-calibrate", str(e))
     target = Path(out) if out else local_profile_path(threads)
+    if gpu and not out:
+        target = target.with_name("gpu-measured.json")
     shipped = SHIPPED_DIR / f"cpu-t{threads}.json"
     if not shipped.exists():  # a link is the transport's: the 1-thread profile's serves where none of these exists
         shipped = SHIPPED_DIR / "cpu-t1.json"
@@ -94,18 +115,31 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
         click.echo(f"[{time.perf_counter() - start:5.0f} s] measuring {what}", err=True)
 
     try:
-        profile = calibrate(model, dtype, threads, () if no_link else (tuple(nets) or ("loopback",)), repeats,
-                            quick, step, concurrent)
+        profile = calibrate(model, dtype, threads, () if no_link or gpu else (tuple(nets) or ("loopback",)),
+                            repeats, quick, step, concurrent, device)
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever broke
         click.echo(f"kvr-calibrate: error: {e}", err=True)
         sys.exit(1)
-    if no_link:
+    if gpu:
+        keep_builtin_links(profile)
+    elif no_link:
         base = HardwareProfile.load(shipped)
         profile.links, profile.default_link = base.links, base.default_link
         profile.sources["links"] = f"from the shipped profile ({base.device}, {base.date[:10]})"
     profile.save(target)
     click.echo(describe(profile))
     click.echo(f"wrote {target} in {time.perf_counter() - start:.0f} s")
+
+
+def keep_builtin_links(profile: HardwareProfile) -> None:
+    """A GPU profile measured on one GPU takes its links from the built-in profile of its GPU's family (NVLink
+    figures from the data sheet: one GPU has no peer to measure a link against), and says so."""
+    from kvrunahead.sim.profile import builtin_profiles
+
+    family = "a100-nvlink" if "A100" in profile.device.upper() else "h100-nvlink"
+    base = builtin_profiles()[family]
+    profile.links, profile.default_link = dict(base.links), base.default_link
+    profile.sources["links"] = f"not measured (one GPU): the built-in {family} profile's, {base.sources['peak']}"
 
 
 def describe(profile) -> str:

@@ -53,6 +53,8 @@ def layer_windows(config) -> tuple[int | None, ...]:
     """Per decoder layer, its sliding window (None: full attention), read from the model's config the way
     transformers' own ``DynamicCache(config=...)`` reads it; raises NotImplementedError for other layer types."""
     types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(kwargs, dict):  # transformers before 5.2x: one set of keywords for every layer
+        kwargs = [kwargs] * len(types)
     odd = sorted({t for t in types if t not in CHAINABLE})
     if odd:
         raise NotImplementedError(

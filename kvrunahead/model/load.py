@@ -227,8 +227,9 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
     config = extended(resolve_config(name), rope)
     attn = attention_implementation(config)
     if name in PRESETS:
-        torch.manual_seed(seed)  # every rank builds the same weights
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        torch.manual_seed(seed)  # every rank builds the same weights (on the same kind of device)
+        with torch.device(device):  # drawn where they will live: a 7B-shaped model is drawn in seconds on a GPU
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         eos: frozenset[int] = frozenset()
     else:
         model = AutoModelForCausalLM.from_pretrained(_model_path(name), config=config, dtype=dtype,

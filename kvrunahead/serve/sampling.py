@@ -58,16 +58,17 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     for token, bias in params.logit_bias.items():
         logits[token] += bias
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output)), dtype=torch.long, device=logits.device)
         if seen.numel():
             values = logits[seen]
             logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                        values * params.repetition_penalty)
     if output and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.numel()).float()
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=logits.device),
+                                minlength=logits.numel()).float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     if len(output) < params.min_tokens and ends:
-        logits[torch.tensor(sorted(ends), dtype=torch.long)] = float("-inf")
+        logits[torch.tensor(sorted(ends), dtype=torch.long, device=logits.device)] = float("-inf")
     return logits
 
 

@@ -252,6 +252,10 @@ def resolve_profile(name_or_path: str | None, threads: int = 1) -> tuple[Hardwar
                          "to measure this machine")
     if name_or_path in builtins:
         return builtins[name_or_path], f"built-in profile {name_or_path} (public figures)"
+    measured = SHIPPED_DIR / f"{name_or_path}.json"
+    if measured.exists() and "/" not in name_or_path:  # a GPU profile measured by experiments/gpu/campaign.sh
+        profile = HardwareProfile.load(measured)
+        return profile, f"the shipped profile {name_or_path} (measured on {profile.device}, {profile.date[:10]})"
     if Path(name_or_path).exists():
         return HardwareProfile.load(Path(name_or_path)), f"profile {name_or_path}"
     raise ProfileError(f"no profile {name_or_path!r}: use one of cpu, {', '.join(builtins)} or a file written by "

@@ -1,0 +1,513 @@
+"""The GPU campaign: what the simulator predicts for GPUs, measured on one GPU in one short window.
+
+Steps, in the order of their value (a wrong GPU path makes every later number moot):
+  machine      the GPU, driver, torch, CUDA and transformers versions; what the campaign imports is importable
+  exactness    tests/test_gpu.py on the device: fused kernels, split attention and KVP merge against float64,
+               every model family and mode at p = 1 against the single-process model
+  calibrate    kvr-calibrate's steps on the GPU (llama-7b shape, random bf16 weights): the measured profile
+  prefill      single-GPU prefill, 4k-128k, Llama-7B's and SmolLM2-135M's shapes, random bf16 weights:
+               TTFT, tokens/s, peak memory
+  rank-part    the last rank of an 8-GPU KV-Runahead chain: its part's queries against the prefix before it,
+               through the runtime's own chain code with the prefix held locally (what that rank computes)
+  predictions  the simulator beside every measurement (relative error), and 8-GPU predictions from the measured
+               profile (labelled predictions: one GPU measures no link)
+Every step has a predicted time from the built-in GPU profile (printed first); ``--budget-s`` skips what would not
+fit. Rows are written as they are measured, so a run cut short keeps what it measured.
+
+Usage: bash experiments/gpu/campaign.sh [--out DIR] [--budget-s 480] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+REPO = Path(__file__).resolve().parents[2]
+CONTEXTS = (4096, 16384, 32768, 65536, 131072)
+PREDICT_CONTEXTS = (16384, 32768, 65536, 131072)
+CHAIN_RANKS = 8
+PEER_MODES = ("kvr", "tsp", "cp-allgather", "ring")
+# What the campaign imports; the GPU machine's image lacks gguf, fastapi, uvicorn and pydantic, which the serving
+# side needs and the campaign does not.
+NEEDS = ("torch", "transformers", "safetensors", "accelerate", "numpy", "scipy", "click", "pytest")
+FILES = ("machine.json", "exactness.txt", "profile.json", "timings.jsonl", "predictions.jsonl", "summary.md",
+         "campaign.log")
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str
+    tiny: bool
+    out: Path
+    repeats: int
+    contexts: tuple[int, ...]
+    predict_contexts: tuple[int, ...]
+
+
+def model_configs(tiny: bool) -> dict:
+    """The shapes timed, as transformers configs: the paper's Llama-7B and SmolLM2-135M-Instruct (the shape of the
+    GGUF the project serves: 30 layers of 576, 9 query and 3 K,V heads of 64, tied embeddings). Tiny: two small
+    Llama configs through the same code."""
+    from transformers import LlamaConfig
+
+    from kvrunahead.model.load import PRESETS
+
+    if tiny:
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=8192)
+        return {"llama-7b": LlamaConfig(vocab_size=512, **small),
+                "smollm2-135m": LlamaConfig(vocab_size=512, tie_word_embeddings=True, **small)}
+    llama = PRESETS["llama-7b"]()
+    llama.max_position_embeddings = max(CONTEXTS)
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=max(CONTEXTS),
+                       rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return {"llama-7b": llama, "smollm2-135m": smol}
+
+
+class Log:
+    """Lines to stdout and to campaign.log, with the seconds since the start."""
+
+    def __init__(self, path: Path) -> None:
+        self.start = time.perf_counter()
+        self.file = path.open("a")
+
+    def __call__(self, text: str) -> None:
+        line = f"[{self.elapsed():6.1f} s] {text}"
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def write_row(path: Path, row: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------- the plan: predicted seconds per step
+
+def gpu_cost(config, dtype: str = "bfloat16"):
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.profile import builtin_profiles
+    from kvrunahead.sim.shape import shape_from_config
+
+    return CostModel(shape_from_config(config, dtype, "plan"), builtin_profiles()["h100-nvlink"])
+
+
+def predicted_steps(setup: Setup) -> dict[str, float]:
+    """Seconds each step should take on one H100, from the built-in h100-nvlink profile (public figures) plus
+    fixed costs for what it does not model (start-up, drawing 7B random weights, the exactness suite's cases)."""
+    from kvrunahead.sim.simulate import simulate
+
+    if setup.tiny:
+        return {"machine": 2, "exactness": 30, "calibrate": 60, "prefill": 20, "rank-part": 20, "predictions": 10}
+    configs = model_configs(False)
+    runs = setup.repeats + 1  # a warm-up each
+    prefill = rank = 0.0
+    for config in configs.values():
+        cost = gpu_cost(config)
+        for n in setup.contexts:
+            prefill += runs * simulate(cost, "single", n, 1).ttft_s
+            # the last rank of an even 8-way chain (an upper bound on an uneven one's last part)
+            rank += runs * (cost.layers * cost.rank_layer_s("split", n / CHAIN_RANKS, n - n / CHAIN_RANKS))
+    return {"machine": 5, "exactness": 60, "calibrate": 70, "prefill": 20 + prefill, "rank-part": 20 + rank,
+            "predictions": 15}
+
+
+# ---------------------------------------------------------------- step 1: the machine
+
+def step_machine(setup: Setup, log: Log) -> None:
+    import torch
+    import transformers
+
+    info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "device": setup.device, "cpu_count": os.cpu_count(), "commit": _commit()}
+    if setup.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=torch.cuda.get_device_name(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
+                    driver=_driver())
+    missing = []
+    for name in NEEDS:
+        try:
+            importlib.import_module(name)
+            info.setdefault("versions", {})[name] = importlib.metadata.version(name)
+        except ImportError as e:
+            missing.append(f"{name} ({e})")
+    info["missing"] = missing
+    (setup.out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
+    log("machine: " + ", ".join(f"{k} {info.get(k)}" for k in ("gpu", "gpu_memory_gib", "driver", "torch", "cuda",
+                                                                  "transformers") if k in info))
+    if missing:
+        raise RuntimeError(f"missing: {', '.join(missing)}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------- step 2: exactness
+
+def step_exactness(setup: Setup, log: Log) -> None:
+    env = dict(os.environ, KVR_TEST_DEVICE=setup.device, PYTHONPATH=_pythonpath())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text = done.stdout + done.stderr
+    (setup.out / "exactness.txt").write_text(" ".join(cmd) + "\n\n" + text)
+    tail = text.strip().splitlines()[-1] if text.strip() else "(no output)"
+    log(f"exactness on {setup.device}: {tail}")
+    if done.returncode != 0:
+        raise RuntimeError(f"the exactness suite failed on {setup.device} (exactness.txt)")
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
+# ---------------------------------------------------------------- step 3: kvr-calibrate on the GPU
+
+def step_calibrate(setup: Setup, log: Log) -> None:
+    from kvrunahead.calibrate.calibrate import calibrate
+    from kvrunahead.cli.sim import describe, keep_builtin_links
+
+    if setup.tiny:
+        profile = calibrate("tiny-llama", "float32", 1, (), repeats=1, quick=True, on_step=log, device=setup.device)
+    else:
+        profile = calibrate("llama-7b", "bfloat16", 1, (), repeats=setup.repeats, on_step=log, device="cuda")
+    keep_builtin_links(profile)
+    profile.save(setup.out / "profile.json")
+    for line in describe(profile).splitlines():
+        log(line)
+
+
+# ---------------------------------------------------------------- steps 4 and 5: timing on one GPU
+
+def _build(config, setup: Setup):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if setup.tiny else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(setup.device):  # random weights drawn on the device: real ones do not travel
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _time(fn, repeats: int) -> tuple[float, list[float]]:
+    from kvrunahead.calibrate.calibrate import _synchronize
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize()
+        t = time.perf_counter()
+        fn()
+        _synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+@contextlib.contextmanager
+def _peak_memory(row: dict, device: str):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if device == "cuda":
+        row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def _measure(setup: Setup, log: Log, row: dict, fn, predicted_s: float, deadline: float) -> None:
+    """Time ``fn`` into ``row`` (or say why not: out of memory, over the budget) and write the row."""
+    import torch
+
+    if log.elapsed() + (setup.repeats + 1) * predicted_s > deadline:
+        row["skipped"] = "over the budget"
+    else:
+        try:
+            with _peak_memory(row, setup.device):
+                row["ttft_s"], row["times_s"] = _time(fn, setup.repeats)
+            row["tokens_per_s"] = round(row["tokens"] / row["ttft_s"], 1)
+        except torch.OutOfMemoryError as e:
+            row["skipped"] = f"out of memory: {str(e).splitlines()[0][:160]}"
+            torch.cuda.empty_cache()
+    write_row(setup.out / "timings.jsonl", row)
+    log(f"{row['kind']} {row['model']} {row['context']}: "
+        + (f"{row['ttft_s']:.4f} s, {row['tokens_per_s']:.0f} tok/s, peak {row.get('peak_memory_gib', '-')} GiB"
+           if "ttft_s" in row else row["skipped"]))
+
+
+def step_prefill(setup: Setup, log: Log, deadline: float) -> None:
+    """One prompt through the whole model on one GPU: the decoder layers without a cache (their K,V would hold
+    64 GiB at 128k for Llama-7B: the time to compute them is what is measured), then the LM head on the last
+    position."""
+    import torch
+
+    from kvrunahead.sim.simulate import simulate
+
+    for name, config in model_configs(setup.tiny).items():
+        model = _build(config, setup)
+        cost = gpu_cost(config)
+        for n in setup.contexts:
+            ids = torch.randint(0, config.vocab_size, (1, n), device=setup.device)
+
+            @torch.no_grad()
+            def run(ids=ids, model=model):
+                hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                return model.lm_head(hidden[:, -1:])
+
+            row = {"kind": "single-prefill", "model": name, "context": n, "tokens": n, "device": setup.device,
+                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+            _measure(setup, log, row, run, simulate(cost, "single", n, 1).ttft_s, deadline)
+            del ids
+        del model
+        _empty(setup.device)
+
+
+def chain_part(context: int, config, profile) -> tuple[int, int]:
+    """The last rank's part of an 8-rank KVR chain at ``context``: the partition the cost model finds on
+    ``profile`` (the measured one where calibrate ran, else the built-in)."""
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.optimize import search_partition
+    from kvrunahead.sim.shape import shape_from_config
+
+    cost = CostModel(shape_from_config(config, "bfloat16", "part"), profile)
+    b = search_partition(cost, context, CHAIN_RANKS, "split", None,
+                         min_stride=min(max(16, context // 1024), context // (2 * CHAIN_RANKS))).boundaries
+    return b[-2], b[-1]
+
+
+def step_rank_part(setup: Setup, log: Log, deadline: float) -> None:
+    """The last rank of an 8-GPU chain: its part's forward through the runtime's chain code (``kvr_prefill``,
+    split attention), its prefix K,V already on the GPU (the no-communication bound: what the rank computes, not
+    what it waits for). One random prefix tensor serves every layer (the attention reads it all the same; 32
+    distinct ones would hold 56 GiB at 128k), and the rank keeps only its own part's K,V, as a server's ranks
+    do."""
+    import torch
+
+    from kvrunahead.model.layout import probe_kv_layout
+    from kvrunahead.modes.kvr import LocalPrefixLink, OwnPartLink, kvr_prefill
+    from kvrunahead.transport import LocalTransport
+
+    class LastRankLink(LocalPrefixLink):
+        """The last rank, in one process: its prefix is local, nothing goes on, its cache keeps its own part."""
+
+        @property
+        def has_prev(self) -> bool:
+            return self.prefix_len > 0
+
+        keep = OwnPartLink.keep
+
+    profile = _profile(setup)
+    for name, config in model_configs(setup.tiny).items():
+        model = _build(config, setup)
+        layout = probe_kv_layout(model)
+        cost = gpu_cost(config)
+        for n in setup.contexts:
+            start, end = chain_part(n, config, profile)
+            ids = torch.randint(0, config.vocab_size, (1, end - start), device=setup.device)
+            prefix = torch.randn(layout.kv_shape(0, start), device=setup.device).to(layout.dtype)
+
+            def run(ids=ids, start=start, prefix=prefix, model=model, layout=layout):
+                link = LastRankLink(LocalTransport(), start, layout, torch.device(setup.device))
+                link.prefixes = [prefix] * layout.num_layers
+                return kvr_prefill(model, ids, link, "split")
+
+            row = {"kind": "kvr-last-rank", "model": name, "context": n, "ranks": CHAIN_RANKS, "part": [start, end],
+                   "tokens": end - start, "device": setup.device, "partition_profile": profile.name}
+            predicted = cost.layers * cost.rank_layer_s("split", end - start, start) + cost.lm_head_s()
+            _measure(setup, log, row, run, predicted, deadline)
+            del ids, prefix
+        del model
+        _empty(setup.device)
+
+
+def _empty(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _profile(setup: Setup):
+    """The profile this run measured, else the built-in H100 one."""
+    from kvrunahead.sim.profile import HardwareProfile, builtin_profiles
+
+    path = setup.out / "profile.json"
+    return HardwareProfile.load(path) if path.exists() else builtin_profiles()["h100-nvlink"]
+
+
+# ---------------------------------------------------------------- step 6: the simulator beside the measurements
+
+def step_predictions(setup: Setup, log: Log) -> None:
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.plan import plan
+    from kvrunahead.sim.profile import builtin_profiles
+    from kvrunahead.sim.shape import shape_from_config
+    from kvrunahead.sim.simulate import simulate
+
+    measured = _profile(setup) if (setup.out / "profile.json").exists() else None
+    profiles = {"built-in h100-nvlink (public figures)": builtin_profiles()["h100-nvlink"]}
+    if measured is not None:
+        profiles["measured on this GPU"] = measured
+    dtype = "float32" if setup.tiny else "bfloat16"
+    configs = model_configs(setup.tiny)
+    rows = [json.loads(line) for line in (setup.out / "timings.jsonl").read_text().splitlines()] \
+        if (setup.out / "timings.jsonl").exists() else []
+    out = setup.out / "predictions.jsonl"
+    lines = ["# GPU campaign", "", f"Machine: {_machine_line(setup)}", "",
+             "## One GPU: measured against the simulator (relative error = predicted / measured - 1)", "",
+             "| what | model | context | measured s | " + " | ".join(profiles) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(profiles)]
+    for row in rows:
+        if "ttft_s" not in row:
+            continue
+        config = configs[row["model"]]
+        cells = []
+        for label, profile in profiles.items():
+            cost = CostModel(shape_from_config(config, dtype, row["model"]), profile)
+            if row["kind"] == "single-prefill":
+                predicted = simulate(cost, "single", row["context"], 1).ttft_s
+            else:
+                start, end = row["part"]
+                predicted = cost.layers * cost.rank_layer_s("split", end - start, start) + cost.lm_head_s()
+            error = predicted / row["ttft_s"] - 1
+            write_row(out, {"kind": row["kind"], "model": row["model"], "context": row["context"], "profile": label,
+                            "measured_s": row["ttft_s"], "predicted_s": predicted, "relative_error": error})
+            cells.append(f"{predicted:.4f} ({error:+.0%})")
+        lines.append(f"| {row['kind']} | {row['model']} | {row['context']} | {row['ttft_s']:.4f} | "
+                     + " | ".join(cells) + " |")
+    if measured is not None:
+        lines += ["", f"## {CHAIN_RANKS} GPUs: PREDICTIONS from the measured profile (links: its built-in NVLink "
+                  "figures, not measured)", "", "| model | context | single s | " + " | ".join(PEER_MODES) + " |",
+                  "|---|---:|---:|" + "---:|" * len(PEER_MODES)]
+        for name, config in configs.items():
+            cost = CostModel(shape_from_config(config, dtype, name), measured)
+            for n in setup.predict_contexts:
+                options = plan(cost, n, CHAIN_RANKS, PEER_MODES, "split", ranks=[CHAIN_RANKS])
+                single = next(o for o in options if o.mode == "single").ttft_s
+                by_mode = {o.mode: o for o in options if o.ranks == CHAIN_RANKS}
+                for o in by_mode.values():
+                    write_row(out, {"kind": "prediction-8gpu", "model": name, "context": n, "mode": o.mode,
+                                    "ranks": CHAIN_RANKS, "predicted_s": o.ttft_s,
+                                    "speedup_vs_single": single / o.ttft_s, "boundaries": list(o.boundaries),
+                                    "profile": "measured on this GPU"})
+                lines.append(f"| {name} | {n} | {single:.4f} | " + " | ".join(
+                    f"{by_mode[m].ttft_s:.4f} ({single / by_mode[m].ttft_s:.2f}x)" for m in PEER_MODES) + " |")
+    (setup.out / "summary.md").write_text("\n".join(lines) + "\n")
+    log(f"predictions: {len(rows)} measured rows compared; summary.md written")
+
+
+def _machine_line(setup: Setup) -> str:
+    path = setup.out / "machine.json"
+    if not path.exists():
+        return setup.device
+    m = json.loads(path.read_text())
+    return ", ".join(f"{k} {m[k]}" for k in ("gpu", "driver", "torch", "cuda", "transformers", "commit") if k in m)
+
+
+# ---------------------------------------------------------------- the run
+
+STEPS = ("machine", "exactness", "calibrate", "prefill", "rank-part", "predictions")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for the outputs (default: $OUT where set, else experiments/gpu/out).")
+@click.option("--budget-s", type=float, default=480.0, show_default=True,
+              help="Seconds the run may take: a step (or a timing point) predicted not to fit is skipped.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--tiny", is_flag=True, help="Tiny models and contexts (a check that the campaign runs, not data).")
+@click.option("--dry-run", is_flag=True, help="Print the plan for one H100, then run every step on CPU with --tiny.")
+@click.option("--steps", default=",".join(STEPS), show_default=True, help="Which steps, comma-separated.")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Timed runs per point (median), after a warm-up.")
+def main(out_dir, budget_s, device, tiny, dry_run, steps, repeats) -> None:
+    """Run the GPU campaign: exactness on the GPU, its measured profile, single-GPU and chain-rank timings, and
+    the simulator's predictions beside them. Writes at most seven files into one folder."""
+    chosen = [s.strip() for s in steps.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in STEPS]
+    if bad or budget_s <= 0 or repeats < 1:
+        raise click.UsageError(f"unknown step(s) {bad}: choose from {', '.join(STEPS)}" if bad
+                               else "--budget-s and --repeats must be positive")
+    full_plan = predicted_steps(Setup("cuda", False, Path("."), repeats, CONTEXTS, PREDICT_CONTEXTS))
+    print(f"plan on one H100 (built-in h100-nvlink profile), budget {budget_s:.0f} s:")
+    for name in STEPS:
+        print(f"  {name:<12} {full_plan[name]:7.1f} s predicted")
+    print(f"  {'total':<12} {sum(full_plan.values()):7.1f} s")
+    if dry_run:
+        device, tiny = "cpu", True
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("no CUDA device here: run on a GPU machine, or give --dry-run")
+    out = Path(out_dir or os.environ.get("OUT") or REPO / "experiments/gpu/out")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in FILES:  # a fresh run: rows are appended as they are measured
+        (out / name).unlink(missing_ok=True)
+    setup = Setup(device, tiny, out, 1 if tiny else repeats, (128, 256) if tiny else CONTEXTS,
+                  (256,) if tiny else PREDICT_CONTEXTS)
+    predicted = predicted_steps(setup)
+    log = Log(out / "campaign.log")
+    log(f"campaign on {device}{' (tiny)' if tiny else ''}, budget {budget_s:.0f} s, steps {', '.join(chosen)}")
+    failed = []
+    for name in STEPS:
+        if name not in chosen:
+            continue
+        if name not in ("machine", "predictions") and log.elapsed() + min(predicted[name], 30) > budget_s:
+            log(f"{name}: skipped, {predicted[name]:.0f} s predicted and {budget_s - log.elapsed():.0f} s left")
+            continue
+        log(f"{name}: start ({predicted[name]:.0f} s predicted)")
+        try:
+            if name in ("prefill", "rank-part"):
+                {"prefill": step_prefill, "rank-part": step_rank_part}[name](setup, log, budget_s)
+            else:
+                {"machine": step_machine, "exactness": step_exactness, "calibrate": step_calibrate,
+                 "predictions": step_predictions}[name](setup, log)
+        except Exception as e:  # noqa: BLE001 - a step that breaks is reported; the others still run
+            failed.append(name)
+            log(f"{name}: FAILED: {type(e).__name__}: {e}")
+    log(f"done in {log.elapsed():.0f} s; files: {', '.join(sorted(p.name for p in out.iterdir()))}"
+        + (f"; failed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
