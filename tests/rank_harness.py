@@ -23,7 +23,13 @@ def main() -> None:
             if batch is not None:
                 results[case["name"]] = batch.to_dict()
             continue
-        result = run_on_world(RunConfig(**case["config"]), world)
+        try:
+            result = run_on_world(RunConfig(**case["config"]), world)
+        except Exception as e:  # noqa: BLE001 - one rank alone: the case fails, the next ones still run
+            if world.world_size > 1:  # the other ranks would wait for this one: the whole run fails
+                raise
+            results[case["name"]] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         if result is not None:
             d = result.to_dict()
             results[case["name"]] = {

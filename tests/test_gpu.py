@@ -117,6 +117,7 @@ def lone_rank(tmp_path_factory):
 @pytest.mark.parametrize("name", [c["name"] for c in _cases()])
 def test_every_family_and_mode_on_one_rank_matches_the_single_process_model(lone_rank, name):
     r = lone_rank[name]
+    assert "error" not in r, r["error"]
     v = r["verification"]
     assert r["tokens"] == [CONTEXT]
     assert v["first_token_match"] and v["generated_match"] and v["ok"], v

@@ -70,7 +70,8 @@ def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.T
         return _fused_with_lse(q, expand_kv(k, heads), expand_kv(v, heads), causal, scale)
     grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d)
     out, lse = _fused_with_lse(grouped, k, v, False, scale)
-    return out.view(b, heads, n, d), lse.reshape(b, heads, n)  # the log-sum-exp is small: a copy is no cost
+    # reshape, not view: a CUDA kernel's output may be laid out [b, rows, heads, d] (transposed), not contiguous
+    return out.reshape(b, heads, n, d), lse.reshape(b, heads, n)
 
 
 def masked_attention_with_lse(q, k, v, visible: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:
