@@ -187,3 +187,31 @@ def test_the_default_run_uses_split_attention_and_no_even_partition_beyond_one_r
     if p > 1:
         assert r["partition_source"].startswith("cost model") and r["boundaries"] != list(
             Partition.even(CONTEXT, p).boundaries)
+
+
+def test_a_continuation_that_parts_is_placed_and_weighed_by_the_reference_model():
+    """Where two greedy continuations part, the reference model's logits over the prompt and the shared tokens
+    weigh the two tokens: the run is within rounding only if they tie within the tolerance."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvrunahead.model.forward import greedy_decode, last_token_logits
+    from kvrunahead.model.load import load_model
+    from kvrunahead.runner import Verification, where_parted
+
+    lm = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    ids = list(range(40, 80))
+    cache = DynamicCache(config=lm.model.config)
+    first = int(last_token_logits(lm.model, torch.tensor([ids]), cache=cache).argmax())
+    reference = greedy_decode(lm.model, first, cache, len(ids), 5, lm.eos_token_ids)
+    other = (reference[3] + 1) % 512
+    step, gap = where_parted(lm.model, ids, reference, [*reference[:3], other, 7])
+    logits = last_token_logits(lm.model, torch.tensor([ids + reference[:3]]),
+                               cache=DynamicCache(config=lm.model.config))
+    assert step == 3 and gap == pytest.approx(float(logits[reference[3]] - logits[other]), abs=1e-6) and gap > 0
+    assert where_parted(lm.model, ids, reference, reference[:2]) == (2, float("inf"))  # one ended early
+    v = Verification(0.0, None, 1, 0.0, atol=gap / 2, first_token_match=True, generated_match=False,
+                     reference_tokens=reference, parted_at=step, parted_gap=gap)
+    assert not v.ok
+    v.atol = 2 * gap
+    assert v.generated_within_rounding and v.ok

@@ -120,4 +120,9 @@ def test_every_family_and_mode_on_one_rank_matches_the_single_process_model(lone
     assert "error" not in r, r["error"]
     v = r["verification"]
     assert r["tokens"] == [CONTEXT]
-    assert v["first_token_match"] and v["generated_match"] and v["ok"], v
+    # ok: the first token equal, its logits within the dtype's rounding, and the greedy continuation equal or
+    # parting only where the reference model ties the two tokens within that rounding (half-precision kernels
+    # that sum in another order may pick either; parted_at and parted_gap say where and by how much)
+    assert v["first_token_match"] and v["ok"], v
+    if DEVICE == "cpu" or name.endswith("/float32"):
+        assert v["generated_match"], v

@@ -74,12 +74,21 @@ def format_result(r: RunResult) -> str:
         lines.append(
             f"verify       {'OK' if v.ok else 'MISMATCH'}: max |logit diff| {v.max_abs_logit_diff:.2e} "
             f"(atol {v.atol:g}), first token {'matches' if v.first_token_match else 'differs'}, "
-            f"generated tokens {'match' if v.generated_match else 'differ'}; "
+            f"generated tokens {_continuation(v)}; "
             f"single-process TTFT {v.single_ttft_s * 1e3:.1f} ms at {r.threads_per_rank} thread(s)"
             + (f", {v.single_all_threads_ttft_s * 1e3:.1f} ms at {v.single_all_threads} threads (all ranks' "
                f"threads in one process)" if v.single_all_threads_ttft_s is not None else "")
         )
     return "\n".join(lines)
+
+
+def _continuation(v) -> str:
+    if v.generated_match:
+        return "match"
+    if v.parted_at is None:
+        return "differ"
+    tie = "a tie within the tolerance" if v.generated_within_rounding else "not a tie"
+    return f"part at step {v.parted_at} (the two tokens' logits {v.parted_gap:.2e} apart: {tie})"
 
 
 @click.command(context_settings=common.SETTINGS)
