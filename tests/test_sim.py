@@ -393,6 +393,33 @@ def test_kvr_calibrate_refuses_bad_input():
 
     res = CliRunner().invoke(calibrate_main, ["--threads", "0"])
     assert res.exit_code == 2 and "at least 1" in res.output
+    res = CliRunner().invoke(calibrate_main, ["--device", "cuda", "--net", "cap=100MB/s"])
+    assert res.exit_code == 2 and "one GPU alone" in res.output
+
+
+def test_kvr_calibrate_on_a_machine_without_a_gpu_says_so_before_any_work():
+    import torch
+
+    from kvrunahead.cli.sim import calibrate_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+
+    res = CliRunner().invoke(calibrate_main, ["--device", "cuda"])
+    assert res.exit_code == 2 and "--device cuda asked for" in res.output
+
+
+def test_a_gpu_profile_is_named_by_its_gpu_and_keeps_the_builtin_nvlink_saying_so():
+    from kvrunahead.calibrate.calibrate import gpu_profile_name
+    from kvrunahead.cli.sim import keep_builtin_links
+
+    assert gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100-measured"
+    assert gpu_profile_name("NVIDIA A100-SXM4-80GB") == "a100-measured"
+    assert gpu_profile_name("Tesla T4") == "gpu-measured"
+    shipped, _ = resolve_profile("h100-measured")  # the campaign's profile, shipped with the package
+    assert shipped.device_kind == "cuda" and shipped.device.startswith("NVIDIA H100")
+    keep_builtin_links(shipped)
+    assert shipped.links == builtin_profiles()["h100-nvlink"].links and "not measured" in shipped.sources["links"]
 
 
 def test_a_search_under_noise_is_repeatable_and_prices_the_noise():

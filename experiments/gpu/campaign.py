@@ -118,6 +118,7 @@ def predicted_steps(setup: Setup) -> dict[str, float]:
     if setup.tiny:
         return {"machine": 2, "exactness": 30, "calibrate": 60, "prefill": 20, "rank-part": 20, "predictions": 10}
     configs = model_configs(False)
+    calibrate = 30 + calibrate_s(gpu_cost(configs["llama-7b"]), setup.repeats)
     runs = setup.repeats + 1  # a warm-up each
     prefill = rank = 0.0
     for config in configs.values():
@@ -126,8 +127,23 @@ def predicted_steps(setup: Setup) -> dict[str, float]:
             prefill += runs * simulate(cost, "single", n, 1).ttft_s
             # the last rank of an even 8-way chain (an upper bound on an uneven one's last part)
             rank += runs * (cost.layers * cost.rank_layer_s("split", n / CHAIN_RANKS, n - n / CHAIN_RANKS))
-    return {"machine": 5, "exactness": 60, "calibrate": 70, "prefill": 20 + prefill, "rank-part": 20 + rank,
+    return {"machine": 5, "exactness": 70, "calibrate": calibrate, "prefill": 20 + prefill, "rank-part": 20 + rank,
             "predictions": 15}
+
+
+def calibrate_s(cost, repeats: int) -> float:
+    """kvr-calibrate --device cuda's timed work, each point a warm-up and ``repeats`` runs: its projections over 4
+    layers, its three attention kernels at every shape, its decode steps and whole prefills (the fixed costs,
+    drawing the 7B model and the decode caches, are the caller's)."""
+    from kvrunahead.calibrate.calibrate import DECODE_KEYS, GPU_WHOLE_TOKENS, LINEAR_LAYERS, _shapes
+    from kvrunahead.sim.simulate import simulate
+
+    linear, shapes = _shapes(False, gpu=True)
+    work = sum(LINEAR_LAYERS * (cost.qkv_s(n) + cost.other_s(n)) for n in linear)
+    work += sum(cost.causal_s(q) + cost.full_s(q, k) + cost.masked_s(q, k) for q, k in shapes)
+    work += sum(cost.layers * cost.decode_attention_s(n) for n in DECODE_KEYS)
+    work += sum(simulate(cost, "single", n, 1).ttft_s for n in GPU_WHOLE_TOKENS)
+    return (repeats + 1) * work
 
 
 # ---------------------------------------------------------------- step 1: the machine

@@ -141,11 +141,10 @@ def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_S
     kernels: dict[str, AttentionCost] = {}
     worst: dict[str, float] = {}
 
-    def tensors(q, k):
-        g = torch.Generator(device="cpu").manual_seed(q * 31 + k)
-        return (torch.randn(1, shape.heads, q, shape.head_dim, generator=g).to(device, dtype),
-                torch.randn(1, shape.kv_heads, k, shape.head_dim, generator=g).to(device, dtype),
-                torch.randn(1, shape.kv_heads, k, shape.head_dim, generator=g).to(device, dtype))
+    def tensors(q, k):  # drawn where they are used: a GPU's 128k-key blocks drawn on one host thread take minutes
+        g = torch.Generator(device=device).manual_seed(q * 31 + k)
+        return tuple(torch.randn(1, heads, n, shape.head_dim, generator=g, device=device, dtype=dtype)
+                     for heads, n in ((shape.heads, q), (shape.kv_heads, k), (shape.kv_heads, k)))
 
     def causal(q, k):  # a diagonal block, as split and ring attend it (q == k)
         qt, kt, vt = tensors(q, q)
