@@ -195,10 +195,11 @@ def _driver() -> str:
 
 # ---------------------------------------------------------------- step 2: exactness
 
-def step_exactness(setup: Setup, log: Log) -> None:
+def step_exactness(setup: Setup, log: Log, deadline: float) -> None:
     env = dict(os.environ, KVR_TEST_DEVICE=setup.device, PYTHONPATH=_pythonpath())
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=max(30.0, deadline - log.elapsed()))
     text = done.stdout + done.stderr
     (setup.out / "exactness.txt").write_text(" ".join(cmd) + "\n\n" + text)
     tail = text.strip().splitlines()[-1] if text.strip() else "(no output)"
@@ -213,14 +214,35 @@ def _pythonpath() -> str:
 
 # ---------------------------------------------------------------- step 3: kvr-calibrate on the GPU
 
-def step_calibrate(setup: Setup, log: Log) -> None:
+@contextlib.contextmanager
+def _no_later_than(seconds: float):
+    """TimeoutError in this (the main) thread once ``seconds`` have passed: a step that overruns its plan ends and
+    leaves the budget to the steps after it."""
+    import signal
+
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def step_calibrate(setup: Setup, log: Log, deadline: float) -> None:
     from kvrunahead.calibrate.calibrate import calibrate
     from kvrunahead.cli.sim import describe, keep_builtin_links
 
-    if setup.tiny:
-        profile = calibrate("tiny-llama", "float32", 1, (), repeats=1, quick=True, on_step=log, device=setup.device)
-    else:
-        profile = calibrate("llama-7b", "bfloat16", 1, (), repeats=setup.repeats, on_step=log, device="cuda")
+    # at most twice its plan, and never into the time the timing steps need
+    with _no_later_than(min(2 * predicted_steps(setup)["calibrate"], deadline - log.elapsed())):
+        if setup.tiny:
+            profile = calibrate("tiny-llama", "float32", 1, (), repeats=1, quick=True, on_step=log,
+                                device=setup.device)
+        else:
+            profile = calibrate("llama-7b", "bfloat16", 1, (), repeats=setup.repeats, on_step=log, device="cuda")
     keep_builtin_links(profile)
     profile.save(setup.out / "profile.json")
     for line in describe(profile).splitlines():
@@ -241,15 +263,15 @@ def _build(config, setup: Setup):
 
 
 def _time(fn, repeats: int) -> tuple[float, list[float]]:
-    from kvrunahead.calibrate.calibrate import _synchronize
+    from kvrunahead.calibrate.timing import synchronize
 
     fn()
     times = []
     for _ in range(repeats):
-        _synchronize()
+        synchronize()
         t = time.perf_counter()
         fn()
-        _synchronize()
+        synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times), times
 
@@ -512,11 +534,11 @@ def main(out_dir, budget_s, device, tiny, dry_run, steps, repeats) -> None:
             continue
         log(f"{name}: start ({predicted[name]:.0f} s predicted)")
         try:
-            if name in ("prefill", "rank-part"):
-                {"prefill": step_prefill, "rank-part": step_rank_part}[name](setup, log, budget_s)
+            if name in ("machine", "predictions"):
+                {"machine": step_machine, "predictions": step_predictions}[name](setup, log)
             else:
-                {"machine": step_machine, "exactness": step_exactness, "calibrate": step_calibrate,
-                 "predictions": step_predictions}[name](setup, log)
+                {"exactness": step_exactness, "calibrate": step_calibrate, "prefill": step_prefill,
+                 "rank-part": step_rank_part}[name](setup, log, budget_s)
         except Exception as e:  # noqa: BLE001 - a step that breaks is reported; the others still run
             failed.append(name)
             log(f"{name}: FAILED: {type(e).__name__}: {e}")

@@ -22,16 +22,12 @@ import json
 import logging
 import platform
 import re
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
-
+from kvrunahead.calibrate.linkbench import LINK_SIZES, measure_link
+from kvrunahead.calibrate.timing import fit, median_time
 from kvrunahead.net.spec import parse_net
 from kvrunahead.provenance import environment
 from kvrunahead.sim.costmodel import CostModel
@@ -59,40 +55,6 @@ ATTENTION_SHAPES = ((256, 256), (512, 512), (1024, 1024), (512, 2048), (2048, 20
 MASKED_MIN_QUERIES = 256  # the explicit-mask kernel's fit leaves out the chunk shapes
 # Keys of a decode step's attention (one new token against the cache): short chats to the KVP decode's contexts.
 DECODE_KEYS = (1024, 4096, 16384, 32768)
-LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
-LARGE_MESSAGE = 1 << 22
-
-
-def _synchronize() -> None:
-    """Wait for the GPU's queued kernels (a CUDA call returns before its kernel ends); nothing on CPU."""
-    if "torch" in sys.modules:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: allocations, kernel selection
-    times = []
-    for _ in range(repeats):
-        _synchronize()
-        start = time.perf_counter()
-        fn()
-        _synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _fit(columns: list[list[float]], times: list[float]) -> tuple[np.ndarray, float]:
-    """Non-negative least squares in relative error; returns the coefficients and the worst residual."""
-    from scipy.optimize import nnls
-
-    a = np.array(columns, dtype=float).T
-    t = np.array(times, dtype=float)
-    coef, _ = nnls(a / t[:, None], np.ones_like(t))
-    worst = float(np.max(np.abs(a @ coef - t) / t))
-    return coef, worst
 
 
 def _null_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -118,12 +80,12 @@ def measure_linear(model, shape: ModelShape, repeats: int, tokens=LINEAR_TOKENS)
         with torch.no_grad(), attention_mode(model, NULL_ATTENTION, None):
             for n in tokens:
                 ids = torch.zeros((1, n), dtype=torch.long, device=device)
-                times.append(_median_time(lambda ids=ids: base(input_ids=ids, use_cache=False), repeats) / used)
+                times.append(median_time(lambda ids=ids: base(input_ids=ids, use_cache=False), repeats) / used)
                 log.info("linear n=%d: %.4f s per layer", n, times[-1])
     finally:
         base.layers = all_layers
     flops = shape.qkv_flops_per_token + shape.other_flops_per_token
-    coef, worst = _fit([[1.0] * len(tokens), [flops * n for n in tokens]], times)
+    coef, worst = fit([[1.0] * len(tokens), [flops * n for n in tokens]], times)
     return float(coef[0]), 1.0 / max(float(coef[1]), 1e-30), worst
 
 
@@ -170,12 +132,12 @@ def measure_attention(model, shape: ModelShape, repeats: int, shapes=ATTENTION_S
     with torch.no_grad():
         for name, make in (("causal", causal), ("full", full), ("masked", masked)):
             cases = _cases(name, shapes)
-            times = [_median_time(make(q, k), repeats) for q, k in cases]
+            times = [median_time(make(q, k), repeats) for q, k in cases]
             cols = [[1.0] * len(cases), [q for q, _ in cases], [k for _, k in cases],
                     [pairs_of[name](q, k) * shape.flops_per_pair for q, k in cases]]
             if name == "masked":  # its pairs cost more as the rectangle grows: seconds per pair and key doubling
                 cols.append([pairs_of[name](q, k) * key_doublings(k) for q, k in cases])
-            coef, worst[name] = _fit(cols, times)
+            coef, worst[name] = fit(cols, times)
             kernels[name] = AttentionCost(flops_per_s=1.0 / max(float(coef[3]), 1e-30), call_s=float(coef[0]),
                                           query_s=float(coef[1]), key_s=float(coef[2]), skips_masked=True,
                                           pair_growth_s=float(coef[4]) if len(coef) > 4 else 0.0)
@@ -216,10 +178,10 @@ def measure_decode(model, shape: ModelShape, repeats: int, keys=DECODE_KEYS) -> 
             def step(cache=cache):
                 for layer in cache:
                     sdpa_attention_forward(module, q, layer[0], layer[1], None, scaling=scale)
-            times.append(_median_time(step, repeats) / shape.layers)
+            times.append(median_time(step, repeats) / shape.layers)
             log.info("decode attention n=%d: %.4f ms per layer", n, 1e3 * times[-1])
             del cache
-    coef, worst = _fit([[1.0] * len(keys), [n * shape.flops_per_pair for n in keys]], times)
+    coef, worst = fit([[1.0] * len(keys), [n * shape.flops_per_pair for n in keys]], times)
     return AttentionCost(flops_per_s=1.0 / max(float(coef[1]), 1e-30), call_s=float(coef[0])), worst
 
 
@@ -237,7 +199,7 @@ def measure_whole(model, repeats: int, tokens=WHOLE_TOKENS) -> list[tuple[int, f
     with torch.no_grad():
         for n in tokens:
             ids = torch.zeros((1, n), dtype=torch.long, device=device)
-            out.append((n, _median_time(lambda ids=ids: last_token_logits(model, ids), repeats)))
+            out.append((n, median_time(lambda ids=ids: last_token_logits(model, ids), repeats)))
     return out
 
 
@@ -249,33 +211,7 @@ def measure_copy(repeats: int, tokens: int = 8192, bytes_per_token: int = 1536, 
     scale = 64 if device != "cpu" else 1
     a = torch.zeros(bytes_per_token * tokens * scale // 8, device=device)
     b = torch.zeros(bytes_per_token * tokens * scale // 8, device=device)
-    return 2 * a.numel() * 4 / _median_time(lambda: torch.cat((a, b)), repeats)
-
-
-def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkProfile, float, list[dict]]:
-    """Latency and bandwidth of one direction between two ranks, and the all-gather's efficiency."""
-    from kvrunahead.launcher import spawn
-
-    spec = parse_net(net)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "link.json"
-        code = spawn(2, [str(out), str(repeats), *map(str, sizes)], module="kvrunahead.calibrate.linkbench", net=spec)
-        if code != 0 or not out.exists():
-            raise RuntimeError(f"the link benchmark failed (exit {code}) on {spec.label}")
-        data = json.loads(out.read_text())
-    rows = data["rows"]
-    # Bandwidth from the messages of the sizes the modes move (a layer's K,V: megabytes), latency from the
-    # smallest; tbf lets a short burst through faster than the rate, which a fit over all sizes would take in.
-    big = [r for r in rows if r["bytes"] >= LARGE_MESSAGE] or rows[-1:]
-    coef, _ = _fit([[r["bytes"] for r in big]], [r["send_s"] for r in big])
-    bandwidth = 1.0 / max(float(coef[0]), 1e-30)
-    latency = max(0.0, min(r["send_s"] - r["bytes"] / bandwidth for r in rows if r["bytes"] < LARGE_MESSAGE))
-    worst = max(abs(latency + r["bytes"] / bandwidth - r["send_s"]) / r["send_s"] for r in big)
-    # At p = 2 an all-gather is one exchange each way: its efficiency is one transfer's time over its own.
-    efficiency = statistics.median(r["send_s"] / r["allgather_s"] for r in big)
-    kind = "ring" if data["allgather"] == "p2p" else "native"
-    penalty = statistics.mean(data["compute_s_per_byte"])
-    return LinkProfile(bandwidth, latency, kind, round(min(1.0, efficiency), 3), penalty), worst, rows
+    return 2 * a.numel() * 4 / median_time(lambda: torch.cat((a, b)), repeats)
 
 
 def _companion(model_name: str, dtype: str, threads: int, repeats: int, quick: bool) -> None:

@@ -8,7 +8,42 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+from kvrunahead.calibrate.timing import fit
+from kvrunahead.net.spec import parse_net
+from kvrunahead.sim.profile import LinkProfile
+
+LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+LARGE_MESSAGE = 1 << 22
+
+
+def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkProfile, float, list[dict]]:
+    """Latency and bandwidth of one direction between two ranks, and the all-gather's efficiency."""
+    from kvrunahead.launcher import spawn
+
+    spec = parse_net(net)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "link.json"
+        code = spawn(2, [str(out), str(repeats), *map(str, sizes)], module="kvrunahead.calibrate.linkbench", net=spec)
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"the link benchmark failed (exit {code}) on {spec.label}")
+        data = json.loads(out.read_text())
+    rows = data["rows"]
+    # Bandwidth from the messages of the sizes the modes move (a layer's K,V: megabytes), latency from the
+    # smallest; tbf lets a short burst through faster than the rate, which a fit over all sizes would take in.
+    big = [r for r in rows if r["bytes"] >= LARGE_MESSAGE] or rows[-1:]
+    coef, _ = fit([[r["bytes"] for r in big]], [r["send_s"] for r in big])
+    bandwidth = 1.0 / max(float(coef[0]), 1e-30)
+    latency = max(0.0, min(r["send_s"] - r["bytes"] / bandwidth for r in rows if r["bytes"] < LARGE_MESSAGE))
+    worst = max(abs(latency + r["bytes"] / bandwidth - r["send_s"]) / r["send_s"] for r in big)
+    # At p = 2 an all-gather is one exchange each way: its efficiency is one transfer's time over its own.
+    efficiency = statistics.median(r["send_s"] / r["allgather_s"] for r in big)
+    kind = "ring" if data["allgather"] == "p2p" else "native"
+    penalty = statistics.mean(data["compute_s_per_byte"])
+    return LinkProfile(bandwidth, latency, kind, round(min(1.0, efficiency), 3), penalty), worst, rows
 
 
 def main(out: str, repeats: int, sizes: list[int]) -> None:
