@@ -48,6 +48,33 @@ def match(scenario: dict, world, out: dict) -> None:
                ranks=figures.ranks)
 
 
+def logprobs(scenario: dict, world, out: dict) -> None:
+    """A greedy request asking for log-probabilities, over the ranks; on the front, the same prompt through
+    transformers' ``generate(output_scores=True)`` in one process: the tokens and every token's log-probability and
+    alternatives."""
+    from kvrunahead.model.load import load_model
+
+    cfg = RunConfig(**scenario["run"])
+    engine = Engine(EngineConfig(run=cfg, degree=scenario.get("degree", "auto")), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    ids = prepare(cfg, world.world_size).ids
+    events, figures = engine.run_one(Request("r", ids, SamplingParams(max_tokens=cfg.max_new_tokens, logprobs=3)))
+    engine.shutdown()
+    model = load_model(cfg.model, torch.float32, torch.device("cpu")).model
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=cfg.max_new_tokens, do_sample=False, min_new_tokens=0,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    ref_logprobs = [torch.log_softmax(score[0].float(), -1) for score in ref.scores]
+    tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    lps = [e.logprob for e in events if isinstance(e, TokenEvent)]
+    out.update(tokens=tokens, ref_tokens=ref.sequences[0, len(ids):].tolist(), degree=figures.degree,
+               chosen_diff=max(abs(lp.logprob - float(r[t])) for lp, r, t in zip(lps, ref_logprobs, tokens)),
+               top_diff=max(abs(v - float(r[i])) for lp, r in zip(lps, ref_logprobs) for i, v in lp.top),
+               top_ids=[[i for i, _ in lp.top] for lp in lps],
+               ref_top_ids=[r.topk(3).indices.tolist() for r in ref_logprobs])
+
+
 async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict, prompt: list[int]) -> None:
     async for event in client.generate(prompt, SamplingParams(max_tokens=4000), rid):
         if not ready.exists():
@@ -294,7 +321,7 @@ def main() -> None:
     code = 0
     try:
         scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
-                     "chunked": chunked, "mixed": mixed}
+                     "chunked": chunked, "mixed": mixed, "logprobs": logprobs}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

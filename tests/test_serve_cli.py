@@ -208,3 +208,34 @@ def test_chunking_and_lars_flags_that_cannot_run_are_one_line_and_exit_2():
                        (["--model", MODEL, "--schedule", "lars", "--ttft-slo-s", "0"], "must be positive")):
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+def test_openai_clients_n_logprobs_echo_and_prompt_batches_on_real_ranks():
+    """What lm-eval, guidellm and the ``openai`` client send a vLLM server, against two ranks: n choices of one
+    prefill (the others take its K,V from the prefix cache), greedy log-probabilities whose likeliest token is the
+    one chosen, the prompt echoed, a list of prompts answered one choice each, /tokenize's count as the usage's
+    (chat log-probabilities: tests/test_serve_http.py; this model has no chat template)."""
+    with serving() as server:
+        url = server.url()
+        api = _api(url)
+        cached_before = _metric(url, "kvr_prefix_cached_tokens_total")
+        many = api.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=4, temperature=1.0, seed=11)
+        assert [c.index for c in many.choices] == [0, 1, 2] and many.usage.completion_tokens == 12
+        n_prompt = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["count"]
+        assert many.usage.prompt_tokens == 3 * n_prompt
+        assert _metric(url, "kvr_prefix_cached_tokens_total") - cached_before == 2 * (n_prompt - 1)
+        greedy = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                        echo=False)
+        lp = greedy.choices[0].logprobs
+        assert "".join(lp.tokens) == greedy.choices[0].text and len(lp.token_logprobs) == 5
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert logprob <= 0 and max(top, key=top.get) == token  # greedy: the likeliest is the one chosen
+        echoed = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+        assert echoed.choices[0].text == PROMPT + greedy.choices[0].text
+        batch = api.completions.create(model=MODEL, prompt=[PROMPT, "Hello there"], max_tokens=5, temperature=0)
+        assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == greedy.choices[0].text
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

@@ -70,7 +70,9 @@ def test_greedy_output_alone_equals_output_in_a_batch_joined_at_different_steps(
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
 def test_waiting_prompts_are_packed_into_one_prefill_and_answer_as_alone(model):
-    engine = Engine(EngineConfig(run=RunConfig(model=model, threads=1), max_queue=8), World(0, 1, 0, 1, "single"))
+    # no prefix cache: the prompts run alone first, and a prompt whose start is cached is never packed
+    engine = Engine(EngineConfig(run=RunConfig(model=model, threads=1), max_queue=8, prefix_cache_tokens=0),
+                    World(0, 1, 0, 1, "single"))
     prompts = [*PROMPTS, [7], list(range(3, 140))]  # a 1-token prompt; one beyond the tiny Gemma's window of 64
     alone = {}
     for i, ids in enumerate(prompts):
@@ -93,6 +95,24 @@ def test_packing_stops_at_the_step_size_and_keeps_the_queue_order():
     events = _until_finished(engine, {f"q{i}" for i in range(4)})
     sizes = {e.request_id: e.figures.packed_with for e in events if isinstance(e, Finished)}
     assert sizes == {"q0": 2, "q1": 2, "q2": 2, "q3": 2}  # 40 + 50 fit 100; 20 does not join them; 20 + 10 do
+
+
+def test_prompts_whose_start_is_cached_prefill_alone_their_new_tokens_only():
+    """n choices of one prompt (the HTTP layer sends the other n - 1 once the first is prefilled): packed together
+    they would prefill whole; alone each takes the cached K,V and prefills its last token."""
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), max_queue=8, pack_tokens=1000),
+                    World(0, 1, 0, 1, "single"))
+    prompt = list(range(3, 203))
+    first, _ = engine.run_one(Request("first", prompt, SamplingParams(max_tokens=2)))
+    for i in range(3):
+        engine.add(Request(f"fork{i}", prompt, SamplingParams(max_tokens=2)))
+    engine.add(Request("other", list(range(300, 400)), SamplingParams(max_tokens=2)))
+    events = _until_finished(engine, {"fork0", "fork1", "fork2", "other"})
+    done = {e.request_id: e for e in events if isinstance(e, Finished)}
+    assert [done[f"fork{i}"].figures.cached_tokens for i in range(3)] == [199] * 3
+    assert {r: d.figures.packed_with for r, d in done.items()} == {"fork0": 1, "fork1": 1, "fork2": 1, "other": 1}
+    tokens = _tokens(events)
+    assert tokens["fork0"] == tokens["fork1"] == tokens["fork2"] == [e.token_id for e in first[:-1]]
 
 
 @pytest.mark.timeout(300)
@@ -275,6 +295,19 @@ def test_engine_chain_prefill_matches_the_runner_on_real_ranks(tmp_path):
     assert r["tokens"][0] == r["ref_first"] and r["tokens"] == r["ref_tokens"]
     assert r["max_abs_logit_diff"] <= 1e-3
     assert [x["rank"] for x in r["ranks"]] == [0, 1] and r["ranks"][0]["bytes_sent"] > 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("p, partition", [(1, "even"), (2, "0.6,0.4"), (3, "0.5,0.3,0.2")])
+def test_greedy_logprobs_over_real_ranks_equal_transformers_generate_scores(tmp_path, p, partition):
+    run = {"model": "tiny-llama", "context_len": 96, "partition": partition, "max_new_tokens": 6, "threads": 1}
+    procs, out = _start_ranks({"name": "logprobs", "run": run, "degree": str(p)}, tmp_path, p)
+    outputs = wait_all(procs, 200)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["degree"] == p and r["tokens"] == r["ref_tokens"]
+    assert r["chosen_diff"] <= 1e-4 and r["top_diff"] <= 1e-4, r  # float32: a few roundings of the logits
+    assert r["top_ids"] == r["ref_top_ids"]
 
 
 def _wait_ready(ready: Path, procs, what: str) -> None:

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from kvrunahead.serve.app import build_app
 from kvrunahead.serve.metrics import Metrics
-from kvrunahead.serve.sequence import Finished, QueueFull, RequestFigures, TokenEvent
+from kvrunahead.serve.sequence import Finished, QueueFull, RequestFigures, TokenEvent, TokenLogprob
 from kvrunahead.serve.server import DrainingServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,6 +72,9 @@ class FakeClient:
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids if i > 1)  # 1 is the BOS of FakeTokenizer.encode
+
     def shutdown(self) -> None:
         self.healthy = False
 
@@ -85,7 +88,10 @@ class FakeClient:
             for i, word in enumerate(words):
                 if i == self.hold_after:
                     await asyncio.sleep(3600)  # a long prefill or decode: only a cancel ends it
-                yield TokenEvent(request_id, i, word)
+                token = 65 + i  # "A", "B", ...: the token whose log-probabilities the event carries
+                logprob = None if params.logprobs is None else TokenLogprob(
+                    token, -0.25 * (i + 1), ((90, -0.1), (token, -0.25 * (i + 1)), (89, -2.0))[:params.logprobs])
+                yield TokenEvent(request_id, token, word, logprob)
             figures = RequestFigures(0.01, 0.002, 2, [0, 5, len(prompt_ids)], "test table", "forced",
                                      [{"rank": 0, "compute_s": 0.004, "wait_s": 0.0, "bytes_sent": 1000},
                                       {"rank": 1, "compute_s": 0.005, "wait_s": 0.001, "bytes_sent": 0}])
@@ -129,8 +135,15 @@ COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0}
     ({**COMPLETION, "temperature": "hot"}, "temperature", "valid number"),
     ({**COMPLETION, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({**COMPLETION, "frobnicate": True}, "frobnicate", "unknown parameter 'frobnicate'"),
-    ({**COMPLETION, "n": 2}, "n", "not supported"),
-    ({**COMPLETION, "logprobs": 3}, "logprobs", "not supported"),
+    ({**COMPLETION, "n": 17}, "n", "less than or equal to 16"),
+    ({**COMPLETION, "n": 0}, "n", "greater than or equal to 1"),
+    ({**COMPLETION, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({**COMPLETION, "echo": True, "logprobs": 1}, "echo", "not supported yet"),
+    ({**COMPLETION, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
+    ({**COMPLETION, "prompt": [[5, 6], []]}, "prompt", "a prompt of the list is empty"),
+    ({**COMPLETION, "prompt": [[5, 0x110000]]}, "prompt", "outside the vocabulary"),
+    ({**COMPLETION, "response_format": {"type": "json_object"}}, "response_format", "unknown parameter"),
+    ({**COMPLETION, "best_of": 2}, "best_of", "not supported"),
     ({**COMPLETION, "prompt": "x" * 70}, "prompt", "at most 64"),
     ({**COMPLETION, "prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "at most 64"),
     ({"prompt": "Hi"}, "model", "'model' is required"),
@@ -185,6 +198,10 @@ def test_a_body_that_is_not_json_is_a_415_and_version_answers():
     ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "Input should be"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown parameter"),
     ({"model": MODEL, "messages": []}, "messages", "at least 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "needs logprobs: true"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "less than or equal to 20"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens", "greater than or equal to 1"),
 ])
@@ -194,9 +211,108 @@ def test_bad_chat_requests_get_400_naming_the_problem(body, param, words):
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted():
-    body = {**COMPLETION, "n": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
-            "best_of": 1, "logit_bias": {}, "user": "me", "stream": False}
+    body = {**COMPLETION, "n": 1, "echo": False, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logprobs": None, "best_of": 1, "logit_bias": {}, "user": "me", "stream": False}
     assert _post(FakeClient(), "/v1/completions", body).status_code == 200
+
+
+def test_completion_logprobs_list_each_token_its_likeliest_and_its_offset():
+    r = _post(FakeClient(), "/v1/completions", {**COMPLETION, "max_tokens": 2, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["A", "B"] and lp["token_logprobs"] == [-0.25, -0.5]
+    assert lp["top_logprobs"] == [{"Z": -0.1, "A": -0.25}, {"Z": -0.1, "B": -0.5}]  # the chosen one among them
+    assert lp["text_offset"] == [0, 1]
+    plain = _post(FakeClient(), "/v1/completions", {**COMPLETION, "max_tokens": 2})
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_give_each_token_and_its_top_alternatives_streamed_or_not():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 3}
+    r = _post(FakeClient(), "/v1/chat/completions", body)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("A", -0.25, [65]), ("B", -0.5, [66])]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["Z", "A", "Y"]
+    chunks = _chunks(_post(FakeClient(), "/v1/chat/completions", {**body, "stream": True}).text)
+    streamed = [c for chunk in chunks for choice in chunk["choices"] if choice["logprobs"]
+                for c in choice["logprobs"]["content"]]
+    assert streamed == content
+
+
+def _chunks(text: str) -> list[dict]:
+    events = _events(text)
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_list_of_prompts_is_one_choice_each_all_in_the_engine_before_any_is_answered():
+    client = FakeClient()
+    body = {**COMPLETION, "prompt": ["Hi", "Yo", "Hey"], "max_tokens": 2}
+    r = _post(client, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [(i, "Hello world") for i in range(3)]
+    assert out["usage"] == {"prompt_tokens": 3 + 3 + 4, "completion_tokens": 6, "total_tokens": 16}
+    assert [ids for ids, _, _ in client.requests] == [[1, 72, 105], [1, 89, 111], [1, 72, 101, 121]]
+    assert len({rid for _, _, rid in client.requests}) == 3
+    ids = _post(FakeClient(), "/v1/completions", {**COMPLETION, "prompt": [[5, 6], [7]], "max_tokens": 1}).json()
+    assert [c["index"] for c in ids["choices"]] == [0, 1]
+    streamed = _chunks(_post(FakeClient(), "/v1/completions", {**body, "stream": True,
+                                                                "stream_options": {"include_usage": True}}).text)
+    texts = {}
+    for chunk in streamed[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "Hello world", 1: "Hello world", 2: "Hello world"}
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["total_tokens"] == 16
+
+
+def test_n_choices_per_prompt_go_in_after_its_prefill_each_seeded_apart():
+    client = FakeClient()
+    r = _post(client, "/v1/completions", {**COMPLETION, "prompt": ["Hi", "Yo"], "n": 3, "max_tokens": 1, "seed": 5,
+                                          "echo": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "HiHello"), (1, "HiHello"), (2, "HiHello"),
+                                                                  (3, "YoHello"), (4, "YoHello"), (5, "YoHello")]
+    order = [(ids, params.seed, rid.rsplit("-", 1)[1]) for ids, params, rid in client.requests]
+    assert order[:2] == [([1, 72, 105], 5, "0"), ([1, 89, 111], 5, "3")]  # the prompts first, packed together
+    assert sorted(order[2:]) == [([1, 72, 105], 6, "1"), ([1, 72, 105], 7, "2"), ([1, 89, 111], 6, "4"),
+                                 ([1, 89, 111], 7, "5")]
+    assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == 18
+    chat = _post(FakeClient(), "/v1/chat/completions", {"model": MODEL, "n": 2, "max_tokens": 1,
+                                                        "messages": [{"role": "user", "content": "x"}]}).json()
+    assert [(c["index"], c["message"]["content"]) for c in chat["choices"]] == [(0, "Hello"), (1, "Hello")]
+
+
+def test_echo_puts_the_prompt_before_the_completion():
+    r = _post(FakeClient(), "/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "HiHello world"
+    ids = _post(FakeClient(), "/v1/completions", {**COMPLETION, "prompt": [72, 105], "echo": True, "max_tokens": 1})
+    assert ids.json()["choices"][0]["text"] == "HiHello"
+    chunks = _chunks(_post(FakeClient(), "/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 1,
+                                                              "stream": True}).text)
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hi", "Hello", ""]
+
+
+def test_tokenize_and_detokenize_as_vllm_has_them():
+    client = FakeClient()
+    with TestClient(_app(client)) as http:
+        plain = http.post("/tokenize", json={"model": MODEL, "prompt": "Hi"}).json()
+        bare = http.post("/tokenize", json={"prompt": "Hi", "add_special_tokens": False}).json()
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+        text = http.post("/detokenize", json={"model": MODEL, "tokens": [72, 105]}).json()
+        neither = http.post("/tokenize", json={"model": MODEL})
+        wrong = http.post("/tokenize", json={"model": "gpt-4", "prompt": "Hi"})
+        outside = http.post("/detokenize", json={"tokens": [-1]})
+    assert plain == {"count": 3, "max_model_len": 64, "tokens": [1, 72, 105]}
+    assert bare["tokens"] == [72, 105]
+    assert chat["tokens"] == [ord(c) for c in "<user>x<assistant>"]
+    assert text == {"prompt": "Hi"}
+    assert _error(neither, 400)["param"] == "prompt" and _error(wrong, 404)["code"] == "model_not_found"
+    assert _error(outside, 400)["param"] == "tokens"
+    assert client.requests == []
 
 
 def test_sampling_parameters_reach_the_engine():
@@ -388,6 +504,33 @@ def test_openai_client_completion_chat_and_stream_against_uvicorn():
         assert text == "Hello world!"
         with pytest.raises(openai.NotFoundError, match="unknown model"):
             api.completions.create(model="gpt-4", prompt="Hi")
+        batch = api.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=2, logprobs=1, echo=False)
+        assert [(ch.index, ch.text) for ch in batch.choices] == [(0, "Hello world"), (1, "Hello world")]
+        assert batch.choices[1].logprobs.tokens == ["A", "B"] and batch.choices[1].logprobs.token_logprobs[0] == -0.25
+        echoed = api.completions.create(model=MODEL, prompt="Hi", max_tokens=1, echo=True)
+        assert echoed.choices[0].text == "HiHello"
+        chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           logprobs=True, top_logprobs=2)
+        assert [(t.token, [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content] == [
+            ("A", ["Z", "A"]), ("B", ["Z", "B"])]
+
+
+def test_langchain_counts_a_streamed_reply_once_as_invoke_does():
+    """LangChain's ``ChatOpenAI(stream_usage=True)`` sums the usage of every chunk it gets: the usage must be on
+    the final chunk only (OpenAI's), or it is counted twice."""
+    from langchain_openai import ChatOpenAI
+
+    with serving(FakeClient()) as (url, _):
+        llm = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="any", temperature=0, max_tokens=3,
+                         max_retries=0, timeout=10, stream_usage=True)
+        whole = llm.invoke("Hi")
+        streamed = None
+        for chunk in llm.stream("Hi"):
+            streamed = chunk if streamed is None else streamed + chunk
+    keys = ("input_tokens", "output_tokens", "total_tokens")
+    assert streamed.content == whole.content == "Hello world!"
+    assert {k: streamed.usage_metadata[k] for k in keys} == {k: whole.usage_metadata[k] for k in keys} == {
+        "input_tokens": len("<user>Hi<assistant>"), "output_tokens": 3, "total_tokens": len("<user>Hi<assistant>") + 3}
 
 
 @contextlib.contextmanager

@@ -263,16 +263,9 @@ def _build(config, setup: Setup):
 
 
 def _time(fn, repeats: int) -> tuple[float, list[float]]:
-    from kvrunahead.calibrate.timing import synchronize
+    from kvrunahead.calibrate.timing import timed_runs
 
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        t = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - t)
+    times = timed_runs(fn, repeats)
     return statistics.median(times), times
 
 

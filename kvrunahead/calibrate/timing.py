@@ -20,8 +20,9 @@ def synchronize() -> None:
             torch.cuda.synchronize()
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: allocations, kernel selection
+def timed_runs(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn`` after one warm-up (allocations, kernel selection)."""
+    fn()
     times = []
     for _ in range(repeats):
         synchronize()
@@ -29,7 +30,11 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timed_runs(fn, repeats))
 
 
 def fit(columns: list[list[float]], times: list[float]) -> tuple[np.ndarray, float]:

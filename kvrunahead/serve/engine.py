@@ -77,7 +77,8 @@ class Engine:
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
                                    lars_slack(self.chunks, config) if config.schedule == "lars" else None,
-                                   mixed=config.mixed_steps, prefill_first=config.prefill_first)
+                                   mixed=config.mixed_steps, prefill_first=config.prefill_first,
+                                   cached=self.placement.holds_start)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -322,7 +323,7 @@ class Engine:
         reason = "stop" if eos or stopped else "length" if len(seq.output_ids) >= params.max_tokens else None
         if reason is not None and not stopped:
             delta += seq.text.flush(text)
-        events: list[Event] = [TokenEvent(seq.request_id, token, delta)]
+        events: list[Event] = [TokenEvent(seq.request_id, token, delta, self.samplers[seq.request_id].last)]
         if reason is not None:
             events.append(self._finish(seq, reason))
         return events
@@ -379,11 +380,10 @@ class Engine:
     def run_one(self, request: Request) -> tuple[list[Event], RequestFigures | None]:
         """One request to its end through the same steps as a served one (``kvr-prefill``-style use)."""
         self.add(request)
-        events: list[Event] = []
-        while not any(isinstance(e, Finished) and e.request_id == request.request_id for e in events):
-            events += self.step()
-        done = next(e for e in events if isinstance(e, Finished) and e.request_id == request.request_id)
-        return [e for e in events if e.request_id == request.request_id], done.figures
+        mine: list[Event] = []
+        while not (mine and isinstance(mine[-1], Finished)):  # a request's Finished is its last event
+            mine += [e for e in self.step() if e.request_id == request.request_id]
+        return mine, mine[-1].figures
 
     def worker_loop(self) -> None:
         """A non-front rank: run the front's plans until it shuts the engine down."""

@@ -18,12 +18,12 @@ class ApiError(Exception):
         self.headers, self.outcome = headers, outcome
 
 
-def token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+def token_ids(tokenizer, prompt: str | list[int], param: str = "prompt") -> list[int]:
     if isinstance(prompt, list):
         vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param="prompt")
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param=param)
         return list(prompt)
     try:
         return build_prompt(tokenizer, None, prompt, chat=False)
@@ -31,11 +31,22 @@ def token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
         raise ApiError(400, str(e), param="prompt") from None
 
 
-def chat_ids(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
+def plain_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's tokens as vLLM's /tokenize gives them: as /v1/completions tokenises it, or without the special
+    tokens (BOS) where asked."""
+    if add_special_tokens:
+        return token_ids(tokenizer, prompt)
+    try:
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    except TypeError:  # a tokenizer that adds none (the synthetic models' bytes)
+        return list(tokenizer.encode(prompt))
+
+
+def chat_ids(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
     rendered = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
     # the template writes the special tokens (BOS) itself
     return tokenizer.encode(rendered, add_special_tokens=False)
 
@@ -64,7 +75,16 @@ def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, 
                           presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                           repetition_penalty=req.repetition_penalty or 1.0, min_tokens=req.min_tokens,
                           stop_token_ids=list(req.stop_token_ids or []),
-                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()})
+                          logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
+                          logprobs=_logprobs(req))
+
+
+def _logprobs(req) -> int | None:
+    """How many alternatives each token's log-probabilities list (None: none asked for): /v1/completions' integer
+    ``logprobs``, or /v1/chat/completions' ``logprobs: true`` with its ``top_logprobs``."""
+    if isinstance(req, p.CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def check_token_ids(tokenizer, req) -> None:

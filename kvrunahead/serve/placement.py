@@ -71,6 +71,11 @@ class Placement:
         only, and a YaRN-extended prompt runs on another model variant)."""
         return rope is None and not self.ctx.layout.windows
 
+    def holds_start(self, ids: list[int], rope) -> bool:
+        """Whether the prefix cache holds this prompt's start: it prefills alone, its new tokens only (never
+        packed with others, which would prefill it whole)."""
+        return self.cacheable(rope) and self.prefixes.holds(ids)
+
     def prompt(self, request_id: str, ids: list[int], rope) -> tuple[Segment, Placed, list | None]:
         """Where one prompt's prefill runs, as a segment: its new tokens only where the prefix cache holds its
         start (the held K,V, per layer, for the front), else on one rank or over the chain as the degree policy

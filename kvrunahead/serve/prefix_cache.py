@@ -44,6 +44,11 @@ class PrefixCache:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)
 
+    def holds(self, ids: list[int]) -> bool:
+        """Whether ``longest`` would find an entry for ``ids`` (without touching the entries' order)."""
+        common = max((_common(entry.ids, ids) for entry in self.entries.values()), default=0)
+        return min(common, len(ids) - 1) >= self.min_match
+
     def longest(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
         short of the whole prompt by one token at least: its last token's logits are still to compute)."""

@@ -2,7 +2,7 @@
 
 Requests are strict: a parameter this server does not know is refused by name (``extra="forbid"``), never
 ignored, and a value of the wrong type is refused rather than coerced (``"max_tokens": "16"`` is an error, as it
-is at OpenAI). Parameters the server knows but does not implement (``n``, ``logprobs``, ...) are accepted
+is at OpenAI). Parameters the server knows but does not implement (``best_of``, ``suffix``) are accepted
 only at their neutral value, so a client that spells out the defaults still works; any other value is refused
 by name. The official ``openai`` client sends only what its caller passes.
 
@@ -19,13 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Known parameters that are accepted only at these values (the API's defaults, which change nothing).
 _NEUTRAL: dict[str, tuple] = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
 }
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (a batch, packed into one prefill)
+MAX_N = 16  # choices per prompt
 
 
 class StreamOptions(BaseModel):
@@ -47,7 +46,7 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label: recorded nowhere, changes nothing
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt: one prefill, n decodes after it
     # vLLM's sampling parameters (serve/sampling.py)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -62,7 +61,7 @@ class _Request(BaseModel):
 
     DEFAULT_TEMPERATURE: ClassVar[float] = 1.0  # OpenAI's (and vLLM's) default: sampling unless asked otherwise
 
-    @field_validator("n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", check_fields=False)
+    @field_validator("best_of", "suffix", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info) -> Any:
         if value not in _NEUTRAL[info.field_name]:
@@ -98,23 +97,31 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     best_of: int | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
+    echo: bool = False  # the prompt's text before the completion's
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # per token: its own and this many others'
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(value)}")
-            return value[0]
+    def _prompts(cls, value: str | list) -> str | list:
         if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
+            if any(len(one) == 0 for one in value):
+                raise ValueError("a prompt of the list is empty")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt (a string or token ids) per choice."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -137,8 +144,15 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name; wins when both are given
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False  # each output token's log-probability
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and this many alternatives' (logprobs)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @property
     def asked_max_tokens(self) -> int | None:
@@ -193,11 +207,35 @@ class KvrFigures(BaseModel):
     chunks: list[ChunkFigures] = Field(default_factory=list)  # a chunked prefill's chunks, in order
 
 
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' log-probabilities (OpenAI's legacy shape): per token its text, its log-probability, the
+    likeliest tokens' (the token itself among them) and where its text starts in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -219,7 +257,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -241,7 +279,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -267,72 +305,24 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-# --- errors ------------------------------------------------------------------------------------------------------
-
-MAX_QUESTIONS = 256
-
-
-class AskRequest(BaseModel):
-    """``POST /v1/ask`` (this server's own): many questions on one shared context, answered greedily, each as if it
-    were alone after the context (IPPD); the context is prefilled once."""
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages through the model's chat template."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
-    context: str = Field(min_length=1)
-    questions: list[str] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    max_tokens: int = Field(default=32, ge=1)
-    chat: bool = True  # the context and each question in one user turn of the model's chat template
-
-    @field_validator("questions")
-    @classmethod
-    def _nonempty(cls, value: list[str]) -> list[str]:
-        if any(not q.strip() for q in value):
-            raise ValueError("a question must not be empty")
-        return value
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS for a prompt (the chat template writes its own)
+    add_generation_prompt: bool = True
 
 
-class Answer(BaseModel):
-    index: int
-    question: str
-    text: str
-    finish_reason: Literal["stop", "length"]
-    completion_tokens: int
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
-class AskFiguresModel(BaseModel):
-    queue_s: float
-    context_s: float
-    questions_s: float
-    decode_s: float
-    degree: int
-    boundaries: list[int]
-
-
-class AskResponse(BaseModel):
-    id: str
-    object: Literal["kvrunahead.ask"] = "kvrunahead.ask"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    answers: list[Answer]
-    usage: Usage  # the context and every question once (prompt), every answer's tokens (completion)
-    kvrunahead: AskFiguresModel
-
-    @classmethod
-    def build(cls, rid: str, model: str, questions: list[str], done, eos: frozenset[int], decode,
-              prompt_tokens: int) -> AskResponse:
-        """From the engine's ``Answered``: each answer's text without its EOS, why it ended, the usage."""
-        answers = [Answer(index=i, question=q, text=decode([t for t in tokens if t not in eos]),
-                          finish_reason="stop" if tokens and tokens[-1] in eos else "length",
-                          completion_tokens=len(tokens))
-                   for i, (q, tokens) in enumerate(zip(questions, done.answers))]
-        completion = sum(a.completion_tokens for a in answers)
-        f = done.figures
-        return cls(id=rid, model=model, answers=answers,
-                   usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                               total_tokens=prompt_tokens + completion),
-                   kvrunahead=AskFiguresModel(queue_s=f.queue_s, context_s=f.context_s, questions_s=f.questions_s,
-                                              decode_s=f.decode_s, degree=f.degree, boundaries=f.boundaries))
-
+# --- errors ------------------------------------------------------------------------------------------------------
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrunahead.serve.sequence import SamplingParams
+from kvrunahead.serve.sequence import SamplingParams, TokenLogprob
 
 
 class Sampler:
@@ -21,6 +21,7 @@ class Sampler:
         self.prompt_ids = list(prompt_ids or [])
         self.ends = set(eos_token_ids or ()) | set(params.stop_token_ids)  # what min_tokens holds back
         self.output: list[int] = []
+        self.last: TokenLogprob | None = None  # the last token's log-probabilities, where the request asks for them
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -29,6 +30,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         token = self.choose(logits)
+        if self.params.logprobs is not None:
+            self.last = logprobs_of(logits, token, self.params.logprobs)
         self.output.append(token)
         return token
 
@@ -47,6 +50,14 @@ class Sampler:
         if params.top_p < 1:
             probs = nucleus(probs, params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under the raw ``logits`` (float32 log-softmax) and the ``top`` likeliest tokens'."""
+    logprobs = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def adjusted(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output: list[int],

@@ -97,7 +97,8 @@ class Slack:
 
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
-                 starve_after: int = STARVE_AFTER, mixed: bool = True, prefill_first: bool = False) -> None:
+                 starve_after: int = STARVE_AFTER, mixed: bool = True, prefill_first: bool = False,
+                 cached: Callable[[list[int], object], bool] | None = None) -> None:
         if policy not in SCHEDULES:
             raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
@@ -106,6 +107,7 @@ class Scheduler:
         self.pack_tokens = pack_tokens  # 0: one prompt per prefill
         self.policy, self.slack, self.starve_after = policy, slack, starve_after
         self.mixed, self.prefill_first = mixed, prefill_first
+        self.cached = cached or (lambda ids, rope: False)  # a prompt whose start is cached prefills alone
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.asks: deque[AskRequest] = deque()
@@ -157,10 +159,11 @@ class Scheduler:
                 return PrefillWork(first)
             self.waiting.remove(first)
             seqs, total = [first], first.prompt_len
-            # A prompt whose length needs the RoPE extended runs on another model variant: never packed. The
-            # others are taken in the policy's order, up to the first that does not fit, so none is overtaken.
+            # A prompt whose length needs the RoPE extended runs on another model variant, and one whose start the
+            # prefix cache holds prefills its new tokens alone: never packed. The others are taken in the policy's
+            # order, up to the first that does not fit, so none is overtaken.
             for seq in (s for s in order[1:] if s in self.waiting):
-                if not (self.pack_tokens and first.rope is None and seq.rope is None
+                if not (self.pack_tokens and self._packable(first) and self._packable(seq)
                         and total + seq.prompt_len <= self.pack_tokens):
                     break
                 self.waiting.remove(seq)
@@ -172,6 +175,9 @@ class Scheduler:
         if self.asks:
             return AskWork(self.asks.popleft())
         return None
+
+    def _packable(self, seq: Sequence) -> bool:
+        return seq.rope is None and not self.cached(seq.request.prompt_ids, seq.rope)
 
     def order(self, now: float) -> list[Sequence]:
         """The prefills in the order the policy takes them: by arrival (fcfs), or those passed over ``starve_after``

@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0  # the end tokens are held back until this many were chosen
     stop_token_ids: list[int] = field(default_factory=list)  # more tokens that end the request, as EOS does
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # each chosen token's log-probability and this many alternatives'; None: none
 
     @property
     def adjusts_logits(self) -> bool:
@@ -45,6 +46,8 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ValueError naming the bad field (the HTTP layer turns it into a 400)."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
@@ -91,11 +94,26 @@ class RequestFigures:
     chunks: list[dict] = field(default_factory=list)  # a chunked prefill's chunks: start, end, ranks, seconds
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default max_logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (its raw logits' log-softmax, as vLLM reports it: before
+    temperature, penalties or truncation) and the ``top`` most likely tokens' (id, log-probability), likeliest
+    first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenEvent:
     request_id: str
     token_id: int
     text: str  # the new text since the last event, stop strings already cut
+    logprob: TokenLogprob | None = None  # where the request asked for log-probabilities
 
 
 @dataclass
