@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -196,8 +197,10 @@ def _driver() -> str:
 # ---------------------------------------------------------------- step 2: exactness
 
 def step_exactness(setup: Setup, log: Log, deadline: float) -> None:
-    env = dict(os.environ, KVR_TEST_DEVICE=setup.device, PYTHONPATH=_pythonpath())
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    # only the plugins the suite needs: another installed plugin (langsmith's, say) may import what is absent there
+    env = dict(os.environ, KVR_TEST_DEVICE=setup.device, PYTHONPATH=_pythonpath(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    timeout = ["-p", "pytest_timeout"] if importlib.util.find_spec("pytest_timeout") else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *timeout, "tests/test_gpu.py"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=max(30.0, deadline - log.elapsed()))
     text = done.stdout + done.stderr
