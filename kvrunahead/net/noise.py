@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
 MAX_S = 4 * 3600.0  # the sidecar never outlives this, whatever happens to its parent
+FINISH_S = 3.0  # a stopping sidecar's wait for its threads (one blocked in a send or receive is a daemon)
+SIDECAR_STOP_S = 15.0  # the parent's wait for the stopped sidecar to write its report
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,9 @@ class Sidecar:
 
     def finish(self) -> NoiseReport:
         self.stop.set()
+        deadline = time.monotonic() + FINISH_S  # one bound for all threads: the parent waits SIDECAR_STOP_S for all
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         usage = resource.getrusage(resource.RUSAGE_SELF)
         with self._lock:
             return NoiseReport(
@@ -352,7 +355,7 @@ class SidecarHandle:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=SIDECAR_STOP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
