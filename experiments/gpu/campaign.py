@@ -111,6 +111,12 @@ def gpu_cost(config, dtype: str = "bfloat16"):
     return CostModel(shape_from_config(config, dtype, "plan"), builtin_profiles()["h100-nvlink"])
 
 
+def part_s(cost, tokens: float, prefix: float) -> float:
+    """The simulator's seconds for the last rank of a KVR chain: its part of ``tokens`` after ``prefix`` (split
+    attention, nothing waited for) and the LM head on its last token."""
+    return cost.layers * cost.rank_layer_s("split", tokens, prefix) + cost.lm_head_s()
+
+
 def predicted_steps(setup: Setup) -> dict[str, float]:
     """Seconds each step should take on one H100, from the built-in h100-nvlink profile (public figures) plus
     fixed costs for what it does not model (start-up, drawing 7B random weights, the exactness suite's cases)."""
@@ -127,7 +133,7 @@ def predicted_steps(setup: Setup) -> dict[str, float]:
         for n in setup.contexts:
             prefill += runs * simulate(cost, "single", n, 1).ttft_s
             # the last rank of an even 8-way chain (an upper bound on an uneven one's last part)
-            rank += runs * (cost.layers * cost.rank_layer_s("split", n / CHAIN_RANKS, n - n / CHAIN_RANKS))
+            rank += runs * part_s(cost, n / CHAIN_RANKS, n - n / CHAIN_RANKS)
     return {"machine": 5, "exactness": 70, "calibrate": calibrate, "prefill": 20 + prefill, "rank-part": 20 + rank,
             "predictions": 15}
 
@@ -382,7 +388,7 @@ def step_rank_part(setup: Setup, log: Log, deadline: float) -> None:
 
             row = {"kind": "kvr-last-rank", "model": name, "context": n, "ranks": CHAIN_RANKS, "part": [start, end],
                    "tokens": end - start, "device": setup.device, "partition_profile": profile.name}
-            predicted = cost.layers * cost.rank_layer_s("split", end - start, start) + cost.lm_head_s()
+            predicted = part_s(cost, end - start, start)
             _measure(setup, log, row, run, predicted, deadline)
             del ids, prefix
         del model
@@ -440,7 +446,7 @@ def step_predictions(setup: Setup, log: Log) -> None:
                 predicted = simulate(cost, "single", row["context"], 1).ttft_s
             else:
                 start, end = row["part"]
-                predicted = cost.layers * cost.rank_layer_s("split", end - start, start) + cost.lm_head_s()
+                predicted = part_s(cost, end - start, start)
             error = predicted / row["ttft_s"] - 1
             write_row(out, {"kind": row["kind"], "model": row["model"], "context": row["context"], "profile": label,
                             "measured_s": row["ttft_s"], "predicted_s": predicted, "relative_error": error})

@@ -121,8 +121,8 @@ class ByteTokenizer:
     eos_token_ids: frozenset[int] = frozenset()
     chat_template = None
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add: the keyword as transformers' tokenizers take it
 
     def decode(self, ids: list[int]) -> str:
         # Ids above 255 exist in the synthetic vocabulary but are no bytes: show them as <id>.

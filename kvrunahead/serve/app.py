@@ -65,12 +65,11 @@ async def _serve(client, metrics: Metrics, request: Request, req, prompts: list[
     params = [inputs.sampling(req, len(ids), max_tokens, client.max_model_len) for ids in prompts]
     if (refusal := streams.unavailable(client)) is not None:
         raise refusal
+    n, echoes = req.n or 1, echoes or [""] * len(prompts)
     try:
-        runs = await streams.admit_all(client, metrics, request, prompts, params, rid, arrival_s, req.ttft_target_s,
-                                       req.n or 1)
+        runs = await streams.admit_all(client, metrics, request, prompts, params, rid, arrival_s, req.ttft_target_s, n)
     except streams.ClientGone:
         return Response(status_code=499)
-    n, echoes = req.n or 1, echoes or [""] * len(prompts)
     choices = [r.Choice(i, len(prompts[i // n]), echoes[i // n]) for i in range(len(runs))]
     if req.stream:
         return StreamingResponse(streams.stream(runs, choices, shape, req.model, rid, req.stream_options),

@@ -36,10 +36,7 @@ def plain_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[i
     tokens (BOS) where asked."""
     if add_special_tokens:
         return token_ids(tokenizer, prompt)
-    try:
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
-    except TypeError:  # a tokenizer that adds none (the synthetic models' bytes)
-        return list(tokenizer.encode(prompt))
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def chat_ids(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:

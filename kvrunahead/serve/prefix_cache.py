@@ -44,12 +44,7 @@ class PrefixCache:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)
 
-    def holds(self, ids: list[int]) -> bool:
-        """Whether ``longest`` would find an entry for ``ids`` (without touching the entries' order)."""
-        common = max((_common(entry.ids, ids) for entry in self.entries.values()), default=0)
-        return min(common, len(ids) - 1) >= self.min_match
-
-    def longest(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
+    def _best(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
         short of the whole prompt by one token at least: its last token's logits are still to compute)."""
         best, found = 0, None
@@ -58,9 +53,17 @@ class PrefixCache:
             if n > best:
                 best, found = n, entry
         best = min(best, len(ids) - 1)
-        if best < self.min_match:
-            return 0, None
-        self.entries.move_to_end(found.ids)
+        return (best, found) if best >= self.min_match else (0, None)
+
+    def holds(self, ids: list[int]) -> bool:
+        """Whether ``longest`` would find an entry for ``ids`` (without touching the entries' order)."""
+        return self._best(ids)[1] is not None
+
+    def longest(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
+        """``_best``'s entry and length, the entry marked as the most recently used."""
+        best, found = self._best(ids)
+        if found is not None:
+            self.entries.move_to_end(found.ids)
         return best, found
 
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:

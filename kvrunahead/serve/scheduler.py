@@ -162,9 +162,9 @@ class Scheduler:
             # A prompt whose length needs the RoPE extended runs on another model variant, and one whose start the
             # prefix cache holds prefills its new tokens alone: never packed. The others are taken in the policy's
             # order, up to the first that does not fit, so none is overtaken.
+            packs = bool(self.pack_tokens) and self._packable(first)
             for seq in (s for s in order[1:] if s in self.waiting):
-                if not (self.pack_tokens and self._packable(first) and self._packable(seq)
-                        and total + seq.prompt_len <= self.pack_tokens):
+                if not (packs and total + seq.prompt_len <= self.pack_tokens and self._packable(seq)):
                     break
                 self.waiting.remove(seq)
                 seqs.append(seq)

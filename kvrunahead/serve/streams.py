@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -162,7 +163,8 @@ async def admit_all(client, metrics: Metrics, request: Request, prompts: list[li
         for run, _ in first:
             run.end(None)
         raise
-    return [first[k // n] if k % n == 0 else more[k // n * (n - 1) + k % n - 1] for k in range(len(prompts) * n)]
+    others = iter(more)  # prompt by prompt, in the order they were admitted
+    return [run for one in first for run in (one, *itertools.islice(others, n - 1))]
 
 
 def _seeded(params: SamplingParams, j: int) -> SamplingParams:
