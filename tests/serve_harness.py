@@ -6,7 +6,8 @@ Scenarios: "match" (the runner's prefill, then the engine's, same prompt and par
 client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
 "packed" (prompts one at a time, then queued together into one packed prefill), "cached" (a prompt, then one
 that starts the same way and whose new tokens run over the chain after the cached prefix), "kvp" (prompts decoded
-KV-cache parallel, alone and together, one cancelled on the way).
+KV-cache parallel, alone and together, one cancelled on the way), "logprobs" and "prompt_logprobs" (against one
+process's scores).
 """
 
 import asyncio
@@ -73,6 +74,37 @@ def logprobs(scenario: dict, world, out: dict) -> None:
                top_diff=max(abs(v - float(r[i])) for lp, r in zip(lps, ref_logprobs) for i, v in lp.top),
                top_ids=[[i for i, _ in lp.top] for lp in lps],
                ref_top_ids=[r.topk(3).indices.tolist() for r in ref_logprobs])
+
+
+def prompt_logprobs(scenario: dict, world, out: dict) -> None:
+    """A prompt prefilled (and cached) unscored, then scored with 3 alternatives per token (whole over the ranks,
+    or in chunks of ``chunk_tokens``), a short request decoding beside it; on the front, the prompt through the
+    model in one process: every prompt token's log-probability and top 3 against its full forward's log-softmax,
+    and the first tokens against the unscored run's."""
+    cfg = RunConfig(**scenario["run"])
+    engine = Engine(EngineConfig(run=cfg, degree=scenario.get("degree", "auto"),
+                                 chunk_tokens=scenario.get("chunk_tokens", 0)), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    ids = prepare(cfg, world.world_size).ids
+    plain, _ = engine.run_one(Request("plain", ids, SamplingParams(max_tokens=4)))
+    engine.add(Request("beside", ids[:7], SamplingParams(max_tokens=40)))
+    events, figures = engine.run_one(Request("scored", ids, SamplingParams(max_tokens=4, prompt_logprobs=3)))
+    engine.shutdown()
+    model = engine.ctx.lm.model
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    scores = next(e for e in events if isinstance(e, TokenEvent)).prompt_logprobs
+    out.update(tokens=[e.token_id for e in events if isinstance(e, TokenEvent)],
+               plain_tokens=[e.token_id for e in plain if isinstance(e, TokenEvent)],
+               later=[e.prompt_logprobs for e in events if isinstance(e, TokenEvent)][1:],
+               degree=figures.degree, cached_tokens=figures.cached_tokens, chunks=len(figures.chunks),
+               scored=[s.token_id for s in scores], prompt=ids,
+               chosen_diff=max(abs(s.logprob - float(ref[i, s.token_id])) for i, s in enumerate(scores)),
+               top_diff=max(abs(v - float(ref[i, t])) for i, s in enumerate(scores) for t, v in s.top),
+               top_ids=[[t for t, _ in s.top] for s in scores],
+               ref_top_ids=[ref[i].topk(3).indices.tolist() for i in range(len(scores))])
 
 
 async def _collect(client: AsyncEngineClient, rid: str, ready: Path, out: dict, prompt: list[int]) -> None:
@@ -321,7 +353,7 @@ def main() -> None:
     code = 0
     try:
         scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
-                     "chunked": chunked, "mixed": mixed, "logprobs": logprobs}
+                     "chunked": chunked, "mixed": mixed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

@@ -310,6 +310,25 @@ def test_greedy_logprobs_over_real_ranks_equal_transformers_generate_scores(tmp_
     assert r["top_ids"] == r["ref_top_ids"]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("p, partition, chunk", [(1, "even", 0), (2, "0.6,0.4", 0), (3, "0.5,0.3,0.2", 0),
+                                                  (2, "0.6,0.4", 37)])
+def test_prompt_logprobs_over_real_ranks_equal_one_process_scores(tmp_path, p, partition, chunk):
+    """Every rank scores its own part (in chunks too, where a chunk's last position scores the next chunk's first
+    token); the prefix cache holding the prompt is passed over; the tokens are the unscored run's."""
+    run = {"model": "tiny-llama", "context_len": 96, "partition": partition, "max_new_tokens": 4, "threads": 1}
+    scenario = {"name": "prompt_logprobs", "run": run, "degree": str(p), "chunk_tokens": chunk}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 200)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["degree"] == p and r["cached_tokens"] == 0 and r["chunks"] == (3 if chunk else 0)
+    assert r["scored"] == r["prompt"][1:] and r["later"] == [None] * 3
+    assert r["tokens"] == r["plain_tokens"]
+    assert r["chosen_diff"] <= 1e-4 and r["top_diff"] <= 1e-4, r
+    assert r["top_ids"] == r["ref_top_ids"]
+
+
 def _wait_ready(ready: Path, procs, what: str) -> None:
     deadline = time.monotonic() + 120
     while not ready.exists():

@@ -91,7 +91,9 @@ class FakeClient:
                 token = 65 + i  # "A", "B", ...: the token whose log-probabilities the event carries
                 logprob = None if params.logprobs is None else TokenLogprob(
                     token, -0.25 * (i + 1), ((90, -0.1), (token, -0.25 * (i + 1)), (89, -2.0))[:params.logprobs])
-                yield TokenEvent(request_id, token, word, logprob)
+                scored = None if params.prompt_logprobs is None or i else [  # the prompt's, on the first event
+                    TokenLogprob(t, -0.5, ((t, -0.5), (90, -1.0))[:params.prompt_logprobs]) for t in prompt_ids[1:]]
+                yield TokenEvent(request_id, token, word, logprob, scored)
             figures = RequestFigures(0.01, 0.002, 2, [0, 5, len(prompt_ids)], "test table", "forced",
                                      [{"rank": 0, "compute_s": 0.004, "wait_s": 0.0, "bytes_sent": 1000},
                                       {"rank": 1, "compute_s": 0.005, "wait_s": 0.001, "bytes_sent": 0}])
@@ -138,7 +140,7 @@ COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0}
     ({**COMPLETION, "n": 17}, "n", "less than or equal to 16"),
     ({**COMPLETION, "n": 0}, "n", "greater than or equal to 1"),
     ({**COMPLETION, "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({**COMPLETION, "echo": True, "logprobs": 1}, "echo", "not supported yet"),
+    ({**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs", "unknown parameter"),
     ({**COMPLETION, "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
     ({**COMPLETION, "prompt": [[5, 6], []]}, "prompt", "a prompt of the list is empty"),
     ({**COMPLETION, "prompt": [[5, 0x110000]]}, "prompt", "outside the vocabulary"),
@@ -294,6 +296,26 @@ def test_echo_puts_the_prompt_before_the_completion():
     chunks = _chunks(_post(FakeClient(), "/v1/completions", {**COMPLETION, "echo": True, "max_tokens": 1,
                                                               "stream": True}).text)
     assert [c["choices"][0]["text"] for c in chunks] == ["Hi", "Hello", ""]
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first_as_vllm_does():
+    """lm-eval's loglikelihood request: the prompt's tokens, the first without a log-probability, then the
+    completion's; the engine is asked for the prompt's scores with as many alternatives."""
+    client = FakeClient()
+    body = {**COMPLETION, "prompt": [72, 105], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0}
+    out = _post(client, "/v1/completions", body).json()["choices"][0]
+    assert client.requests[0][1].prompt_logprobs == 1 and client.requests[0][1].logprobs == 1
+    assert out["text"] == "HiHello"
+    lp = out["logprobs"]
+    assert lp["tokens"] == ["H", "i", "A"] and lp["token_logprobs"] == [None, -0.5, -0.25]
+    assert lp["top_logprobs"] == [None, {"i": -0.5}, {"Z": -0.1, "A": -0.25}] and lp["text_offset"] == [0, 1, 2]
+    chunks = _chunks(_post(FakeClient(), "/v1/completions", {**body, "stream": True}).text)
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hi", "Hello", ""]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert chunks[1]["choices"][0]["logprobs"]["tokens"] == ["A"]
+    plain = FakeClient()
+    _post(plain, "/v1/completions", {**body, "echo": False})
+    assert plain.requests[0][1].prompt_logprobs is None  # no echo: the prompt is not scored
 
 
 def test_tokenize_and_detokenize_as_vllm_has_them():

@@ -1,10 +1,11 @@
-"""One rank's forward on a transformers model: the last token's logits, a part without its LM head, greedy
-decode from a filled cache."""
+"""One rank's forward on a transformers model: the last token's logits, a part without its LM head (or with it on
+every position, scoring the prompt), greedy decode from a filled cache."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -42,12 +43,65 @@ def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache=Non
 
 @torch.no_grad()
 def forward_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, cache=None,
-                 **kwargs) -> torch.Tensor | None:
-    """This rank's forward: the last token's logits when it emits the first token, else no LM head at all."""
+                 score: Scoring | None = None, **kwargs) -> torch.Tensor | None:
+    """This rank's forward: the last token's logits when it emits the first token, else no LM head at all; with
+    ``score``, the LM head on every position too (the prompt's log-probabilities, left in ``score``)."""
+    if score is not None:
+        return scored_part(model, input_ids, emit, score, cache, **kwargs)
     if emit:
         return last_token_logits(model, input_ids, cache, **kwargs)
     fill_cache(model, input_ids, cache, **kwargs)
     return None
+
+
+SCORE_ROWS = 256  # positions per LM-head block while scoring: [256, vocab] float32 logits at a time, not [n, vocab]
+
+
+@dataclass
+class Scoring:
+    """A part's positions scored against the tokens that follow them (a prompt's log-probabilities, as vLLM's
+    ``prompt_logprobs``): ``targets[i]`` follows the part's position i (there may be one fewer target than
+    positions: the prompt's last position predicts the first new token, not a prompt token). The forward fills in
+    each target's log-probability (``logprobs``, float32 log-softmax of the raw logits, as a generated token's)
+    and the ``top`` likeliest tokens' ids and log-probabilities at each position."""
+
+    targets: list[int]
+    top: int = 0
+    logprobs: torch.Tensor | None = None  # [len(targets)]
+    top_ids: torch.Tensor | None = None  # [len(targets), top]
+    top_logprobs: torch.Tensor | None = None
+
+
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal-LM head on final hidden states, as the model's own forward applies it (Gemma's soft cap
+    included)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def scored_part(model: torch.nn.Module, input_ids: torch.Tensor, emit: bool, score: Scoring, cache=None,
+                **kwargs) -> torch.Tensor | None:
+    """The decoder layers, then the LM head block by block over the scored positions; the last token's logits
+    (when it emits) from the last position alone, as ``last_token_logits`` takes them, so the first token is the
+    one an unscored forward gives."""
+    out = model.base_model(input_ids=input_ids, use_cache=True, **with_cache(model.base_model, cache), **kwargs)
+    hidden = out.last_hidden_state
+    targets = torch.tensor(score.targets, dtype=torch.long, device=hidden.device)
+    n, chosen, ids, values = targets.numel(), [], [], []
+    for i in range(0, n, SCORE_ROWS):
+        j = min(i + SCORE_ROWS, n)
+        logprobs = torch.log_softmax(head_logits(model, hidden[0, i:j]).float(), dim=-1)
+        chosen.append(logprobs.gather(1, targets[i:j, None])[:, 0])
+        if score.top:
+            best = logprobs.topk(score.top, dim=-1)
+            ids.append(best.indices)
+            values.append(best.values)
+    score.logprobs = torch.cat(chosen).cpu() if chosen else torch.empty(0)
+    score.top_ids = torch.cat(ids).cpu() if ids else torch.empty((n, 0), dtype=torch.long)
+    score.top_logprobs = torch.cat(values).cpu() if values else torch.empty((n, 0))
+    return head_logits(model, hidden[:, -1:, :])[0, -1] if emit else None
 
 
 @torch.no_grad()

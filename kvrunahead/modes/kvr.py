@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
-from kvrunahead.model.forward import fill_cache, forward_part
+from kvrunahead.model.forward import Scoring, fill_cache, forward_part
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
 from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
@@ -271,7 +271,8 @@ register(SPLIT, split_attention)
 
 @torch.no_grad()
 def kvr_prefill(
-    model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink, attention: str = "masked"
+    model: torch.nn.Module, input_ids: torch.Tensor, link: ChainLink, attention: str = "masked",
+    score: Scoring | None = None,
 ) -> tuple[torch.Tensor | None, RunaheadCache]:
     """Run this rank's part of a KV-Runahead prefill.
 
@@ -279,7 +280,8 @@ def kvr_prefill(
     Returns the last token's logits on the last rank (``None`` elsewhere: no logits are computed)
     and the cache, which holds K,V for [0, end). ``attention="masked"`` is the paper's: the model's own
     SDPA over all [0, end) keys under the offset causal mask; ``"split"`` skips the masked half of the
-    rank's diagonal block (models that use transformers' attention interface only).
+    rank's diagonal block (models that use transformers' attention interface only). ``score``: this rank's
+    positions scored too (model/forward.py), while its last layer's K,V are still on their way.
     """
     start = link.prefix_len
     position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -289,7 +291,7 @@ def kvr_prefill(
         require_attention_interface(model, "kvr --kvr-attention split")
     link.start()
     with attention_mode(model, SPLIT, None) if attention == "split" else contextlib.nullcontext():
-        logits = forward_part(model, input_ids, last, position_ids=position_ids, cache=cache)
+        logits = forward_part(model, input_ids, last, position_ids=position_ids, cache=cache, score=score)
     link.finish()
     return logits, cache
 

@@ -70,7 +70,7 @@ async def _serve(client, metrics: Metrics, request: Request, req, prompts: list[
         runs = await streams.admit_all(client, metrics, request, prompts, params, rid, arrival_s, req.ttft_target_s, n)
     except streams.ClientGone:
         return Response(status_code=499)
-    choices = [r.Choice(i, len(prompts[i // n]), echoes[i // n]) for i in range(len(runs))]
+    choices = [r.Choice(i, prompts[i // n], echoes[i // n]) for i in range(len(runs))]
     if req.stream:
         return StreamingResponse(streams.stream(runs, choices, shape, req.model, rid, req.stream_options),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -134,9 +134,6 @@ def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = D
         arrival_s = time.monotonic()
         req = await _parse(request, p.CompletionRequest, max_request_bytes)
         _check_model(client, req.model)
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (the prompt's own log-probabilities) is not supported yet",
-                           param="echo")
         prompts = [await run_in_threadpool(inputs.token_ids, client.tokenizer, one) for one in req.prompts]
         echoes = [one if isinstance(one, str) else client.decode(one) for one in req.prompts] if req.echo else None
         shape = r.Completions(_token_text(client), req.logprobs is not None)

@@ -179,6 +179,7 @@ class Engine:
         if seg is None:
             return outcome, None
         seq = work.seq
+        seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
         if placed is None:  # a chunk
             n = seq.prompt_len
             seq.figures.chunks.append(self.chunks.record(seg.cuts, time.monotonic() - t0, self._budget_s,
@@ -215,7 +216,8 @@ class Engine:
         n = seq.prompt_len
         if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n)):
             seq.prefill_start_s = time.monotonic()
-            seg, placed, held = self.placement.prompt(seq.request_id, seq.request.prompt_ids, seq.rope)
+            seg, placed, held = self.placement.prompt(seq.request_id, seq.request.prompt_ids, seq.rope,
+                                                      seq.request.params.prompt_logprobs)
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
                                          list(placed.boundaries), placed.source, placed.degree_source,
                                          cached_tokens=placed.cached_tokens, decode=placed.decode)
@@ -230,7 +232,7 @@ class Engine:
         self._budget_s = budget
         end = self.chunks.end(n, done, budget)
         seg = self.placement.chunk(seq.request_id, seq.request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
-                                   end == n)
+                                   seq.request.params.prompt_logprobs)
         return seg, None, None
 
     def _packed(self, seqs: list) -> tuple[list[Segment], tuple[int, ...]]:
@@ -315,15 +317,11 @@ class Engine:
         """Take ``token`` into ``seq``; its text delta and, when it ends (EOS, a stop string, max_tokens), its
         Finished."""
         lm, params = self.ctx.lm, seq.request.params
-        eos = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        seq.output_ids.append(token)
-        text_ids = seq.output_ids[:-1] if eos else seq.output_ids  # EOS ends the text; it is not part of it
-        text = lm.decode(text_ids)
-        delta, stopped = seq.text.advance(text)
-        reason = "stop" if eos or stopped else "length" if len(seq.output_ids) >= params.max_tokens else None
-        if reason is not None and not stopped:
-            delta += seq.text.flush(text)
-        events: list[Event] = [TokenEvent(seq.request_id, token, delta, self.samplers[seq.request_id].last)]
+        ends = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        delta, reason = seq.take(token, ends, lm.decode)
+        first = len(seq.output_ids) == 1 and seq.request.params.prompt_logprobs is not None
+        events: list[Event] = [TokenEvent(seq.request_id, token, delta, self.samplers[seq.request_id].last,
+                                          seq.prompt_logprobs if first else None)]
         if reason is not None:
             events.append(self._finish(seq, reason))
         return events

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
+from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
@@ -54,6 +55,7 @@ from kvrunahead.serve.plans import (
     question_id,
 )
 from kvrunahead.serve.rows import can_mix, mixed_forward
+from kvrunahead.serve.sequence import TokenLogprob
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class StepOutcome:
     caches: dict[str, DynamicCache] = field(default_factory=dict)
     ranks: list[RankStats] = field(default_factory=list)
     questions_s: float = 0.0  # the front's seconds prefilling a shared context's questions
+    scores: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # a scored segment's, in position order
 
     def prefill(self, request_id: str) -> PrefillOutcome:
         return PrefillOutcome(self.logits[request_id], self.caches.get(request_id), self.ranks)
@@ -204,13 +207,16 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     elif plan.packed is not None:
         link, mine = _packed(ctx, plan, out)
     total_s = time.perf_counter() - t0
-    if together:  # every rank's figures, and the first-token logits of packed prompts ending off the front
+    if together:  # every rank's figures and scores, the first-token logits of packed prompts ending off the front
         sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
         stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
-        everyone = liveness.gather_objects((stats, sent), "the other ranks to finish the step")
-        out.ranks = [s for s, _ in everyone]
-        for _, theirs in everyone:
+        everyone = liveness.gather_objects((stats, sent, out.scores), "the other ranks to finish the step")
+        out.ranks = [s for s, _, _ in everyone]
+        out.scores = {}
+        for _, theirs, scores in everyone:  # in rank order: the parts' positions in order
             out.logits.update(theirs)
+            for request_id, part in scores.items():
+                out.scores.setdefault(request_id, []).extend(part)
     else:
         out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
     if seg is not None and seg.keep == SHARDED:  # after the prefill's figures: the decode holds an even share
@@ -246,14 +252,18 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
         send_held_prefix(ctx.transport, held, layout)
     # The front alone on a whole prompt computes what one process computes (the model's own attention).
     attention = "masked" if seg.alone and seg.held == NOWHERE else plan.attention
-    riders = decoder.riders(plan.rows, seg.rope) if decoder is not None and end > start and can_mix(lm.model) else {}
+    mixes = decoder is not None and end > start and seg.score is None and can_mix(lm.model)
+    riders = decoder.riders(plan.rows, seg.rope) if mixes else {}
     logits, cache = None, None
     ids = list(seg.tokens[start - seg.start:end - seg.start])
+    score = Scoring(seg.targets(start, end), seg.score) if seg.score is not None and end > start else None
     if riders:
         logits, row_logits, cache = mixed_forward(lm.model, ids, link, list(riders.values()), emit=True)
         out.logits.update(zip(riders, row_logits))
     elif end > start:
-        logits, cache = kvr_prefill(lm.model, torch.tensor([ids], device=ctx.device), link, attention)
+        logits, cache = kvr_prefill(lm.model, torch.tensor([ids], device=ctx.device), link, attention, score)
+    if score is not None:
+        out.scores[seg.request_id] = scored(score)
     if seg.keep == RANKS:
         whole = [link.whole[i] for i in range(layout.num_layers)] if end > start else base
         ctx.partial[seg.request_id] = _catch_up(ctx, seg, layout, whole, end)
@@ -264,6 +274,13 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
         out.logits[seg.request_id] = logits
         out.caches[seg.request_id] = cache
     return link, (start, end), riders
+
+
+def scored(score: Scoring) -> list[TokenLogprob]:
+    """A part's scores as each target token's log-probability and alternatives."""
+    top_ids, top_logprobs = score.top_ids.tolist(), score.top_logprobs.tolist()
+    return [TokenLogprob(t, lp, tuple(zip(ids, lps)))
+            for t, lp, ids, lps in zip(score.targets, score.logprobs.tolist(), top_ids, top_logprobs)]
 
 
 def _catch_up(ctx: RankContext, seg: Segment, layout: KVLayout, whole: list[GrowingKV] | None, held: int

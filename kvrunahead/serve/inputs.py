@@ -73,7 +73,13 @@ def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, 
                           repetition_penalty=req.repetition_penalty or 1.0, min_tokens=req.min_tokens,
                           stop_token_ids=list(req.stop_token_ids or []),
                           logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-                          logprobs=_logprobs(req))
+                          logprobs=_logprobs(req), prompt_logprobs=_prompt_logprobs(req))
+
+
+def _prompt_logprobs(req) -> int | None:
+    """/v1/completions' ``echo`` with ``logprobs``: the prompt's tokens listed with their log-probabilities too (what
+    lm-eval's loglikelihood tasks read)."""
+    return req.logprobs if isinstance(req, p.CompletionRequest) and req.echo else None
 
 
 def _logprobs(req) -> int | None:

@@ -76,21 +76,22 @@ class Placement:
         packed with others, which would prefill it whole)."""
         return self.cacheable(rope) and self.prefixes.holds(ids)
 
-    def prompt(self, request_id: str, ids: list[int], rope) -> tuple[Segment, Placed, list | None]:
+    def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
+               ) -> tuple[Segment, Placed, list | None]:
         """Where one prompt's prefill runs, as a segment: its new tokens only where the prefix cache holds its
         start (the held K,V, per layer, for the front), else on one rank or over the chain as the degree policy
-        says."""
-        cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) else (0, None)
+        says. A prompt scored (``score``, plans.Segment) prefills whole: a cached position has no logits."""
+        cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) and score is None else (0, None)
         if entry is not None:
             return self._after_cached(request_id, ids, cached, entry)
         choice = self.degrees.choose(len(ids))
         if choice.degree == 1:
-            return (Segment(request_id, tuple(ids), rope=rope),
+            return (Segment(request_id, tuple(ids), rope=rope, score=score),
                     Placed(1, (0, len(ids)), "one rank", choice.source), None)
         partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
         seg = Segment(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
-                      keep=SHARDED if kvp else FRONT)
+                      keep=SHARDED if kvp else FRONT, score=score)
         return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
                            decode="kvp" if kvp else "gathered"), None
 
@@ -121,13 +122,15 @@ class Placement:
         return (Segment(request_id, new, cached, held=FRONT, cuts=boundaries),
                 Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached), held)
 
-    def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, last: bool) -> Segment:
+    def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, score: int | None = None
+              ) -> Segment:
         """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) of ``ids`` cut over
         the chain at ``cuts``, every rank holding the positions before them; every rank keeps [0, cuts[-1]) for
         the next chunk, the front alone after the last."""
-        start = cuts[0]
-        return Segment(request_id, tuple(ids[start:cuts[-1]]), start, held=RANKS if start else NOWHERE,
-                       keep=FRONT if last else RANKS, cuts=cuts, rope=rope)
+        start, end = cuts[0], cuts[-1]
+        return Segment(request_id, tuple(ids[start:end]), start, held=RANKS if start else NOWHERE,
+                       keep=FRONT if end == len(ids) else RANKS, cuts=cuts, rope=rope, score=score,
+                       follows=ids[end] if score is not None and end < len(ids) else None)
 
     def execute(self, plan: StepPlan, held=None, decoder=None) -> StepOutcome:
         """Run a step: told to the workers where any takes part, then this rank's part."""

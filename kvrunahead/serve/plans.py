@@ -36,7 +36,11 @@ class Segment:
 
     ``questions``: a shared context's questions. After the segment's prefill the front prefills them packed behind
     its whole cache (kvrunahead/questions.py); each one's first-token logits are emitted under ``question_id``, and
-    its later tokens are decode rows of that id."""
+    its later tokens are decode rows of that id.
+
+    ``score``: every rank scores its own part's positions against the tokens that follow them (the LM head on each
+    position, in the same forward, model/forward.py ``Scoring``); the front gathers them. A scored segment holds
+    nothing before it on the front (no prefix cache: a cached position has no logits) and is never packed."""
 
     request_id: str
     tokens: tuple[int, ...]
@@ -47,6 +51,8 @@ class Segment:
     rope: RopeExtension | None = None
     decode: bool = False  # a running request's next token (a decode row), not a prompt's
     questions: tuple[tuple[int, ...], ...] = ()  # IPPD: questions after this prompt (a shared context), see below
+    score: int | None = None  # the prompt's log-probabilities with this many alternatives (see below); None: none
+    follows: int | None = None  # the prompt's token after this segment (a chunk's), scored by its last position
 
     def __post_init__(self) -> None:
         if self.held not in PLACES or self.keep not in PLACES or self.keep == NOWHERE:
@@ -58,6 +64,8 @@ class Segment:
             raise ValueError("a decode segment is one token of a request held on the front or sharded")
         if self.questions and (self.decode or self.keep != FRONT or not all(self.questions)):
             raise ValueError("questions follow a prompt kept whole on the front, each at least one token")
+        if self.score is not None and (self.decode or self.held == FRONT):
+            raise ValueError("a scored segment is a prompt or chunk that holds nothing on the front alone")
 
     @property
     def end(self) -> int:
@@ -72,6 +80,14 @@ class Segment:
     def is_row(self) -> bool:
         """A decode row: one token of a request decoding on the front."""
         return self.decode and self.held == FRONT
+
+    def targets(self, start: int, end: int) -> list[int]:
+        """The tokens that positions [start, end) of this segment predict: the next ones of the prompt (none after
+        its last)."""
+        if end <= start:
+            return []
+        after = list(self.tokens[start + 1 - self.start:end + 1 - self.start])
+        return after + [self.follows] if end == self.end and self.follows is not None else after
 
     def part(self, rank: int, world_size: int) -> tuple[int, int]:
         """The positions ``rank`` computes: its cut, or all of them on the front where the segment runs alone."""

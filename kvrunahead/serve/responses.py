@@ -40,11 +40,16 @@ class Choice:
     log-probabilities, how it ended."""
 
     index: int
-    prompt_tokens: int
+    prompt: list[int]
     echo: str = ""
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # its prompt's tokens after the first, where echo asks
     done: Finished | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
 
     @property
     def completion_tokens(self) -> int:
@@ -58,10 +63,21 @@ class Completions:
     def __init__(self, token_text: Callable[[int], str], with_logprobs: bool) -> None:
         self.token_text, self.with_logprobs = token_text, with_logprobs
 
-    def logprobs(self, items: list[TokenLogprob], offset: int) -> p.CompletionLogprobs | None:
+    def logprobs(self, items: list[TokenLogprob], offset: int, echoed: Choice | None = None
+                 ) -> p.CompletionLogprobs | None:
+        """The tokens' entries from text offset ``offset``; with the ``echoed`` choice's prompt first (its first
+        token without a log-probability: nothing comes before it), as vLLM lists an echoed prompt."""
         if not self.with_logprobs:
             return None
         out = p.CompletionLogprobs()
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            text = self.token_text(echoed.prompt[0])
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            items = echoed.prompt_logprobs + items
         for item in items:
             text = self.token_text(item.token_id)
             out.tokens.append(text)
@@ -77,12 +93,18 @@ class Completions:
             id=rid, model=model, kvrunahead=figures(choices[0].done),
             usage=usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices)),
             choices=[p.CompletionChoice(index=c.index, text=c.echo + c.text, finish_reason=c.done.finish_reason,
-                                        logprobs=self.logprobs(c.logprobs, len(c.echo))) for c in choices])
+                                        logprobs=self._whole(c)) for c in choices])
+
+    def _whole(self, c: Choice) -> p.CompletionLogprobs | None:
+        if c.prompt_logprobs is not None:
+            return self.logprobs(c.logprobs, 0, c)
+        return self.logprobs(c.logprobs, len(c.echo))
 
     def chunk(self, rid: str, model: str, choice: Choice, text: str, items: list[TokenLogprob], offset: int,
               first: bool, use: p.Usage | None = None) -> BaseModel:
+        echoed = choice if first and choice.echo else None  # the echo chunk comes first
         return p.CompletionResponse(id=rid, model=model, usage=use, choices=[
-            p.CompletionChoice(index=choice.index, text=text, logprobs=self.logprobs(items, offset))])
+            p.CompletionChoice(index=choice.index, text=text, logprobs=self.logprobs(items, offset, echoed))])
 
     def last(self, rid: str, model: str, choice: Choice, items: list[TokenLogprob], offset: int,
              use: p.Usage | None = None) -> BaseModel:

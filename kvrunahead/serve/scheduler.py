@@ -159,9 +159,10 @@ class Scheduler:
                 return PrefillWork(first)
             self.waiting.remove(first)
             seqs, total = [first], first.prompt_len
-            # A prompt whose length needs the RoPE extended runs on another model variant, and one whose start the
-            # prefix cache holds prefills its new tokens alone: never packed. The others are taken in the policy's
-            # order, up to the first that does not fit, so none is overtaken.
+            # A prompt whose length needs the RoPE extended runs on another model variant, one whose start the
+            # prefix cache holds prefills its new tokens alone, one scored keeps each position's logits: never
+            # packed. The others are taken in the policy's order, up to the first that does not fit, so none is
+            # overtaken.
             packs = bool(self.pack_tokens) and self._packable(first)
             for seq in (s for s in order[1:] if s in self.waiting):
                 if not (packs and total + seq.prompt_len <= self.pack_tokens and self._packable(seq)):
@@ -177,7 +178,8 @@ class Scheduler:
         return None
 
     def _packable(self, seq: Sequence) -> bool:
-        return seq.rope is None and not self.cached(seq.request.prompt_ids, seq.rope)
+        return (seq.rope is None and seq.request.params.prompt_logprobs is None
+                and not self.cached(seq.request.prompt_ids, seq.rope))
 
     def order(self, now: float) -> list[Sequence]:
         """The prefills in the order the policy takes them: by arrival (fcfs), or those passed over ``starve_after``

@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # more tokens that end the request, as EOS does
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # each chosen token's log-probability and this many alternatives'; None: none
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's prompt_logprobs)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -46,8 +47,10 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ValueError naming the bad field (the HTTP layer turns it into a 400)."""
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
@@ -114,6 +117,7 @@ class TokenEvent:
     token_id: int
     text: str  # the new text since the last event, stop strings already cut
     logprob: TokenLogprob | None = None  # where the request asked for log-probabilities
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first event: the prompt's tokens after the first
 
 
 @dataclass
@@ -239,6 +243,7 @@ class Sequence:
     rope: object = None  # the RoPE extension its prompt's length needs (a model.rope.RopeExtension), or None
     prefilled: int = 0  # prompt tokens whose K,V the front holds already (the chunks of a chunked prefill so far)
     passed_over: int = 0  # prefill steps in a row that went to another request (the scheduler's starvation bound)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far, where the request asks
 
     def __post_init__(self) -> None:
         self.text = StopText(self.request.params.stop)
@@ -255,6 +260,18 @@ class Sequence:
     def next_position(self) -> int:
         """The position of the last chosen token, fed at the next decode step."""
         return self.prompt_len + len(self.output_ids) - 1
+
+    def take(self, token: int, ends: bool, decode) -> tuple[str, FinishReason | None]:
+        """Take the chosen ``token`` (``ends``: an end token, which ends the text and is not part of it); the new
+        text to show, and why the request ends if it does (an end token, a stop string, max_tokens)."""
+        self.output_ids.append(token)
+        text = decode(self.output_ids[:-1] if ends else self.output_ids)
+        delta, stopped = self.text.advance(text)
+        done = len(self.output_ids) >= self.request.params.max_tokens
+        reason = "stop" if ends or stopped else "length" if done else None
+        if reason is not None and not stopped:
+            delta += self.text.flush(text)
+        return delta, reason
 
     def finished(self, reason: FinishReason, error: str | None = None, bad_input: bool = False) -> Finished:
         self.status = "finished"
