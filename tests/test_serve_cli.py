@@ -33,9 +33,9 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 class Server:
     """A ``kvr-serve --nproc 2`` process group; its stderr is collected as it comes."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, model: str = MODEL) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--port", "0",
-                                      "--model", MODEL, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      "--model", model, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env=ENV, cwd=ROOT, start_new_session=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
@@ -76,8 +76,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(*args: str) -> Iterator[Server]:
-    server = Server(*args)
+def serving(*args: str, model: str = MODEL) -> Iterator[Server]:
+    server = Server(*args, model=model)
     try:
         yield server
     finally:
