@@ -1,12 +1,18 @@
-"""Issue 46's targets on ``kvr-serve --nproc 2`` (SmolLM2-135M-Instruct, 1 thread per rank): ``n = 4`` against
-``n = 1`` on a 4k-token prompt, interleaved. Each request is answered whole with ``max_tokens: 1``, so its time is
-that of every choice's first token; every prompt is new to the server (a different 4k-token window of the shipped
-text per request), so each request's first choice prefills the whole prompt and only the other choices can find it
-in the prefix cache. Rows: the request's wall time, its first choice's TTFT (the server's figure), the prompt tokens
-the prefix cache gave (from /metrics, before and after).
+"""Issue 46's targets on ``kvr-serve --nproc 2`` (SmolLM2-135M-Instruct, 1 thread per rank), each a pair of request
+kinds on a 4k-token prompt, interleaved (the order alternating by round):
 
-Resumable: a (round, n) already in rows.jsonl is skipped. Then summary.md (medians, the ratio per round).
-Usage: python experiments/vllm_clients/run.py [--rounds 5] [--summary]
+- ``--pair n``: ``n = 4`` against ``n = 1`` (``temperature: 1``); rows.jsonl, summary.md.
+- ``--pair echo``: lm-eval's loglikelihood request (``echo: true, logprobs: 1``: the prompt's log-probabilities,
+  every position scored) against the same request without them; rows_echo.jsonl, summary_echo.md.
+
+Each request is answered whole with ``max_tokens: 1``, so its time is that of every choice's first token; every
+prompt is new to the server (a different 4k-token window of the shipped text per request), so each request's first
+choice prefills the whole prompt and only the other choices of ``n`` can find it in the prefix cache. Rows: the
+request's wall time, its first choice's TTFT (the server's figure), the prompt tokens the prefix cache gave (from
+/metrics, before and after).
+
+Resumable: a (round, arm) already in the rows is skipped. Then the summary (medians, the ratio per round).
+Usage: python experiments/vllm_clients/run.py [--pair n|echo] [--rounds 5] [--summary]
 """
 
 from __future__ import annotations
@@ -65,35 +71,55 @@ def cached_tokens(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def one(url: str, ids: list[int], n: int, seed: int) -> dict:
+PAIRS = {  # pair -> (base arm, arm, rows, summary, what the arm asks beside the base's body)
+    "n": ("n1", "n4", "rows.jsonl", "summary.md", {"n": 4}),
+    "echo": ("plain", "scored", "rows_echo.jsonl", "summary_echo.md", {"echo": True, "logprobs": 1}),
+}
+
+
+def one(url: str, ids: list[int], extra: dict, seed: int) -> dict:
     before = cached_tokens(url)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "seed": seed, **extra}
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ids, "n": n, "max_tokens": 1,
-                                                  "temperature": 1.0, "seed": seed}, timeout=600)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
     wall = time.perf_counter() - t0
     r.raise_for_status()
     out = r.json()
+    logprobs = out["choices"][0].get("logprobs")
     return {"wall_s": wall, "first_choice_ttft_s": out["kvrunahead"]["ttft_s"], "choices": len(out["choices"]),
-            "prompt_tokens": out["usage"]["prompt_tokens"], "cached_tokens": cached_tokens(url) - before}
+            "prompt_tokens": out["usage"]["prompt_tokens"], "cached_tokens": cached_tokens(url) - before,
+            "scored_tokens": sum(x is not None for x in logprobs["token_logprobs"]) if logprobs else 0}
 
 
-def run(rounds: int) -> None:
-    done = {(r["round"], r["n"]) for r in map(json.loads, ROWS.read_text().splitlines())} if ROWS.exists() else set()
+def arm_of(row: dict) -> str:
+    return row.get("arm") or f"n{row['n']}"  # the first rows (commit 9968c02) named the arm by n alone
+
+
+def rows_of(pair: str) -> list[dict]:
+    path = HERE / PAIRS[pair][2]
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(pair: str, rounds: int) -> None:
+    base, arm, rows_name, _, extra = PAIRS[pair]
+    done = {(r["round"], arm_of(r)) for r in rows_of(pair)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     proc, url, _ = start_server()
     try:
-        one(url, prompt_ids(url, 999), 1, 0)  # warm-up: the first request pays the weights' first touch
+        one(url, prompt_ids(url, 999), {}, 0)  # warm-up: the first request pays the weights' first touch
         for rnd in range(1, rounds + 1):
-            order = (1, 4) if rnd % 2 else (4, 1)  # interleaved, the order alternating
-            for n in order:
-                if (rnd, n) in done:
+            for name in (base, arm) if rnd % 2 else (arm, base):
+                if (rnd, name) in done:
                     continue
-                row = {"round": rnd, "n": n, **one(url, prompt_ids(url, 2 * rnd + (n == 4)), n, rnd),
+                asks = extra if name == arm else {}
+                row = {"round": rnd, "arm": name, **asks, **one(url, prompt_ids(url, 2 * rnd + (name == arm)), asks,
+                                                                  rnd),
                        "context": CONTEXT, "model": MODEL, "machine": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "commit": commit,
-                       "command": "python experiments/vllm_clients/run.py", "date": time.strftime("%Y-%m-%d")}
-                with ROWS.open("a") as f:
+                       "command": f"python experiments/vllm_clients/run.py --pair {pair}",
+                       "date": time.strftime("%Y-%m-%d")}
+                with (HERE / rows_name).open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
     finally:
@@ -101,32 +127,42 @@ def run(rounds: int) -> None:
         proc.wait(30)
 
 
-def summary() -> None:
-    rows = [json.loads(line) for line in ROWS.read_text().splitlines()]
-    by = {(r["round"], r["n"]): r for r in rows}
-    rounds = sorted({r for r, _ in by if (r, 1) in by and (r, 4) in by})
-    ratios = [by[(r, 4)]["wall_s"] / by[(r, 1)]["wall_s"] for r in rounds]
-    med = {n: statistics.median(by[(r, n)]["wall_s"] for r in rounds) for n in (1, 4)}
-    lines = ["# n = 4 against n = 1 on a 4k prompt (kvr-serve --nproc 2, SmolLM2-135M, 1 thread per rank)", "",
-             f"Rounds: {len(rounds)}, interleaved. Commit {rows[-1]['commit']}, {rows[-1]['date']}.", "",
-             "| round | n = 1 wall s | n = 4 wall s | ratio | n = 4 cached prompt tokens |",
-             "|---:|---:|---:|---:|---:|"]
-    for r, ratio in zip(rounds, ratios):
-        lines.append(f"| {r} | {by[(r, 1)]['wall_s']:.3f} | {by[(r, 4)]['wall_s']:.3f} | {ratio:.3f} | "
-                     f"{by[(r, 4)]['cached_tokens']:.0f} |")
-    target = statistics.median(ratios) <= 1.05
-    lines += ["", f"Medians: n = 1 {med[1]:.3f} s, n = 4 {med[4]:.3f} s; median ratio {statistics.median(ratios):.3f} "
-              f"(target: within 5%: {'met' if target else 'missed'})."]
-    (HERE / "summary.md").write_text("\n".join(lines) + "\n")
+def summary(pair: str) -> None:
+    base, arm, _, summary_name, extra = PAIRS[pair]
+    rows = rows_of(pair)
+    by = {(r["round"], arm_of(r)): r for r in rows}
+    rounds = sorted({r for r, _ in by if (r, base) in by and (r, arm) in by})
+    keys = ("wall_s", "first_choice_ttft_s")
+    ratios = {key: [by[(r, arm)][key] / by[(r, base)][key] for r in rounds] for key in keys}
+    med = {(name, key): statistics.median(by[(r, name)][key] for r in rounds)
+           for name in (base, arm) for key in keys}
+    commits = sorted({by[(r, name)]["commit"] for r in rounds for name in (base, arm)})
+    lines = [f"# {arm} ({json.dumps(extra)}) against {base} on a 4k prompt (kvr-serve --nproc 2, SmolLM2-135M, "
+             "1 thread per rank)", "",
+             f"Rounds: {len(rounds)}, interleaved. Commits {', '.join(commits)}; {rows[-1]['date']}.", "",
+             f"| round | {base} wall s | {arm} wall s | wall ratio | {base} TTFT s | {arm} TTFT s | TTFT ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(rounds):
+        a, b = by[(r, base)], by[(r, arm)]
+        lines.append(f"| {r} | {a['wall_s']:.3f} | {b['wall_s']:.3f} | {ratios['wall_s'][i]:.3f} | "
+                     f"{a['first_choice_ttft_s']:.3f} | {b['first_choice_ttft_s']:.3f} | "
+                     f"{ratios['first_choice_ttft_s'][i]:.3f} |")
+    wall, ttft = statistics.median(ratios["wall_s"]), statistics.median(ratios["first_choice_ttft_s"])
+    lines += ["", f"Medians: {base} {med[(base, 'wall_s')]:.3f} s wall ({med[(base, 'first_choice_ttft_s')]:.3f} s "
+              f"TTFT), {arm} {med[(arm, 'wall_s')]:.3f} s wall ({med[(arm, 'first_choice_ttft_s')]:.3f} s TTFT); "
+              f"median ratios: wall {wall:.3f}, TTFT {ttft:.3f} (target: within 5%: "
+              f"{'met' if wall <= 1.05 else 'missed'})."]
+    (HERE / summary_name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="n")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--summary", action="store_true")
     args = parser.parse_args()
     if not args.summary:
-        run(args.rounds)
-    summary()
+        run(args.pair, args.rounds)
+    summary(args.pair)
     sys.exit(0)
