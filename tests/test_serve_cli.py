@@ -212,9 +212,10 @@ def test_chunking_and_lars_flags_that_cannot_run_are_one_line_and_exit_2():
 
 def test_openai_clients_n_logprobs_echo_and_prompt_batches_on_real_ranks():
     """What lm-eval, guidellm and the ``openai`` client send a vLLM server, against two ranks: n choices of one
-    prefill (the others take its K,V from the prefix cache), greedy log-probabilities whose likeliest token is the
-    one chosen, the prompt echoed, a list of prompts answered one choice each, /tokenize's count as the usage's
-    (chat log-probabilities: tests/test_serve_http.py; this model has no chat template)."""
+    prefill (the others take its K,V and first-token logits from the prefix cache), greedy log-probabilities whose
+    likeliest token is the one chosen, the prompt echoed (with its own log-probabilities, as lm-eval asks), a list
+    of prompts answered one choice each, /tokenize's count as the usage's (chat log-probabilities:
+    tests/test_serve_http.py; this model has no chat template)."""
     with serving() as server:
         url = server.url()
         api = _api(url)
@@ -223,7 +224,7 @@ def test_openai_clients_n_logprobs_echo_and_prompt_batches_on_real_ranks():
         assert [c.index for c in many.choices] == [0, 1, 2] and many.usage.completion_tokens == 12
         n_prompt = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["count"]
         assert many.usage.prompt_tokens == 3 * n_prompt
-        assert _metric(url, "kvr_prefix_cached_tokens_total") - cached_before == 2 * (n_prompt - 1)
+        assert _metric(url, "kvr_prefix_cached_tokens_total") - cached_before == 2 * n_prompt  # no prefill at all
         greedy = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
                                         echo=False)
         lp = greedy.choices[0].logprobs
@@ -232,6 +233,13 @@ def test_openai_clients_n_logprobs_echo_and_prompt_batches_on_real_ranks():
             assert logprob <= 0 and max(top, key=top.get) == token  # greedy: the likeliest is the one chosen
         echoed = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
         assert echoed.choices[0].text == PROMPT + greedy.choices[0].text
+        scored = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                        logprobs=1).choices[0]
+        lp = scored.logprobs
+        assert scored.text == PROMPT + greedy.choices[0].text[:len(lp.tokens[-1])]
+        assert len(lp.tokens) == n_prompt + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:]) and len(set(lp.token_logprobs[1:])) > 1
+        assert lp.tokens[-1] == greedy.choices[0].logprobs.tokens[0]
         batch = api.completions.create(model=MODEL, prompt=[PROMPT, "Hello there"], max_tokens=5, temperature=0)
         assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == greedy.choices[0].text
 

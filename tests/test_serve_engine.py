@@ -99,7 +99,8 @@ def test_packing_stops_at_the_step_size_and_keeps_the_queue_order():
 
 def test_prompts_whose_start_is_cached_prefill_alone_their_new_tokens_only():
     """n choices of one prompt (the HTTP layer sends the other n - 1 once the first is prefilled): packed together
-    they would prefill whole; alone each takes the cached K,V and prefills its last token."""
+    they would prefill whole; alone each takes the cached K,V and first-token logits, no prefill at all, and
+    decodes on from them as the first did (none writes into the entry the next one takes)."""
     engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), max_queue=8, pack_tokens=1000),
                     World(0, 1, 0, 1, "single"))
     prompt = list(range(3, 203))
@@ -109,7 +110,7 @@ def test_prompts_whose_start_is_cached_prefill_alone_their_new_tokens_only():
     engine.add(Request("other", list(range(300, 400)), SamplingParams(max_tokens=2)))
     events = _until_finished(engine, {"fork0", "fork1", "fork2", "other"})
     done = {e.request_id: e for e in events if isinstance(e, Finished)}
-    assert [done[f"fork{i}"].figures.cached_tokens for i in range(3)] == [199] * 3
+    assert [done[f"fork{i}"].figures.cached_tokens for i in range(3)] == [200] * 3
     assert {r: d.figures.packed_with for r, d in done.items()} == {"fork0": 1, "fork1": 1, "fork2": 1, "other": 1}
     tokens = _tokens(events)
     assert tokens["fork0"] == tokens["fork1"] == tokens["fork2"] == [e.token_id for e in first[:-1]]
@@ -146,8 +147,9 @@ def test_a_prompt_whose_start_is_cached_prefills_only_its_new_tokens_and_answers
     tokens, logits, figures = _alone("tiny-llama", prompt, 4096, base + [5, 6, 7])
     assert whole_figures.cached_tokens == 0 and figures.cached_tokens == len(base)
     assert tokens == whole and float((logits - whole_logits).abs().max()) <= 1e-4
-    again, _, figures = _alone("tiny-llama", prompt, 4096, prompt)  # the same prompt again: all but its last token
-    assert figures.cached_tokens == len(prompt) - 1 and again == whole
+    again, logits, figures = _alone("tiny-llama", prompt, 4096, prompt)  # the same prompt again: no prefill at all
+    assert figures.cached_tokens == len(prompt) and again == whole and torch.equal(logits, whole_logits)
+    assert figures.degree_source == "no prefill: the prefix cache kept its first-token logits"
 
 
 @pytest.mark.timeout(300)

@@ -176,8 +176,8 @@ class Engine:
         plan = StepPlan(tuple(rows) + ((seg,) if seg else ()), self.attention)
         t0 = time.monotonic()
         outcome = self._run(plan, held)
-        if seg is None:
-            return outcome, None
+        if seg is None:  # no prefill, or none needed: the prompt's outcome the prefix cache kept
+            return outcome, held
         seq = work.seq
         seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
         if placed is None:  # a chunk
@@ -216,8 +216,9 @@ class Engine:
         n = seq.prompt_len
         if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n)):
             seq.prefill_start_s = time.monotonic()
-            seg, placed, held = self.placement.prompt(seq.request_id, seq.request.prompt_ids, seq.rope,
-                                                      seq.request.params.prompt_logprobs)
+            ids, score = seq.request.prompt_ids, seq.request.params.prompt_logprobs
+            seg, placed, held = (self.placement.answered(ids, seq.rope, score)
+                                 or self.placement.prompt(seq.request_id, ids, seq.rope, score))
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
                                          list(placed.boundaries), placed.source, placed.degree_source,
                                          cached_tokens=placed.cached_tokens, decode=placed.decode)
@@ -307,7 +308,7 @@ class Engine:
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
         if seq.request_id not in self.ctx.shards:  # a KVP request's cache stays spread over the ranks
             if self.placement.cacheable(seq.rope):
-                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache)
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
             self.decoder.add(seq.request_id, outcome.cache, seq.rope)
         with self._lock:
             self.scheduler.start_decoding(seq)

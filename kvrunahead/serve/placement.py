@@ -23,7 +23,7 @@ from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, RankContext, StepOutcome
+from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
@@ -75,6 +75,18 @@ class Placement:
         """Whether the prefix cache holds this prompt's start: it prefills alone, its new tokens only (never
         packed with others, which would prefill it whole)."""
         return self.cacheable(rope) and self.prefixes.holds(ids)
+
+    def answered(self, ids: list[int], rope, score: int | None = None) -> tuple[None, Placed, PrefillOutcome] | None:
+        """A prompt the prefix cache holds whole with its first-token logits (another choice of ``n``, a prompt
+        asked again): no prefill, the logits as they were and a cache of its own over the entry's K,V (a decode
+        grows it by concatenation, never in place). None where it must prefill."""
+        entry = self.prefixes.whole(ids) if self.cacheable(rope) and score is None else None
+        if entry is None:
+            return None
+        cache = self.prefixes.cache_of(entry, len(ids), self.model_config)
+        placed = Placed(1, (0, len(ids)), "prefix cache: the whole prompt",
+                        "no prefill: the prefix cache kept its first-token logits", len(ids))
+        return None, placed, PrefillOutcome(entry.logits, cache)
 
     def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
                ) -> tuple[Segment, Placed, list | None]:

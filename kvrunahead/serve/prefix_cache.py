@@ -20,6 +20,7 @@ MIN_MATCH = 64  # a shorter common prefix saves less than looking it up and copy
 class CachedPrompt:
     ids: tuple[int, ...]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of the prompt, [1, heads, tokens, head_dim]
+    logits: torch.Tensor | None = None  # its last position's (the first token's), float32 [vocab]; None: not kept
 
 
 class PrefixCache:
@@ -28,17 +29,21 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self.tokens = 0
 
-    def put(self, ids: list[int], cache: DynamicCache) -> None:
-        """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``)."""
+    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> None:
+        """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``) and its first-token
+        ``logits``, where given."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
             return
+        kept = None if logits is None else logits.detach().float().cpu().clone()
         if key in self.entries:
             self.entries.move_to_end(key)
+            if self.entries[key].logits is None:
+                self.entries[key].logits = kept
             return
         n = len(key)
         self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
-                                               for layer in cache.layers])
+                                               for layer in cache.layers], kept)
         self.tokens += n
         while self.tokens > self.max_tokens:
             _, old = self.entries.popitem(last=False)
@@ -65,6 +70,15 @@ class PrefixCache:
         if found is not None:
             self.entries.move_to_end(found.ids)
         return best, found
+
+    def whole(self, ids: list[int]) -> CachedPrompt | None:
+        """The entry of exactly this prompt with its first-token logits (nothing left to compute), marked as the
+        most recently used."""
+        entry = self.entries.get(tuple(ids))
+        if entry is None or entry.logits is None:
+            return None
+        self.entries.move_to_end(entry.ids)
+        return entry
 
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:
         """A request's own cache holding the first ``tokens`` positions of ``entry`` (a copy it may grow)."""
