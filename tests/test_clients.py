@@ -2,8 +2,9 @@
 real SmolLM2-135M (every prompt prefilled over the chain): lm-eval's ``local-completions`` on a multiple-choice
 (loglikelihood: echo with logprobs) and a generation task shipped in tests/data/lm_eval, each item's score equal
 to lm-eval's own ``hf`` model scoring it in one process; guidellm's ``run`` with its default streaming chat
-requests (``stream_options.continuous_usage_stats``, ``ignore_eos``) completing and reporting TTFT. Bounded: a few
-dozen short requests, every process killed at the end."""
+requests (``stream_options.continuous_usage_stats``, ``ignore_eos``) completing and reporting TTFT; LangChain's
+streamed usage equal to ``invoke``'s (the ``openai`` client's n, logprobs and echo: tests/test_serve_cli.py).
+Bounded: a few dozen short requests, every process killed at the end."""
 
 from __future__ import annotations
 
@@ -87,3 +88,21 @@ def test_guidellm_run_with_its_default_streaming_requests_reports_ttft(served, t
     outputs = metrics["output_token_count"]["successful"]
     assert outputs["min"] == outputs["max"] == 8  # ignore_eos: every request its 8 tokens
     assert metrics["request_streaming_iterations_count"]["successful"]["min"] > 1  # streamed, token by token
+
+
+def test_langchain_streamed_usage_equals_invoke_on_real_ranks(served):
+    """``ChatOpenAI(stream_usage=True).stream()`` sums every chunk's usage: it equals ``invoke``'s (the usage on the
+    final chunk only), and so does the text (greedy), through the model's chat template."""
+    from langchain_openai import ChatOpenAI
+
+    url, _ = served
+    llm = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="any", temperature=0, max_tokens=6, max_retries=0,
+                     timeout=120, stream_usage=True)
+    whole = llm.invoke("Name a colour.")
+    streamed = None
+    for chunk in llm.stream("Name a colour."):
+        streamed = chunk if streamed is None else streamed + chunk
+    keys = ("input_tokens", "output_tokens", "total_tokens")
+    assert streamed.content == whole.content and whole.content
+    assert {k: streamed.usage_metadata[k] for k in keys} == {k: whole.usage_metadata[k] for k in keys}
+    assert whole.usage_metadata["input_tokens"] > 5 and 0 < whole.usage_metadata["output_tokens"] <= 6
