@@ -175,8 +175,8 @@ class Engine:
             seg, held, placed = self._segment(work.seq)
         plan = StepPlan(tuple(rows) + ((seg,) if seg else ()), self.attention)
         t0 = time.monotonic()
-        outcome = self._run(plan, held)
-        if seg is None:  # no prefill, or none needed: the prompt's outcome the prefix cache kept
+        outcome = self._run(plan, held if seg is not None else None)
+        if seg is None:  # no prefill, or none needed: the outcome the prefix cache kept (Placement.answered)
             return outcome, held
         seq = work.seq
         seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
