@@ -152,6 +152,20 @@ def test_a_prompt_whose_start_is_cached_prefills_only_its_new_tokens_and_answers
     assert figures.degree_source == "no prefill: the prefix cache kept its first-token logits"
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for_as_vllm_does():
+    """SmolLM2's ``<|im_start|>`` forced by ``logit_bias``: no text by default (vLLM's skip_special_tokens), its
+    own text with ``skip_special_tokens: false``; the tokens are the same either way."""
+    engine = Engine(EngineConfig(run=RunConfig(model="smollm2-135m", threads=1)), World(0, 1, 0, 1, "single"))
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    texts, tokens = [], []
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=2, logit_bias={special: 100.0}, skip_special_tokens=skip)
+        events, _ = engine.run_one(Request(f"skip{skip}", engine.tokenizer.encode("Hello there"), params))
+        texts.append("".join(e.text for e in events if isinstance(e, TokenEvent)))
+        tokens.append([e.token_id for e in events if isinstance(e, TokenEvent)])
+    assert tokens == [[special, special]] * 2 and texts == ["", "<|im_start|><|im_start|>"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p", [2, 3])
 def test_new_tokens_after_a_cached_prefix_run_over_the_chain_and_answer_as_the_whole_prompt(tmp_path, p):

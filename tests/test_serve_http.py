@@ -427,15 +427,17 @@ def test_vllms_sampling_parameters_reach_the_engine():
     r = _post(client, "/v1/completions", {
         **COMPLETION, "ignore_eos": True, "top_k": 5, "min_p": 0.05, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7, 9],
-        "logit_bias": {"42": 3.5}})
+        "logit_bias": {"42": 3.5}, "skip_special_tokens": False})
     assert r.status_code == 200, r.text
     params = client.requests[0][1]
+    assert params.skip_special_tokens is False
     assert (params.ignore_eos, params.top_k, params.min_p, params.presence_penalty, params.frequency_penalty,
             params.repetition_penalty, params.min_tokens, params.stop_token_ids, params.logit_bias) == \
         (True, 5, 0.05, 0.5, -0.5, 1.2, 2, [7, 9], {42: 3.5})
     r = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                "top_k": -1})
     assert r.status_code == 200 and client.requests[1][1].top_k == 0  # -1: every token, as in vLLM
+    assert client.requests[1][1].skip_special_tokens is True  # vLLM's default
 
 
 @pytest.mark.parametrize("extra, param, words", [

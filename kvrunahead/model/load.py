@@ -143,14 +143,14 @@ class LoadedModel:
     tokenizer: object
     eos_token_ids: frozenset[int]
 
-    def decode(self, ids: list[int]) -> str:
-        return decode(self.tokenizer, ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return decode(self.tokenizer, ids, skip_special_tokens)
 
 
-def decode(tokenizer, ids: list[int]) -> str:
+def decode(tokenizer, ids: list[int], skip_special_tokens: bool = False) -> str:
     if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.decode(ids)
-    return tokenizer.decode(ids, skip_special_tokens=False)
+        return tokenizer.decode(ids)  # no special tokens
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def cache_dir() -> Path:

@@ -73,7 +73,8 @@ def sampling(req: p.CompletionRequest | p.ChatCompletionRequest, n_prompt: int, 
                           repetition_penalty=req.repetition_penalty or 1.0, min_tokens=req.min_tokens,
                           stop_token_ids=list(req.stop_token_ids or []),
                           logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-                          logprobs=_logprobs(req), prompt_logprobs=_prompt_logprobs(req))
+                          logprobs=_logprobs(req), prompt_logprobs=_prompt_logprobs(req),
+                          skip_special_tokens=req.skip_special_tokens)
 
 
 def _prompt_logprobs(req) -> int | None:

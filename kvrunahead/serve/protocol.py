@@ -58,6 +58,7 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     ttft_target_s: float | None = Field(default=None, gt=0.0)  # the TTFT this request asks for (--schedule lars)
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token, up to max_tokens
+    skip_special_tokens: bool = True  # vLLM's: the special tokens left out of the output text
 
     DEFAULT_TEMPERATURE: ClassVar[float] = 1.0  # OpenAI's (and vLLM's) default: sampling unless asked otherwise
 

@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # each chosen token's log-probability and this many alternatives'; None: none
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's prompt_logprobs)
+    skip_special_tokens: bool = True  # the special tokens left out of the text (vLLM's default)
 
     @property
     def adjusts_logits(self) -> bool:
