@@ -1,4 +1,6 @@
-"""Peak host memory of one split-attention call, in a process of its own (ru_maxrss is a process's high-water mark).
+"""Peak host memory of one split-attention call, in a process of its own: the high-water mark of its resident set
+(VmHWM), reset just before the call. Not ``ru_maxrss``: Linux carries that over from the parent across the
+fork and exec that start this process, so a large parent (a pytest that collected every test) raised it.
 
 Usage: python tests/attention_memory_probe.py CONTEXT PART  ->  prints JSON {"peak_extra_bytes", "need_bytes"}
 The shapes are SmolLM2-135M's (9 query heads, 3 K,V heads of 64), float32, two threads: the last rank's layer when
@@ -20,6 +22,16 @@ def rss_bytes() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 
 
+def reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the resident set's high-water mark back to the current size (Linux 4.0)
+
+
+def high_water_bytes() -> int:
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024  # kB
+
+
 def inputs(context: int, part: int):
     # The layout the model hands over: queries [1, part, heads, dim] transposed to heads first.
     q = torch.randn(1, part, HEADS, HEAD_DIM).transpose(1, 2)
@@ -39,8 +51,9 @@ def main() -> None:
     split_attention(None, *inputs(64, 16), None, scaling=HEAD_DIM**-0.5)  # the kernels' code pages, loaded once
     q, k, v = inputs(context, part)
     base = rss_bytes()
+    reset_high_water()
     split_attention(None, q, k, v, None, scaling=HEAD_DIM**-0.5)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = high_water_bytes()
     print(json.dumps({"peak_extra_bytes": peak - base, "need_bytes": need_bytes(part)}))
 
 
