@@ -320,7 +320,7 @@ class Engine:
         lm, params = self.ctx.lm, seq.request.params
         ends = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         delta, reason = seq.take(token, ends, lambda ids: lm.decode(ids, params.skip_special_tokens))
-        first = len(seq.output_ids) == 1 and seq.request.params.prompt_logprobs is not None
+        first = len(seq.output_ids) == 1 and params.prompt_logprobs is not None
         events: list[Event] = [TokenEvent(seq.request_id, token, delta, self.samplers[seq.request_id].last,
                                           seq.prompt_logprobs if first else None)]
         if reason is not None:

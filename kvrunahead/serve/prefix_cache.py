@@ -35,16 +35,16 @@ class PrefixCache:
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
             return
-        kept = None if logits is None else logits.detach().float().cpu().clone()
-        if key in self.entries:
+        entry = self.entries.get(key)
+        if entry is None:
+            n = len(key)
+            entry = self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
+                                                           for layer in cache.layers])
+            self.tokens += n
+        else:
             self.entries.move_to_end(key)
-            if self.entries[key].logits is None:
-                self.entries[key].logits = kept
-            return
-        n = len(key)
-        self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
-                                               for layer in cache.layers], kept)
-        self.tokens += n
+        if entry.logits is None and logits is not None:
+            entry.logits = logits.detach().float().cpu().clone()
         while self.tokens > self.max_tokens:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from kvrunahead.serve import protocol as p
-from kvrunahead.serve.sequence import Finished, TokenLogprob
+from kvrunahead.serve.sequence import Finished, TokenEvent, TokenLogprob
 
 
 def figures(done: Finished | None) -> p.KvrFigures | None:
@@ -50,6 +50,11 @@ class Choice:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    def take_prompt_logprobs(self, event: TokenEvent | Finished) -> None:
+        """Keep the prompt's log-probabilities the first event carries, where the prompt is echoed."""
+        if self.echo and isinstance(event, TokenEvent) and event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
 
     @property
     def completion_tokens(self) -> int:

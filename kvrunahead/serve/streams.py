@@ -186,8 +186,7 @@ async def whole(runs, choices: list[r.Choice], shape, model: str, rid: str) -> R
     """Every choice to its end, answered in one body."""
     try:
         for (run, event), choice in zip(runs, choices):
-            if isinstance(event, TokenEvent) and event.prompt_logprobs is not None and choice.echo:
-                choice.prompt_logprobs = event.prompt_logprobs
+            choice.take_prompt_logprobs(event)
             while isinstance(event, TokenEvent):
                 choice.text += event.text
                 if event.logprob is not None:
@@ -218,9 +217,8 @@ async def stream(runs, choices: list[r.Choice], shape, model: str, rid: str,
     try:
         for (run, event), choice in zip(runs, choices):
             tokens, pending, offset, first = 0, [], 0, True
-            if choice.echo:  # with its prompt's log-probabilities, where asked (the first event carries them)
-                if isinstance(event, TokenEvent) and event.prompt_logprobs is not None:
-                    choice.prompt_logprobs = event.prompt_logprobs
+            choice.take_prompt_logprobs(event)
+            if choice.echo:
                 yield r.sse(shape.chunk(rid, model, choice, choice.echo, [], 0, first))
                 offset, first = len(choice.echo), False
             while isinstance(event, TokenEvent):
