@@ -420,6 +420,8 @@ def test_a_gpu_profile_is_named_by_its_gpu_and_keeps_the_builtin_nvlink_saying_s
     assert shipped.device_kind == "cuda" and shipped.device.startswith("NVIDIA H100")
     keep_builtin_links(shipped)
     assert shipped.links == builtin_profiles()["h100-nvlink"].links and "not measured" in shipped.sources["links"]
+    h200, _ = resolve_profile("h200-measured")  # the campaign's 8x calibration shapes, run on an H200
+    assert h200.device_kind == "cuda" and h200.device.startswith("NVIDIA H200")
 
 
 def test_a_search_under_noise_is_repeatable_and_prices_the_noise():

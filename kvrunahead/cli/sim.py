@@ -163,8 +163,8 @@ def describe(profile) -> str:
 @click.option("--ctx", "contexts", required=True, help="Context length(s), e.g. 16k or 1k,8k,1M.")
 @click.option("--profile", default=None,
               help="a100-nvlink, a100-pcie, a100-nvlink-flash, h100-nvlink (public figures), h100-measured "
-                   "(measured on an H100), cpu (this machine's kvr-calibrate profile, else the shipped one) or a "
-                   "profile file. Default: cpu.")
+                   "(measured on an H100), h200-measured (on an H200), cpu (this machine's kvr-calibrate "
+                   "profile, else the shipped one) or a profile file. Default: cpu.")
 @click.option("--model", default=None,
               help="Model shape: llama-7b, llama-13b, llama-7b-gqa8, llama-7b-mqa, falcon-7b, or any model "
                    "kvr-prefill takes. Default: llama-7b on a GPU profile, smollm2-135m on a CPU one.")
