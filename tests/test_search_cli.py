@@ -70,13 +70,26 @@ def test_the_table_records_its_attention_and_kvr_prefill_refuses_it_for_the_othe
     (["--criterion", "balance", "--confirm-rounds", "0"], "--confirm-rounds must be at least 1"),
     (["--ctx", "16"], "too short for 2 ranks at --min-stride 16"),
     (["--ctx", "lots"], "cannot parse token count"),
-    (["--nproc", "1"], "at least 2 ranks"),
+    (["--nproc", "1", "--criterion", "balance"], "one rank has no partition to balance"),
 ])
 def test_bad_input_is_one_line_error(tmp_path, args, message):
     proc = _search("--ctx", "256", "--out", str(tmp_path / "t.json"), *args, timeout_s=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvr-search: error:"), proc.stderr
     assert message in lines[0]
+
+
+def test_one_rank_measures_its_ttft_into_a_degree_one_table(tmp_path):
+    """--nproc 1: nothing to search, each length's one-rank TTFT measured (what the serving degree policy
+    compares with the chain's table)."""
+    table = tmp_path / "tiny_p1.json"
+    proc = _search("--ctx", "256,512", "--out", str(table), "--nproc", "1", "--threads", "2")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(table.read_text())
+    assert data["meta"]["world_size"] == 1 and data["meta"]["threads_per_rank"] == 2
+    assert [(e["context_len"], e["boundaries"], e["evaluations"]) for e in data["entries"]] == [
+        (256, [0, 256], 1), (512, [0, 512], 1)]
+    assert all(e["ttft_s"] > 0 for e in data["entries"])
 
 
 def test_the_balance_criterion_writes_entries_with_their_balance_and_resumes(tmp_path):

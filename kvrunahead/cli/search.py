@@ -93,9 +93,12 @@ def main(nproc: int, contexts: str, **options) -> None:
     the rates a shorter entry measured balance the length (--carry-rates), else the cost model's answer
     (--backend model --refine), the seed table's (--seeded) or the FLOP estimate, each run's per-rank busy
     times move every boundary toward balance; the entry records the balance, the ranks' busy times and the
-    candidates. Both log and checkpoint every run next to the table (--resume continues).
+    candidates. Both log and checkpoint every run next to the table (--resume continues). --nproc 1: no
+    search, the one-rank TTFT at each length (a degree-1 table, which kvr-serve's degree policy compares with
+    the chain's; measure it at the threads the front takes alone, all the node's cores).
     Example:
       kvr-search --ctx 1k,2k,4k,8k --nproc 2 --kvr-attention split
+      kvr-search --ctx 1k,2k,4k,8k --nproc 1 --threads 2
       kvr-search --ctx 2k --nproc 2 --criterion balance --out /tmp/t.json
       kvr-search --backend model --nproc 8 --ctx 16k --out /tmp/t.json
     """

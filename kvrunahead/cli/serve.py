@@ -71,7 +71,8 @@ def _check(options: dict, world_size: int) -> None:
 
 
 def _check_scheduling(options: dict, model_config) -> None:
-    """Chunked prefill and LARS price prefills with the CPU cost model, which prices full-attention layers."""
+    """Chunked prefill and LARS price prefills with the CPU cost model, and run full-attention models only (a
+    sliding layer keeps its window, not the positions a later chunk reads back)."""
     from kvrunahead.model.layout import layer_windows
 
     wanted = [name for name, on in (("--step-budget-ms", options["step_budget_ms"] > 0),

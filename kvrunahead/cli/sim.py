@@ -170,7 +170,9 @@ def describe(profile) -> str:
                    "kvr-prefill takes. Default: llama-7b on a GPU profile, smollm2-135m on a CPU one.")
 @click.option("--max-ranks", type=int, default=8, show_default=True)
 @click.option("--ranks", default=None, help="Rank counts to consider instead, e.g. 2,3,4.")
-@click.option("--modes", default="kvr,tsp,cp-allgather,ring", show_default=True)
+@click.option("--modes", default=None,
+              help="Parallel modes to compare. Default: kvr,tsp,cp-allgather,ring; kvr alone for a model with "
+                   "sliding-window layers (the simulator prices those for the KV chain only).")
 @click.option("--kvr-attention", "attention", type=click.Choice(["split", "masked"]), default=None,
               help="KV-Runahead's attention (default: masked on the eager paper profiles, else split).")
 @click.option("--link", default=None, help="Which of the profile's links (e.g. loopback, cap=22MB/s).")
@@ -189,10 +191,14 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
         ctxs = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
         prof, which = resolve_profile(profile)
         shape = resolve_shape(model or ("llama-7b" if prof.device_kind == "cuda" else "smollm2-135m"), prof.dtype)
+        modes = modes or ("kvr" if shape.sliding else "kvr,tsp,cp-allgather,ring")
         chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
         bad = [m for m in chosen if m not in MODES or m in ("single", "kvr-nocomm")]
         if bad:
             raise ProfileError(f"unknown mode(s) {bad}: choose from kvr, tsp, cp-allgather, ring")
+        if shape.sliding and set(chosen) - {"kvr"}:
+            raise ProfileError(f"{shape.name} has sliding-window layers, which the simulator prices for the KV "
+                               "chain only: --modes kvr")
         counts = [int(x) for x in ranks.split(",")] if ranks else None
         if max_ranks < 1 or (counts and min(counts) < 1):
             raise ProfileError("rank counts must be at least 1")

@@ -19,7 +19,7 @@ from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.kvp import check_kvp
 from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.device import check_device, default_threads
-from kvrunahead.model.layout import layer_windows, soft_caps
+from kvrunahead.model.layout import soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.modes import MODES, check_model
@@ -117,9 +117,7 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
             return lookup.partition, lookup.source
         why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
                else f"{path.name} has no entries")
-    if key.device_kind == "cpu" and any(w is not None for w in layer_windows(config)):
-        why = f"{why}; the cost model prices full-attention layers only"
-    elif key.device_kind == "cpu":
+    if key.device_kind == "cpu":
         try:
             partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
                                                      attention, key.bandwidth)

@@ -206,14 +206,17 @@ def search(
     ``SearchResult.all`` holds its TTFT. With ``polish_best`` the best point found is then hill-climbed at
     ``min_stride`` (see ``polish``).
     """
-    if world_size < 2:
-        raise ValueError("a partition search needs at least two ranks")
-    if context_len < world_size * min_stride:
+    if world_size < 1:
+        raise ValueError("a search needs at least one rank")
+    if context_len < world_size * min_stride and world_size > 1:
         raise ValueError(f"context of {context_len} tokens is too short for {world_size} ranks at stride {min_stride}")
     t0 = time.perf_counter()
     ev = Evaluator(measure, checkpoint, on_measure)
     if preload:
         ev.preload(preload)
+    if world_size == 1:  # nothing to search: the one-rank TTFT, measured (what the degree policy compares)
+        best, ttft = (0, context_len), ev((0, context_len))
+        return SearchResult(best, ttft, len(ev.results), time.perf_counter() - t0, 0, dict(ev.results))
     base = Partition.even(context_len, world_size).boundaries
     ev(base)  # the reference every table entry records (TTFT of KVR-E), and a candidate like any other
     if seed is None:

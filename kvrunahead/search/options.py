@@ -96,8 +96,11 @@ def check_inputs(opts: SearchOptions, world_size: int) -> Path:
             raise InputError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= opts.confirm_margin < 1:
         raise InputError(f"--confirm-margin is a fraction in [0, 1), got {opts.confirm_margin}")
-    if world_size < 2:
-        raise InputError(f"a partition search needs at least 2 ranks, got {world_size}")
+    if world_size < 1:
+        raise InputError(f"--nproc must be at least 1, got {world_size}")
+    if world_size == 1 and (opts.criterion == "balance" or opts.backend == "model"):
+        raise InputError("one rank has no partition to balance or model: --nproc 1 measures the one-rank TTFT "
+                         "(the degree policy's table), with --criterion ttft on the ranks")
     check_device(opts.device)
     if not opts.context_lens:
         raise InputError("--ctx names no context length")

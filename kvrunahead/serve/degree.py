@@ -23,7 +23,6 @@ from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_label, table_key
 from kvrunahead.decide.tables import Table, TableError, find_table
 from kvrunahead.errors import ProfileError
-from kvrunahead.model.layout import layer_windows
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import search_partition
 from kvrunahead.sim.profile import resolve_profile
@@ -85,30 +84,40 @@ class DegreePolicy:
             return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks")
         if self.forced is not None:
             return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
-        measured = self._from_tables(n)
+        measured, unmeasured = self._from_tables(n)
         if measured is not None:
             return measured
         predicted, why = self._from_cost_model(n)
         if predicted is not None:
-            return predicted
-        return DegreeChoice(self.p, f"the chain: no measured TTFT at degree 1 and {self.p} and no cost model ({why})")
+            return dataclasses.replace(predicted, source=f"{predicted.source}; {unmeasured}")
+        return DegreeChoice(self.p, f"the chain: {unmeasured} and no cost model ({why})")
 
-    def _from_tables(self, n: int) -> DegreeChoice | None:
-        ttft = {}
+    def _from_tables(self, n: int) -> tuple[DegreeChoice | None, str]:
+        """The measured answer, where tables at degree 1 and p cover ``n``, were measured on the same kind of
+        machine (their ratio is what carries over to this one) and at the threads each degree runs with here (one
+        rank takes the node's idle cores); else None and why not."""
+        tables = {}
         for d in (1, self.p):
             key = table_key(self.cfg, self.config, d, self.attention, self.local_world_size)
             if d == 1:  # a single rank's table does not depend on the network
                 key = dataclasses.replace(key, bandwidth=network_label(self.cfg, 1, 1))
             try:
-                path = find_table(key)
+                tables[d] = Table.load(find_table(key))
             except TableError:
-                return None
-            ttft[d] = _measured_ttft(Table.load(path), n)
-            if ttft[d] is None:
-                return None
+                return None, f"no measured table at degree {d}"
+            threads = self.solo_threads if d == 1 else self.threads
+            if tables[d].meta.threads_per_rank != threads:
+                return None, (f"the degree-{d} table was measured at {tables[d].meta.threads_per_rank} "
+                              f"thread(s), not {threads}")
+        one, chain = tables[1], tables[self.p]
+        if one.meta.device != chain.meta.device:
+            return None, f"the degree-1 and degree-{self.p} tables were measured on different machines"
+        ttft = {d: _measured_ttft(t, n) for d, t in tables.items()}
+        if None in ttft.values():
+            return None, f"{n} tokens is outside the measured tables"
         degree = 1 if ttft[1] <= ttft[self.p] else self.p
         return DegreeChoice(degree, f"measured: {ttft[1]:.3f} s on 1 rank, {ttft[self.p]:.3f} s on {self.p} "
-                                    f"(partition tables, interpolated at {n} tokens)")
+                                    f"(partition tables, interpolated at {n} tokens)"), ""
 
     def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
         cost, which = self.cost_model(self.threads)
@@ -139,8 +148,6 @@ class DegreePolicy:
         key = table_key(self.cfg, self.config, self.p, self.attention, self.local_world_size)
         if key.device_kind != "cpu":
             return None, "the CPU cost model prices CPU ranks only"
-        if any(w is not None for w in layer_windows(self.config)):
-            return None, "the cost model prices full-attention layers only"
         try:
             profile, which = resolve_profile(None, threads)
         except ProfileError as e:

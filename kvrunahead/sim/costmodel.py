@@ -3,7 +3,9 @@
 Per layer, a rank with n tokens runs its Q,K,V projections, its attention over k keys, and the output
 projection and MLP; the emitting rank ends with the LM head on its last token. Attention is priced by the
 query-key pairs its kernel computes: a flash kernel skips the masked half of a causal diagonal block, an
-explicit mask (the paper's KVR, TSP, cp-allgather) computes every pair of its rectangle.
+explicit mask (the paper's KVR, TSP, cp-allgather) computes every pair of its rectangle. A sliding-window layer
+keeps and hands on only the last ``window - 1`` positions of the prefix, and attends in blocks of ``window``
+queries against the keys each block's window reaches (modes/kvr.py ``window_attention``).
 """
 
 from __future__ import annotations
@@ -62,13 +64,35 @@ class CostModel:
         """SDPA with an explicit mask: every pair of the rectangle is computed."""
         return self._kernel_s(self.profile.attention["masked"], queries, keys, queries * keys)
 
-    def kvr_attention_s(self, attention: str, tokens: float, prefix: float) -> float:
-        """KV-Runahead's attention for a part of ``tokens`` after ``prefix`` (flops.py's pair counts)."""
+    def kept(self, positions: float, layer: int) -> float:
+        """How many of ``positions`` earlier positions ``layer`` keeps, attends and hands on: all, or the last
+        ``window - 1`` of a sliding-window layer."""
+        window = self.shape.window(layer)
+        return positions if window is None else min(positions, window - 1)
+
+    def kvr_attention_s(self, attention: str, tokens: float, prefix: float, layer: int = 0) -> float:
+        """KV-Runahead's attention for a part of ``tokens`` after ``prefix`` (flops.py's pair counts) in
+        ``layer``."""
+        window = self.shape.window(layer)
+        if window is not None:
+            return self.window_attention_s(attention, int(tokens), int(self.kept(prefix, layer)), window)
         if prefix == 0:
             return self.causal_s(tokens)  # rank 0's mask is the plain causal one, in both formulations
         if attention == "split":
             return self.causal_s(tokens) + self.full_s(tokens, prefix)
         return self.masked_s(tokens, prefix + tokens)
+
+    def window_attention_s(self, attention: str, tokens: int, kept: int, window: int) -> float:
+        """A sliding-window layer: with split attention each block of ``window`` queries against the keys its
+        window reaches under an explicit band mask; with the model's own (masked) attention, one masked call over
+        the kept prefix and the part."""
+        if attention != "split":
+            return self.masked_s(tokens, kept + tokens)
+        total = 0.0
+        for a in range(0, tokens, window):
+            e = min(a + window, tokens)
+            total += self.masked_s(e - a, kept + e - max(0, kept + a - window + 1))
+        return total
 
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.profile.memory_Bps
@@ -91,12 +115,19 @@ class CostModel:
         few tokens is bound by reading the weights and the K,V, not by its FLOPs: each part takes the longer."""
         s = self.shape
         b = len(contexts)
-        attend = sum(self.decode_attention_s(-(-c // parts)) for c in contexts)
         exchange = 0.0
         if parts > 1:
             nbytes = b * s.heads * (s.head_dim + 1) * 4
             exchange = (parts - 1) * (self.link.latency_s + nbytes / self.link.bandwidth_Bps)
-        return self.layers * (self.decode_linear_s(b) + attend + exchange) + b * self.lm_head_s()
+        attend = sum(self.decode_attention_s(-(-self._decode_keys(c, layer) // parts))
+                     for layer in range(self.layers if s.sliding else 1) for c in contexts)
+        if not s.sliding:
+            attend *= self.layers  # every layer attends the same keys
+        return self.layers * (self.decode_linear_s(b) + exchange) + attend + b * self.lm_head_s()
+
+    def _decode_keys(self, context: int, layer: int) -> int:
+        window = self.shape.window(layer)
+        return context if window is None else min(context, window)
 
     def decode_linear_s(self, tokens: int) -> float:
         """One layer's projections and MLP for ``tokens`` decoding tokens: the weights read once, or the FLOPs."""
@@ -111,7 +142,8 @@ class CostModel:
         compute = self._kernel_s(kernel, 1, context, context) if kernel else self.full_s(1, context)
         return max(compute, self.kv_bytes(context) / self.profile.memory_Bps)
 
-    def rank_layer_s(self, attention: str, tokens: float, prefix: float) -> float:
+    def rank_layer_s(self, attention: str, tokens: float, prefix: float, layer: int = 0) -> float:
         """One KVR layer of one rank without waiting: projections, concatenation, attention, MLP."""
-        copy = self.copy_s(self.kv_bytes(prefix + tokens)) if prefix else 0.0
-        return self.qkv_s(tokens) + copy + self.kvr_attention_s(attention, tokens, prefix) + self.other_s(tokens)
+        copy = self.copy_s(self.kv_bytes(self.kept(prefix, layer) + tokens)) if prefix else 0.0
+        return (self.qkv_s(tokens) + copy + self.kvr_attention_s(attention, tokens, prefix, layer)
+                + self.other_s(tokens))

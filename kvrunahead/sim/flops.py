@@ -62,7 +62,7 @@ def layer_cost(config) -> LayerCost:
 def _count_layer_cost(config) -> LayerCost:
     from kvrunahead.model.layout import layer_windows  # torch: kvr-plan's import stays torch-free
 
-    shape = shape_from_config(config, "float32", windows_ok=True)
+    shape = shape_from_config(config, "float32")
     windows = [w for w in layer_windows(config) if w is not None]
     return LayerCost(flops_per_token=shape.qkv_flops_per_token + shape.other_flops_per_token,
                      flops_per_pair=shape.flops_per_pair, sliding_share=len(windows) / shape.layers,

@@ -35,7 +35,9 @@ class ModelSearch:
 
 def balanced_boundaries(model: CostModel, context_len: int, world_size: int, attention: str) -> tuple[int, ...]:
     """Boundaries with equal per-layer compute on every rank (continuous solution, rounded to tokens)."""
-    sizes = equal_work_sizes(lambda prefix, n: model.rank_layer_s(attention, n, prefix), context_len, world_size)
+    layers = range(model.layers) if model.shape.sliding else (0,)  # a sliding layer's work is not the others'
+    sizes = equal_work_sizes(lambda prefix, n: sum(model.rank_layer_s(attention, n, prefix, i) for i in layers),
+                             context_len, world_size)
     bounds = [0]
     for s in sizes[:-1]:
         # At least one token per part, and room left for the parts after it.

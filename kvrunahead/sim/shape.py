@@ -25,6 +25,14 @@ class ModelShape:
     other_params: int  # per layer: output projection, MLP, norms
     vocab: int
     dtype_bytes: int
+    windows: tuple[int | None, ...] = ()  # per layer, its sliding window (None: full attention); (): all full
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    @property
+    def sliding(self) -> bool:
+        return any(w is not None for w in self.windows)
 
     @property
     def qkv_flops_per_token(self) -> float:
@@ -61,18 +69,15 @@ class ModelShape:
         return asdict(self)
 
 
-def shape_from_config(config, dtype: str, name: str = "", windows_ok: bool = False) -> ModelShape:
-    """The shape of a transformers model; the cost model prices full-attention layers only, so a model with
-    sliding-window layers raises ModelError unless ``windows_ok`` (the FLOP estimate counts the windows itself)."""
+def shape_from_config(config, dtype: str, name: str = "") -> ModelShape:
+    """The shape of a transformers model, with each layer's sliding window (the cost model prices a sliding layer's
+    attention over its window, and its traffic as the window's K,V, for the KV chain)."""
     import torch  # here, not at the top: kvr-plan and kvr-search import this module and answer --help torch-free
     from transformers import AutoModelForCausalLM
 
     from kvrunahead.model.layout import layer_windows
-    from kvrunahead.model.load import ModelError
 
-    if not windows_ok and any(w is not None for w in layer_windows(config)):
-        raise ModelError(f"{name or config.model_type} has sliding-window layers, which the cost model does not price "
-                         "(it prices full-attention layers only): measure on the ranks instead")
+    windows = layer_windows(config)
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -87,7 +92,8 @@ def shape_from_config(config, dtype: str, name: str = "", windows_ok: bool = Fal
     qkv = config.hidden_size * (heads + 2 * kv_heads) * head_dim
     return ModelShape(name=name or config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size,
                       heads=heads, kv_heads=kv_heads, head_dim=head_dim, qkv_params=qkv,
-                      other_params=per_layer - qkv, vocab=config.vocab_size, dtype_bytes=DTYPE_BYTES[dtype])
+                      other_params=per_layer - qkv, vocab=config.vocab_size, dtype_bytes=DTYPE_BYTES[dtype],
+                      windows=windows if any(w is not None for w in windows) else ())
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,

@@ -103,6 +103,9 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
         raise SimError(f"context of {context_len} tokens cannot be split over {p} ranks")
     if mode in ("cp-allgather", "ring") and context_len < 2 * p:
         raise SimError(f"{mode} needs at least {2 * p} tokens for its 2p chunks")
+    if model.shape.sliding and mode not in ("single", "kvr", "kvr-nocomm"):
+        raise SimError(f"{model.shape.name} has sliding-window layers, which the simulator prices for the KV chain "
+                       f"only (single, kvr), not for {mode}")
     kvr = mode in ("kvr", "kvr-nocomm")
     b = tuple(boundaries) if boundaries is not None and kvr else Partition.even(context_len, p).boundaries
     if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
@@ -148,7 +151,7 @@ def simulate_chunk(model: CostModel, boundaries: tuple[int, ...], attention: str
     clock = _Clock(p, [b[r + 1] - b[r] for r in range(p)], False)
     if alone:
         for layer in range(model.layers):
-            clock.compute(p - 1, layer, model.rank_layer_s(attention, b[-1] - b[0], b[0]))
+            clock.compute(p - 1, layer, model.rank_layer_s(attention, b[-1] - b[0], b[0], layer))
     else:
         _kvr(model, clock, links, b, attention, comm=True, base=b[0])
     clock.compute(p - 1, model.layers, model.lm_head_s())
@@ -174,20 +177,21 @@ def _kvr(model: CostModel, clock: _Clock, links: Links, b: tuple[int, ...], atte
         arrival = 0.0
         for i in range(p):
             n, prefix = b[i + 1] - b[i], b[i]
+            held = model.kept(prefix - base, layer)  # what the predecessor hands on (a sliding layer: its window)
             clock.compute(i, layer, model.qkv_s(n))
             if i > 0 and comm:
                 clock.wait_until(i, layer, arrival)
                 posted[i] = clock.t[i]  # the next layer's receive goes up as this one's data is in
-                clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(prefix - base)))
+                clock.compute(i, layer, model.transfer_cpu_s(model.kv_bytes(held)))
             if prefix:  # the prefix and the rank's own K,V joined; a chunk appends to the base it holds in place
-                clock.compute(i, layer, model.copy_s(model.kv_bytes(prefix + n - base)))
+                clock.compute(i, layer, model.copy_s(model.kv_bytes(held + n)))
             if i < p - 1 and comm:
-                nbytes = model.kv_bytes(b[i + 1] - base)
+                nbytes = model.kv_bytes(model.kept(b[i + 1] - base, layer))
                 start = max(clock.t[i], posted[i + 1], links.free_at.get((i, i + 1), 0.0))
                 arrival = links.send(i, i + 1, start, nbytes)
                 clock.sent(i, layer, start, arrival, nbytes)
                 clock.compute(i, layer, model.transfer_cpu_s(nbytes))
-            clock.compute(i, layer, model.kvr_attention_s(attention, n, prefix) + model.other_s(n))
+            clock.compute(i, layer, model.kvr_attention_s(attention, n, prefix, layer) + model.other_s(n))
 
 
 def _gather(model: CostModel, clock: _Clock, links: Links, ranges, context_len: int, zig: bool) -> None:
