@@ -37,6 +37,9 @@ def test_the_degree_follows_the_cost_model_and_switches_between_short_and_long(s
         assert "1 rank of 2 thread(s)" in choice.source and "2 ranks of 1" in choice.source
     assert choices[64].degree == 1 and choices[16384].degree == 2  # a crossover exists, and it is measured
     assert policy.choose(4096) is choices[4096]  # decided once per length
+    # ... and once per 64-token step: a length is priced at its step's end, the next step anew
+    assert policy.choose(4033) is policy.choose(4090) is choices[4096] and "at 4096 tokens" in choices[4096].source
+    assert policy.choose(4097) is not choices[4096]
 
 
 def test_one_rank_is_priced_at_the_solo_threads_profile(shipped_profiles_only):

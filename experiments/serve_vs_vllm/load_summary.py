@@ -123,7 +123,7 @@ def pareto(points: dict) -> None:
     ax.set_ylabel("output tokens/s per user (1 / TPOT p50)")
     ax.set_title("512-token prompts, 64 tokens out; labels: concurrent requests")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(HERE / "pareto.png", dpi=120)
 

@@ -63,8 +63,13 @@ def _measured_ttft(table: Table, n: int) -> float | None:
     return (1 - w) * lo.ttft_s + w * hi.ttft_s
 
 
+STEP_TOKENS = 64  # lengths within one step share their choice: pricing a length costs the front milliseconds
+
+
 class DegreePolicy:
-    """The degree per prompt length, decided once per length and remembered."""
+    """The degree per prompt length, decided once per ``STEP_TOKENS`` of length (priced at the step's end) and
+    remembered: traffic rarely repeats a length exactly, and each new price runs the cost model on the front before
+    the prefill."""
 
     def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
                  threads: int, degree: str = "auto", solo_threads: int | None = None,
@@ -74,22 +79,25 @@ class DegreePolicy:
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
         self.solo_threads = solo_threads or threads
         self.forced = parse_degree(degree, world_size)
-        self.choose = lru_cache(maxsize=4096)(self._choose)
+        self._decide = lru_cache(maxsize=4096)(self._measured_or_predicted)
         self._costs: dict[int, tuple[CostModel | None, str]] = {}  # threads -> the cost model and its profile
 
-    def _choose(self, n: int) -> DegreeChoice:
+    def choose(self, n: int) -> DegreeChoice:
         if self.p == 1:
             return DegreeChoice(1, "one rank in the world")
         if n < self.p:  # even under --degree p: a chain needs a token per rank
             return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks")
         if self.forced is not None:
             return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
+        return self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
+
+    def _measured_or_predicted(self, n: int) -> DegreeChoice:
         measured, unmeasured = self._from_tables(n)
         if measured is not None:
             return measured
         predicted, why = self._from_cost_model(n)
         if predicted is not None:
-            return dataclasses.replace(predicted, source=f"{predicted.source}; {unmeasured}")
+            return dataclasses.replace(predicted, source=f"{predicted.source} at {n} tokens; {unmeasured}")
         return DegreeChoice(self.p, f"the chain: {unmeasured} and no cost model ({why})")
 
     def _from_tables(self, n: int) -> tuple[DegreeChoice | None, str]:
