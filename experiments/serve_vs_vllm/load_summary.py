@@ -14,6 +14,7 @@ LOAD = HERE / "load"
 SERVERS = {"kvr": "kvr-serve --nproc 2", "kvr-lars": "kvr-serve, chunked prefill 1000 ms + LARS",
            "vllm": "vLLM CPU, both cores",
            "vllm-reserved": "vLLM CPU, default placement (1 core reserved)"}
+ALWAYS = ("kvr", "vllm")  # the families every table names, measured or not; the others only where they ran
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2  # the goodput objectives, as given to vllm bench serve (ttft:2000 tpot:200)
 
 
@@ -34,7 +35,7 @@ def concurrency_table(part: str = "concurrency") -> tuple[list[str], dict]:
         for who in SERVERS:
             r = _vbench(LOAD / part / f"{who}-c{c}.json")
             if r is None:
-                if who in ("kvr", "vllm"):
+                if who in ALWAYS:
                     lines.append(f"| {c} | {SERVERS[who]} | not measured | | | | | | |")
                 continue
             per_user = 1000 / r["median_tpot_ms"]
@@ -54,7 +55,7 @@ def vbench_table() -> list[str]:
         for who in SERVERS:
             r = _vbench(LOAD / "vbench" / f"{who}-rate{rate}.json")
             if r is None:
-                if who not in ("kvr", "vllm"):
+                if who not in ALWAYS:
                     continue
                 lines.append(f"| {rate} | {SERVERS[who]} | not measured | | | | | | |")
                 continue
@@ -89,7 +90,7 @@ def ours_table(part: str, rates: tuple[float, ...]) -> list[str]:
         for who in SERVERS:
             s, rows = _ours(part, rate, who)
             if s is None:
-                if who not in ("kvr", "vllm"):
+                if who not in ALWAYS:
                     continue
                 lines.append(f"| {rate} | {SERVERS[who]} | not measured | | | | | |")
                 continue

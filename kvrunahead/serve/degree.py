@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_label, table_key
@@ -100,10 +100,11 @@ class DegreePolicy:
             return dataclasses.replace(predicted, source=f"{predicted.source} at {n} tokens; {unmeasured}")
         return DegreeChoice(self.p, f"the chain: {unmeasured} and no cost model ({why})")
 
-    def _from_tables(self, n: int) -> tuple[DegreeChoice | None, str]:
-        """The measured answer, where tables at degree 1 and p cover ``n``, were measured on the same kind of
-        machine (their ratio is what carries over to this one) and at the threads each degree runs with here (one
-        rank takes the node's idle cores); else None and why not."""
+    @cached_property
+    def _table_pair(self) -> tuple[dict[int, Table] | None, str]:
+        """The degree-1 and degree-p tables the measured answer compares, found and checked once (not per length):
+        both must exist, be measured at the threads each degree runs with here (one rank takes the node's idle
+        cores) and on the same kind of machine (their ratio is what carries over to this one); else None and why."""
         tables = {}
         for d in (1, self.p):
             key = table_key(self.cfg, self.config, d, self.attention, self.local_world_size)
@@ -117,9 +118,15 @@ class DegreePolicy:
             if tables[d].meta.threads_per_rank != threads:
                 return None, (f"the degree-{d} table was measured at {tables[d].meta.threads_per_rank} "
                               f"thread(s), not {threads}")
-        one, chain = tables[1], tables[self.p]
-        if one.meta.device != chain.meta.device:
+        if tables[1].meta.device != tables[self.p].meta.device:
             return None, f"the degree-1 and degree-{self.p} tables were measured on different machines"
+        return tables, ""
+
+    def _from_tables(self, n: int) -> tuple[DegreeChoice | None, str]:
+        """The measured answer where the table pair covers ``n``; else None and why not."""
+        tables, why = self._table_pair
+        if tables is None:
+            return None, why
         ttft = {d: _measured_ttft(t, n) for d, t in tables.items()}
         if None in ttft.values():
             return None, f"{n} tokens is outside the measured tables"

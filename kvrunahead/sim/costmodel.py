@@ -119,15 +119,12 @@ class CostModel:
         if parts > 1:
             nbytes = b * s.heads * (s.head_dim + 1) * 4
             exchange = (parts - 1) * (self.link.latency_s + nbytes / self.link.bandwidth_Bps)
-        attend = sum(self.decode_attention_s(-(-self._decode_keys(c, layer) // parts))
+        # a new token attends the positions its layer keeps before it, and itself
+        attend = sum(self.decode_attention_s(-(-(self.kept(c - 1, layer) + 1) // parts))
                      for layer in range(self.layers if s.sliding else 1) for c in contexts)
         if not s.sliding:
             attend *= self.layers  # every layer attends the same keys
         return self.layers * (self.decode_linear_s(b) + exchange) + attend + b * self.lm_head_s()
-
-    def _decode_keys(self, context: int, layer: int) -> int:
-        window = self.shape.window(layer)
-        return context if window is None else min(context, window)
 
     def decode_linear_s(self, tokens: int) -> float:
         """One layer's projections and MLP for ``tokens`` decoding tokens: the weights read once, or the FLOPs."""
