@@ -30,3 +30,5 @@ class RunConfig:
     seed: int = 0
     net: str | None = None  # --net: "loopback", "cap=400MB/s", "cap=13MB/s,noise"; None: loopback for one host
     allgather: str = "auto"  # all-gather modes: the library's collective or a ring of point-to-point transfers
+    stages: str = "auto"  # spp: the layer boundaries of the stages ("0,15,30"), or auto (balanced by the cost model)
+    chunk_tokens: int | None = None  # spp: the chunk pipelined through the stages; None: the cost model's

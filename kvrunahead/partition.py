@@ -173,3 +173,27 @@ def equal_level_sizes(works: list[Callable[[float, float], float]], n: int) -> l
         lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)
     sizes = covered(hi)
     return [x * n / sum(sizes) for x in sizes]
+
+
+def balanced_cut(costs: list[float], parts: int) -> Partition:
+    """``costs`` (one per item: a pipeline stage's layers) cut into ``parts`` contiguous non-empty runs whose
+    largest sum is the least possible (the pipeline moves at its slowest stage): exact, by dynamic programming."""
+    n = len(costs)
+    check_fits(n, parts)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: the first i items in k runs
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return Partition(tuple(reversed(bounds)))

@@ -13,6 +13,7 @@ from kvrunahead.model.device import default_threads, resolve_device, resolve_dty
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model
 from kvrunahead.model.rope import RopeExtension
+from kvrunahead.model.stage import StageSpec
 from kvrunahead.transport import Transport, make_transport
 
 _MODELS: dict = {}
@@ -37,25 +38,27 @@ class RankSetup:
         return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope)
 
 
-def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None) -> RankSetup:
+def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
+                stage: StageSpec | None = None) -> RankSetup:
+    """``stage``: this rank's pipeline stage (spp), whose layers alone it loads."""
     device = resolve_device(cfg.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = resolve_dtype(cfg, device)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope)
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage)
     transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s, cfg.allgather)
     return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport)
 
 
 def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
-            rope: RopeExtension | None = None) -> LoadedModel:
+                 rope: RopeExtension | None = None, stage: StageSpec | None = None) -> LoadedModel:
     """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
-    key = (name, dtype, str(device), seed, rope)
+    key = (name, dtype, str(device), seed, rope, stage)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope)
+        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope, stage=stage)
     return _MODELS[key]
 
 

@@ -19,9 +19,11 @@ from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.device import oversubscribed, resolve_device
 from kvrunahead.model.forward import greedy_decode, last_token_logits
-from kvrunahead.model.layout import KVLayout
+from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
+from kvrunahead.model.stage import StageSpec
 from kvrunahead.modes import MODES, Mode, Step
+from kvrunahead.modes.spp import spp_decode
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
 from kvrunahead.rank_setup import forget_transports, set_up_rank
@@ -101,6 +103,9 @@ class RunResult:
     first_token_text: str
     generated_tokens: list[int]
     generated_text: str
+    stages: list[int] | None = None  # spp: the layer boundaries of the stages, one per rank
+    chunk_tokens: int | None = None  # spp: the chunk pipelined through them
+    pipeline_source: str | None = None
     decode: str = "gathered"  # or kvp: every rank decoded on its own part of the cache
     decode_s: float | None = None  # seconds from the first token to the last (the tokens after the first)
     verification: Verification | None = None
@@ -156,9 +161,11 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
-    rs = set_up_rank(cfg, world, prepared.rope)
-    device, dtype, threads, lm, layout, transport = rs.device, rs.dtype, rs.threads, rs.lm, rs.layout, rs.transport
     rank, p = world.rank, world.world_size
+    stage = StageSpec(prepared.stages[rank], prepared.stages[rank + 1], prepared.stages[-1]) \
+        if cfg.mode == "spp" and p > 1 else None
+    rs = set_up_rank(cfg, world, prepared.rope, stage)
+    device, dtype, threads, lm, layout, transport = rs.device, rs.dtype, rs.threads, rs.lm, rs.layout, rs.transport
     mode = MODES[cfg.mode]
     if p > 1:
         _check_same_plan(cfg, prepared)
@@ -166,7 +173,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     ranges = mode.token_ranges(partition)
     my_ids = torch.tensor([[t for a, e in ranges[rank] for t in ids[a:e]]], device=device)
     step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention,
-                own_kv_only=cfg.decode == "kvp")
+                own_kv_only=cfg.decode == "kvp", chunk_tokens=prepared.chunk_tokens)
     state = mode.setup(step)
     emits = rank == mode.emitter(p)
     logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
@@ -181,11 +188,18 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         level_shards(shards, partition.boundaries, transport)
         tokens = kvp_decode(lm.model, shards, transport, first_token if emits else None, new_tokens,
                             lm.eos_token_ids)
+    elif cfg.mode == "spp":  # the pipeline, one token at a time through every stage
+        tokens = spp_decode(lm.model, cache, transport, first_token if emits else None, len(ids), new_tokens,
+                            lm.eos_token_ids)
     elif emits:
         tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     if not emits:
         return None
     decode_s = time.perf_counter() - t0
+    if stage is not None:  # the report decodes text and --verify runs the whole model: loaded after the timing
+        del cache
+        lm = rs.load(cfg, prepared.rope)
+        layout = probe_kv_layout(lm.model)
     ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)
 
@@ -237,7 +251,10 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         first_token_text=lm.decode(tokens[:1]),
         generated_tokens=tokens,
         generated_text=lm.decode(tokens),
-        decode=cfg.decode,
+        stages=list(prepared.stages) if prepared.stages else None,
+        chunk_tokens=prepared.chunk_tokens,
+        pipeline_source=prepared.pipeline_source,
+        decode=cfg.decode if cfg.mode != "spp" else "pipelined",
         decode_s=decode_s,
         logits=logits.float().cpu(),
     )
@@ -283,10 +300,12 @@ def rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport
 def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
     """Every rank derives the partition, attention and RoPE itself (from its own partition_tables/ and
     device): ranks on hosts that differ there would size their buffers differently and hang, so compare."""
-    mine = (tuple(prepared.partition.boundaries), prepared.kvr_attention, prepared.rope)
+    mine = (tuple(prepared.partition.boundaries), prepared.kvr_attention, prepared.rope, prepared.stages,
+            prepared.chunk_tokens)
     plans = liveness.gather_objects(mine, "the other ranks' plans")
     if any(plan != plans[0] for plan in plans):
-        raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE): {plans}; their hosts' "
+        raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE, stages): {plans}; their "
+                           "hosts' "
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
 
 

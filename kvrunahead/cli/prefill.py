@@ -40,10 +40,16 @@ def format_result(r: RunResult) -> str:
     ]
     if r.kvr_attention:
         lines.append(f"attention    {r.kvr_attention}")
+    if r.stages:
+        layers = ", ".join(f"[{a}, {b})" for a, b in zip(r.stages, r.stages[1:]))
+        lines += [f"stages       layers {layers}, one per rank"
+                  f"   chunks of {r.chunk_tokens} tokens pipelined through them",
+                  f"             from {r.pipeline_source}"]
+    else:
+        lines += [f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
+                  f"ratios {[round(x, 3) for x in r.ratios]}",
+                  f"             from {r.partition_source}"]
     lines += [
-        f"partition    boundaries {','.join(map(str, r.boundaries))}   tokens {sizes}   "
-        f"ratios {[round(x, 3) for x in r.ratios]}",
-        f"             from {r.partition_source}",
         f"TTFT         {r.ttft_s * 1e3:.1f} ms",
         "rank  tokens   compute ms   wait ms   send ms   sent         peak mem",
     ]
@@ -120,6 +126,12 @@ def _continuation(v) -> str:
                    "covers the context, the cost model's partition on this machine's profile (kvr-calibrate; else "
                    "the shipped CPU profile; on GPUs a FLOP estimate); 'table': a table or an "
                    "error; 'even'; boundaries (0,900,2048) or ratios (0.6,0.4), one part per rank.")
+@click.option("--stages", default="auto", show_default=True,
+              help="--mode spp: the layer boundaries of the stages, one per rank (0,15,30 for 30 layers on 2 "
+                   "ranks); auto: stages of equal predicted time (the cost model; equal layer counts on GPUs).")
+@click.option("--chunk-tokens", type=int, default=None,
+              help="--mode spp: tokens per chunk moving through the pipeline (the last one may be shorter). "
+                   "Default: the cost model's best on this machine (2048 on GPUs).")
 @common.kvr_attention_option(
     help="kvr modes: split = prefix block in full + own block causally, merged by log-sum-exp, "
          "skipping the masked half of the diagonal block (needs a model using transformers' attention "

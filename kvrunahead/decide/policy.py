@@ -27,7 +27,7 @@ from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.sim.flops import estimated_partition
-from kvrunahead.sim.optimize import predicted_partition
+from kvrunahead.sim.optimize import predicted_partition, predicted_pipeline
 from kvrunahead.sim.shape import config_hash
 
 
@@ -40,6 +40,9 @@ class Prepared:
     rope: RopeExtension | None = None
     kvr_attention: str = "masked"
     attention_source: str = ""
+    stages: tuple[int, ...] | None = None  # spp: each rank's layers [stages[r], stages[r+1])
+    chunk_tokens: int | None = None  # spp: the chunk pipelined through the stages
+    pipeline_source: str | None = None  # spp: where the stages and chunk come from
 
 
 def _dtype_name(cfg: RunConfig) -> str:
@@ -151,6 +154,10 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
                          "not leave them there")
     if cfg.threads is not None and cfg.threads < 1:
         raise InputError(f"--threads must be at least 1, got {cfg.threads}")
+    if cfg.mode != "spp" and (cfg.chunk_tokens is not None or cfg.stages.strip() != "auto"):
+        raise InputError("--chunk-tokens and --stages apply to --mode spp")
+    if cfg.chunk_tokens is not None and cfg.chunk_tokens < 1:
+        raise InputError(f"--chunk-tokens must be at least 1, got {cfg.chunk_tokens}")
     if cfg.prompt_text is not None and not cfg.prompt_text.strip():
         raise InputError("the prompt file is empty (or only whitespace)")
     try:
@@ -165,6 +172,9 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
             except NotImplementedError as e:
                 raise InputError(f"--decode kvp cannot run {cfg.model}: {e}") from None
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
+        if cfg.mode == "spp":
+            done.update(zip(("stages", "chunk_tokens", "pipeline_source"),
+                            plan_stages(cfg, config, len(ids), world_size, local_world_size or world_size)))
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
         partition, source, warning = choose_partition(cfg, config, len(ids), world_size, attention,
@@ -174,6 +184,37 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
     except NotImplementedError as e:
         raise InputError(f"mode {cfg.mode!r} cannot run {cfg.model}: {e}") from None
     return Prepared(ids, partition, source, warning, **done)
+
+
+def plan_stages(cfg: RunConfig, config, n: int, world_size: int, local_world_size: int
+                ) -> tuple[tuple[int, ...], int, str]:
+    """spp's layer stages and chunk for a prompt of ``n`` tokens, and where they come from: as given, else the cost
+    model's (stages of equal predicted time, the chunk with the least predicted TTFT) on a CPU, else equal layer
+    counts and 2048-token chunks."""
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    if world_size > layers:
+        raise InputError(f"spp needs a stage of at least one layer per rank: {cfg.model} has {layers} layers, "
+                         f"the world size is {world_size}")
+    given = None
+    if cfg.stages.strip() != "auto":
+        if "." in cfg.stages:
+            raise InputError("--stages takes layer boundaries (0,15,30), not ratios")
+        try:
+            given = parse_partition(cfg.stages, layers, world_size).boundaries
+        except PartitionError as e:
+            raise InputError(f"--stages: {e} (layers, not tokens: {cfg.model} has {layers})") from None
+    if _device_kind(cfg) == "cpu":
+        threads = cfg.threads or default_threads(local_world_size)
+        try:
+            plan, source = predicted_pipeline(config, _dtype_name(cfg), threads, n, world_size,
+                                              network_label(cfg, world_size, local_world_size), given,
+                                              cfg.chunk_tokens)
+        except ProfileError as e:
+            raise InputError(str(e)) from None
+        said = [what for what, g in (("stages", given), ("chunk", cfg.chunk_tokens)) if g]
+        return plan.stages, min(plan.chunk_tokens, n), f"{' and '.join(said) + ' as given; ' if said else ''}{source}"
+    stages = given or Partition.even(layers, world_size).boundaries
+    return stages, min(cfg.chunk_tokens or 2048, n), "equal layer counts, 2048-token chunks (no GPU cost model)"
 
 
 def choose_partition(cfg: RunConfig, config, n: int, world_size: int, attention: str,

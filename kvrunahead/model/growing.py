@@ -31,9 +31,9 @@ class GrowingKV:
     ``[2, batch, heads, room, head_dim]`` with room after the positions held: a decode's tokens and a chunked
     prefill's chunks are written into the room (the chain carries a layer's K,V stacked the same way)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int | None = None) -> None:
         n = keys.shape[-2]
-        self._kv = keys.new_empty((2, *keys.shape[:-2], room_for(n), keys.shape[-1]))
+        self._kv = keys.new_empty((2, *keys.shape[:-2], max(room or 0, room_for(n)), keys.shape[-1]))
         self._kv[0, ..., :n, :], self._kv[1, ..., :n, :] = keys, values
         self.lo, self.hi = 0, n  # the positions held are buffer rows [lo, hi)
 
@@ -143,13 +143,14 @@ class GrowingLayer(DynamicLayer):
             self.held.truncate(self.keys.shape[-2])  # the cropped rows are written over by the next appends
 
 
-def grow_in_place(cache: DynamicCache) -> DynamicCache:
+def grow_in_place(cache: DynamicCache, room: int | None = None) -> DynamicCache:
     """Give ``cache``'s full-attention layers room to grow in place (the same object, its layers replaced; the
     K,V held are copied once, the ones given stay untouched): transformers' ``DynamicLayer`` and the layers that
     are one once filled (``plain_after_prefill``: the chain's). Sliding-window layers keep their type (their
-    window bounds what a concatenation copies), and so do layers with a decode of their own (the KVP shards)."""
+    window bounds what a concatenation copies), and so do layers with a decode of their own (the KVP shards).
+    ``room``: positions to make room for at once (a pipelined prefill's whole prompt), not just an eighth more."""
     for i, layer in enumerate(cache.layers):
         plain = type(layer) is DynamicLayer or getattr(layer, "plain_after_prefill", False)
         if plain and layer.is_initialized and layer.keys.numel():
-            cache.layers[i] = GrowingLayer(GrowingKV(layer.keys, layer.values))
+            cache.layers[i] = GrowingLayer(GrowingKV(layer.keys, layer.values, room))
     return cache

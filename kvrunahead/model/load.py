@@ -17,6 +17,7 @@ from transformers import (
     FalconConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    GenerationConfig,
     GPTBigCodeConfig,
     GPTNeoXConfig,
     LlamaConfig,
@@ -25,6 +26,7 @@ from transformers import (
 )
 
 from kvrunahead.model.rope import RopeExtension, extended
+from kvrunahead.model.stage import StageSpec, build_stage, safetensors_tensors, stage_keys, ties_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -221,23 +223,36 @@ def resolve_config(name: str) -> PretrainedConfig:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-               rope: RopeExtension | None = None) -> LoadedModel:
+               rope: RopeExtension | None = None, stage: StageSpec | None = None) -> LoadedModel:
     """Load a model by preset name or local directory, in eval mode, with SDPA attention where the class has it
-    (and its rotary embedding extended by ``rope``, for contexts beyond the trained positions)."""
+    (and its rotary embedding extended by ``rope``, for contexts beyond the trained positions). ``stage``: only
+    that pipeline stage's layers (model/stage.py)."""
     config = extended(resolve_config(name), rope)
     attn = attention_implementation(config)
     if name in PRESETS:
         torch.manual_seed(seed)  # every rank builds the same weights (on the same kind of device)
         with torch.device(device):  # drawn where they will live: a 7B-shaped model is drawn in seconds on a GPU
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if stage is not None:  # drawn whole (the same numbers on every rank), then cut
+            model = build_stage(config, stage, iter(model.state_dict().items()), dtype, device, attn)
         eos: frozenset[int] = frozenset()
+    elif stage is not None:
+        tied = ties_embeddings(config)
+        tensors = safetensors_tensors(_model_path(name), lambda key: stage_keys(key, stage, tied) is not None)
+        model = build_stage(config, stage, tensors, dtype, device, attn)
+        eos = _eos(GenerationConfig.from_model_config(config) if not (_model_path(name) / "generation_config.json")
+                   .exists() else GenerationConfig.from_pretrained(_model_path(name)))
     else:
         model = AutoModelForCausalLM.from_pretrained(_model_path(name), config=config, dtype=dtype,
                                                      attn_implementation=attn)
-        eos_id = model.generation_config.eos_token_id
-        eos = frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
+        eos = _eos(model.generation_config)
     model.to(device).eval()
     return LoadedModel(name=name, model=model, tokenizer=load_tokenizer(name), eos_token_ids=eos)
+
+
+def _eos(generation_config) -> frozenset[int]:
+    eos_id = generation_config.eos_token_id
+    return frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
 
 
 def attention_implementation(config: PretrainedConfig) -> str:

@@ -15,8 +15,10 @@ from transformers import DynamicCache
 from kvrunahead.model.attention import require_attention_interface
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import KVLayout, layer_windows, soft_caps
+from kvrunahead.model.stage import check_stageable
 from kvrunahead.modes import cp_allgather, ring, tsp
 from kvrunahead.modes.kvr import ChainLink, LocalPrefixLink, OwnPartLink, kvr_prefill, local_prefixes
+from kvrunahead.modes.spp import spp_prefill
 from kvrunahead.partition import Partition, last_rank, zigzag_emitter
 from kvrunahead.transport import Transport
 
@@ -34,6 +36,7 @@ class Step:
     context_len: int
     kvr_attention: str = "masked"
     own_kv_only: bool = False  # kvr: keep only this rank's own part of each full layer (the KVP decode's shard)
+    chunk_tokens: int | None = None  # spp: the chunk that moves through the stages at a time
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     whose cache is no K,V prefix (every mode but single), sliding-window layers in ring, windows of more than one
     size in tsp, attention-logit soft-capping in the modes that insert their own attention."""
     if mode == "single":
+        return
+    if mode == "spp":  # every stage runs the model's own layers and attention: only the cut must fit the model
+        check_stageable(config)
         return
     windows = layer_windows(config)
     if mode == "ring" and any(w is not None for w in windows):
@@ -87,6 +93,15 @@ def _single(step: Step, _):
     return last_token_logits(step.model, step.input_ids, cache=cache), cache
 
 
+def _spp(step: Step, _):
+    return spp_prefill(step.model, step.input_ids, step.transport, step.chunk_tokens or step.context_len)
+
+
+def whole_prompt(partition: Partition) -> list[list[tuple[int, int]]]:
+    """spp: every stage runs every position (the ranks split the layers, not the prompt)."""
+    return [[(0, partition.context_len)] for _ in range(partition.world_size)]
+
+
 def _gathering(module):
     def run(step: Step, _):
         return module.prefill(step.model, step.input_ids, step.transport, step.layout.num_layers, step.ranges,
@@ -116,5 +131,8 @@ MODES: dict[str, Mode] = {
         Mode(name="ring", summary="ring attention, zigzag chunks, K,V passed around the ring, log-sum-exp merge",
              own_partition=True, decodes=False, setup=lambda step: require_attention_interface(step.model, "ring"),
              prefill=_gathering(ring), **_ZIGZAG),
+        Mode(name="spp", summary="stream pipeline parallel (Medha): layers cut into stages, the prompt's chunks "
+             "pipelined through them, hidden states passed on", own_partition=True, decodes=True,
+             setup=lambda step: None, prefill=_spp, token_ranges=whole_prompt, emitter=last_rank),
     ]
 }

@@ -4,6 +4,8 @@ First the balanced partition of eq. 4-6: every rank's per-layer time (projection
 MLP, as ``CostModel.rank_layer_s`` prices them) equal, found by bisection on the common level. Then the
 simulated TTFT is hill-climbed boundary by boundary with halving strides down to ``min_stride``, which adds
 what the balance leaves out: the pipeline's fill, the transfers and the LM head.
+
+spp's plan the same way: stages whose layers take equal time, then the chunk whose simulated pipeline is fastest.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from kvrunahead.partition import Partition
+from kvrunahead.partition import Partition, balanced_cut
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import equal_work_sizes
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.profile import resolve_profile
 from kvrunahead.sim.shape import shape_from_config
-from kvrunahead.sim.simulate import simulate
+from kvrunahead.sim.simulate import simulate, simulate_spp
 
 MAX_SIMULATIONS = 300  # hill-climbing budget: a 64-rank, million-token search stays within seconds
 
@@ -102,3 +104,46 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
     stride = max(1, min(64, context_len // (8 * world_size)))
     r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
     return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"
+
+
+CHUNK_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """spp's layer stages and chunk for one prompt, with the predicted TTFT."""
+
+    stages: tuple[int, ...]
+    chunk_tokens: int
+    ttft_s: float
+
+
+def balanced_stages(model: CostModel, context_len: int, world_size: int) -> tuple[int, ...]:
+    """Layer boundaries whose stages take equal time over the whole prompt: equal layer counts for a uniform model;
+    more of the cheaper sliding-window layers per stage in a hybrid one."""
+    costs = [model.spp_layer_s(context_len, 0, layer) for layer in range(model.layers)]
+    return balanced_cut(costs, world_size).boundaries
+
+
+def plan_pipeline(model: CostModel, context_len: int, world_size: int, stages: tuple[int, ...] | None = None,
+                  chunk_tokens: int | None = None) -> PipelinePlan:
+    """spp's stages (balanced by the cost model unless given) and chunk (the one of ``CHUNK_CHOICES`` below the
+    prompt with the least predicted TTFT unless given): small chunks shorten the pipeline's fill and drain, large
+    ones run the projections and MLP at a better rate and send fewer messages."""
+    stages = tuple(stages) if stages else balanced_stages(model, context_len, world_size)
+    choices = [chunk_tokens] if chunk_tokens else [c for c in CHUNK_CHOICES if c < context_len] or [context_len]
+    timed = [(simulate_spp(model, context_len, stages, c).ttft_s, c) for c in choices]
+    ttft, chunk = min(timed)
+    return PipelinePlan(stages, chunk, ttft)
+
+
+def predicted_pipeline(config, dtype: str, threads: int, context_len: int, world_size: int,
+                       link: str | None = None, stages: tuple[int, ...] | None = None,
+                       chunk_tokens: int | None = None) -> tuple[PipelinePlan, str]:
+    """spp's plan on this machine's profile (``kvr-calibrate``, else the shipped CPU profile), and a line saying
+    so."""
+    profile, which = resolve_profile(None, threads)
+    profile, used, link_note = profile.for_network(link)
+    cost = CostModel(shape_from_config(config, dtype), profile, used)
+    plan = plan_pipeline(cost, context_len, world_size, stages, chunk_tokens)
+    return plan, f"cost model on {which}, {link_note}: predicted TTFT {plan.ttft_s:.2f} s"

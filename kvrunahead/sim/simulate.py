@@ -9,6 +9,10 @@
 - tsp: even parts; every layer all-gathers K,V (all ranks meet), then full masked score rows.
 - cp-allgather: zigzag chunks (rank i holds chunks i and 2p-1-i), all-gather, each chunk against the keys it sees.
 - ring: zigzag chunks; p steps per layer, each attends to the block in hand while passing it on.
+- spp: stream pipeline parallel (Medha): the layers cut into stages, one per rank; the prompt's chunks go through
+  them in order, a stage starting chunk c once it has finished chunk c-1 and chunk c's hidden states have arrived
+  (the pipeline's fill and drain are the first and last chunks' passes); one hidden-state message per chunk and
+  stage boundary.
 - single: one rank, the whole prompt.
 Compute of one rank is serial; transfers run beside it. TTFT ends with the LM head on the emitting rank.
 """
@@ -21,7 +25,7 @@ from kvrunahead.partition import Partition, zigzag_ranges
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import Links, NoiseModel
 
-MODES = ("single", "kvr", "kvr-nocomm", "tsp", "cp-allgather", "ring")
+MODES = ("single", "kvr", "kvr-nocomm", "tsp", "cp-allgather", "ring", "spp")
 
 
 class SimError(ValueError):
@@ -92,8 +96,10 @@ class _Clock:
 
 def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
              boundaries: tuple[int, ...] | None = None, attention: str = "split", noise: NoiseModel | None = None,
-             record: bool = False) -> SimResult:
-    """TTFT and per-rank breakdown of one prefill. ``boundaries``: the kvr partition (even if None)."""
+             record: bool = False, stages: tuple[int, ...] | None = None,
+             chunk_tokens: int | None = None) -> SimResult:
+    """TTFT and per-rank breakdown of one prefill. ``boundaries``: the kvr partition (even if None); ``stages``
+    and ``chunk_tokens``: spp's layer boundaries (even if None) and chunk (the whole prompt if None)."""
     if mode not in MODES:
         raise SimError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     if world_size < 1:
@@ -103,9 +109,12 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
         raise SimError(f"context of {context_len} tokens cannot be split over {p} ranks")
     if mode in ("cp-allgather", "ring") and context_len < 2 * p:
         raise SimError(f"{mode} needs at least {2 * p} tokens for its 2p chunks")
-    if model.shape.sliding and mode not in ("single", "kvr", "kvr-nocomm"):
+    if model.shape.sliding and mode not in ("single", "kvr", "kvr-nocomm", "spp"):
         raise SimError(f"{model.shape.name} has sliding-window layers, which the simulator prices for the KV chain "
-                       f"only (single, kvr), not for {mode}")
+                       f"and the pipeline only (single, kvr, spp), not for {mode}")
+    if mode == "spp":
+        stages = stages or Partition.even(model.layers, p).boundaries
+        return simulate_spp(model, context_len, stages, chunk_tokens or context_len, noise, record)
     kvr = mode in ("kvr", "kvr-nocomm")
     b = tuple(boundaries) if boundaries is not None and kvr else Partition.even(context_len, p).boundaries
     if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
@@ -135,6 +144,43 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
         r.end_s = clock.t[r.rank]
     link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
     return SimResult(mode, context_len, p, b, clock.t[emitter], clock.ranks, link_bytes, clock.spans)
+
+
+def simulate_spp(model: CostModel, context_len: int, stages: tuple[int, ...], chunk_tokens: int,
+                 noise: NoiseModel | None = None, record: bool = False) -> SimResult:
+    """The stream pipeline (modes/spp.py): stage s holds layers [stages[s], stages[s+1]); chunk c enters stage s
+    once stage s is done with chunk c-1 and stage s-1 has sent chunk c's hidden states (whose receive stage s
+    posted when it took chunk c-1). The last stage's LM head on the last position ends the TTFT."""
+    p = len(stages) - 1
+    if p < 1 or stages[0] != 0 or stages[-1] != model.layers or any(y <= x for x, y in zip(stages, stages[1:])):
+        raise SimError(f"stages {stages} are not a cut of {model.layers} layers into {p} non-empty stages")
+    if chunk_tokens < 1:
+        raise SimError(f"a chunk holds at least one token, got {chunk_tokens}")
+    links = Links(model.link, p, noise)
+    clock = _Clock(p, [context_len] * p, record)
+    posted = [0.0] * p  # when each stage posted the receive of the chunk about to arrive
+    for a in range(0, context_len, chunk_tokens):
+        n = min(chunk_tokens, context_len - a)
+        arrival = 0.0
+        for s in range(p):
+            first = stages[s]
+            if s > 0:
+                clock.wait_until(s, first, arrival)
+                posted[s] = clock.t[s]
+                clock.compute(s, first, model.transfer_cpu_s(model.hidden_bytes(n)))
+            for layer in range(stages[s], stages[s + 1]):
+                clock.compute(s, layer, model.spp_layer_s(n, a, layer))
+            if s < p - 1:
+                nbytes = model.hidden_bytes(n)
+                start = max(clock.t[s], posted[s + 1], links.free_at.get((s, s + 1), 0.0))
+                arrival = links.send(s, s + 1, start, nbytes)
+                clock.sent(s, stages[s + 1] - 1, start, arrival, nbytes)
+                clock.compute(s, stages[s + 1] - 1, model.transfer_cpu_s(nbytes))
+    clock.compute(p - 1, model.layers, model.lm_head_s())
+    for r in clock.ranks:
+        r.end_s = clock.t[r.rank]
+    link_bytes = {f"{s}->{d}": v for (s, d), v in sorted(links.bytes_sent.items())}
+    return SimResult("spp", context_len, p, tuple(stages), clock.t[p - 1], clock.ranks, link_bytes, clock.spans)
 
 
 def simulate_chunk(model: CostModel, boundaries: tuple[int, ...], attention: str = "split") -> SimResult:

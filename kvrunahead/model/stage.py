@@ -1,0 +1,146 @@
+"""A pipeline stage of a transformers model: its decoder layers [first, last) as a model of their own (Medha's
+stream pipeline parallelism, medha.txt section 3).
+
+The stage is the unmodified model class built from a config cut to its layers: ``num_hidden_layers`` and
+``layer_types`` sliced, each layer renumbered from 0, so the model's own forward, masks and ``DynamicCache`` (one
+cache layer per stage layer, sliding or full as the original) work as they do for the whole model. The first stage
+embeds token ids; a later stage takes the previous stage's hidden states as ``inputs_embeds`` (which skips the
+embedding, Gemma's scaling included, since the scale lives in the embedding module). Only the last stage applies
+the final norm and holds the LM head; only the stages that embed or emit hold the (tied) embedding matrix.
+
+Each stage loads only its own weights: a real model's tensors are read one by one from its safetensors file; a
+seeded preset is drawn whole (every rank must draw the same numbers) and cut.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+LAYERS = "model.layers."
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    first: int  # the stage's first decoder layer
+    last: int  # one past its last
+    num_layers: int  # the whole model's
+
+    @property
+    def embeds(self) -> bool:
+        return self.first == 0
+
+    @property
+    def emits(self) -> bool:
+        return self.last == self.num_layers
+
+
+def check_stageable(model_or_config) -> None:
+    """NotImplementedError with one line where the model has no ``model.layers`` decoder list and ``model.norm``
+    (the layout the stage cut relies on: Llama, Mistral, Gemma 2 and 3)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    name = getattr(cls, "__name__", type(config).__name__)
+    if config.model_type not in STAGEABLE:
+        raise NotImplementedError(f"spp cuts a model's decoder layers into stages; it knows {', '.join(STAGEABLE)} "
+                                  f"models (a model.layers list and a final model.norm), not {name}")
+
+
+STAGEABLE = ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3")
+
+
+def stage_config(config: PretrainedConfig, spec: StageSpec) -> PretrainedConfig:
+    """``config`` cut to the stage's layers."""
+    cut = copy.deepcopy(config)
+    cut.num_hidden_layers = spec.last - spec.first
+    if getattr(config, "layer_types", None) is not None:
+        cut.layer_types = list(config.layer_types[spec.first:spec.last])
+    return cut
+
+
+def stage_keys(key: str, spec: StageSpec, tied: bool) -> str | None:
+    """The stage model's name for a whole model's tensor, or None where the stage does not hold it."""
+    if key.startswith(LAYERS):
+        index, rest = key[len(LAYERS):].split(".", 1)
+        i = int(index)
+        return f"{LAYERS}{i - spec.first}.{rest}" if spec.first <= i < spec.last else None
+    if "embed_tokens" in key:
+        return key if spec.embeds or (spec.emits and tied) else None
+    if key.startswith("lm_head") or key.startswith("model.norm"):
+        return key if spec.emits else None
+    return key  # anything else (rotary buffers saved by some checkpoints) every stage keeps
+
+
+def ties_embeddings(config: PretrainedConfig) -> bool:
+    return bool(getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False)
+                or getattr(config, "tie_word_embeddings", False))
+
+
+def build_stage(config: PretrainedConfig, spec: StageSpec, tensors: Iterator[tuple[str, torch.Tensor]],
+                dtype: torch.dtype, device: torch.device, attn_implementation: str) -> torch.nn.Module:
+    """The stage's model from its config, its weights taken from ``tensors`` (a whole model's names and tensors,
+    read lazily: only the stage's are kept)."""
+    check_stageable(config)
+    cut = stage_config(config, spec)
+    tied = ties_embeddings(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cut, dtype=dtype, attn_implementation=attn_implementation)
+    state = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for key, tensor in tensors:
+            name = stage_keys(key, spec, tied)
+            if name is None or name not in state:
+                continue
+            state[name].copy_(tensor)
+            seen.add(name)
+    base = model.base_model
+    wanted = {k for k in state if _wanted(k, spec, tied)}
+    missing = sorted(wanted - seen - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ValueError(f"the stage's weights lack {', '.join(missing[:4])}")
+    if not spec.embeds and not (spec.emits and tied):
+        base.embed_tokens = None  # the forward embeds only when given ids; a later stage is given hidden states
+    if not spec.emits:
+        base.norm = torch.nn.Identity()  # the residual stream goes on to the next stage unnormalised
+        model.lm_head = None
+    return model.eval()
+
+
+def _wanted(key: str, spec: StageSpec, tied: bool) -> bool:
+    if "embed_tokens" in key:
+        return spec.embeds or (spec.emits and tied)
+    if key.startswith("lm_head") or key.startswith("model.norm"):
+        return spec.emits
+    return key.startswith(LAYERS)
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+           "I32": torch.int32}
+
+
+def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a model folder's safetensors files whose names ``wanted`` accepts, one at a time, read with
+    plain reads (no mapping of the file: a stage's peak memory holds its own weights, not the pages of the others
+    it passed over)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no safetensors file")
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            for key, meta in header.items():
+                if key == "__metadata__" or not wanted(key):
+                    continue
+                a, e = meta["data_offsets"]
+                tensor = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
+                f.seek(8 + size + a)
+                f.readinto(memoryview(tensor.view(torch.uint8).numpy()) if e > a else bytearray())
+                yield key, tensor
