@@ -44,6 +44,9 @@ def main() -> None:
                 "rope_extension": d["rope_extension"],
                 "kvr_attention": d["kvr_attention"],
                 "partition_source": d["partition_source"],
+                "stages": d["stages"],
+                "chunk_tokens": d["chunk_tokens"],
+                "peak_mem_bytes": [r["peak_mem_bytes"] for r in d["ranks"]],
             }
     # Whichever rank emitted the first token of a case holds its result (the last rank, or rank 0 for
     # the zigzag modes): each rank writes its own file.

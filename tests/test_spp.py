@@ -1,0 +1,144 @@
+"""Stream pipeline parallelism (modes/spp.py) on p real ranks (gloo, CPU) against the single-process model: full,
+hybrid sliding-window and all-sliding models, chunks that divide the prompt and chunks that do not, a chunk of one
+token, the whole prompt as one chunk; the stages' own weights and their hidden-state traffic."""
+
+import json
+
+import pytest
+import torch
+
+from kvrunahead.model.load import load_model
+from kvrunahead.model.stage import StageSpec
+from kvrunahead.partition import balanced_cut
+from tests.helpers import kvr_prefill, world_runs
+
+CONTEXT = 150  # beyond the tiny sliding models' window of 64, so a stage's later chunks see a window that slid
+NEW_TOKENS = 6
+MODELS = {"tiny-llama": 64, "tiny-gemma3": 64, "tiny-mistral": 64}  # hidden sizes: full, hybrid, all sliding
+CHUNKS = {"one-token": 1, "uneven": 37, "whole": CONTEXT, "auto": None}
+
+
+def _config(model: str, dtype: str, chunk: int | None, **kw) -> dict:
+    return dict(model=model, mode="spp", context_len=CONTEXT, dtype=dtype, device="cpu", max_new_tokens=NEW_TOKENS,
+                verify=True, threads=1, atol=1e-4 if dtype == "float32" else None, chunk_tokens=chunk, **kw)
+
+
+def _cases(p: int) -> list[dict]:
+    cases = [{"name": f"{model}/{cname}/float32", "config": _config(model, "float32", chunk)}
+             for model in MODELS for cname, chunk in CHUNKS.items()]
+    cases += [{"name": f"{model}/uneven/bfloat16", "config": _config(model, "bfloat16", 37)} for model in MODELS]
+    cases.append({"name": "yarn", "config": _config("tiny-llama-short", "float32", 37)})
+    if p == 2:  # stages given, one layer against three
+        cases.append({"name": "given-stages", "config": _config("tiny-llama", "float32", 37, stages="0,1,4")})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    return world_runs(_cases, tmp_path_factory, "spp")
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def world(request, worlds):
+    return request.param, worlds(request.param)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("cname", list(CHUNKS))
+def test_spp_matches_the_single_process_for_every_chunk_size(world, model, cname):
+    """First-token logits within float32's tolerance and the same greedy tokens, whether the chunk is one token,
+    one that does not divide the prompt, the whole prompt or the cost model's."""
+    p, results = world
+    r = results[f"{model}/{cname}/float32"]
+    v = r["verification"]
+    assert v["max_abs_logit_diff"] <= 1e-4 and v["first_token_match"], v
+    assert v["generated_match"], (r["generated_tokens"], v["reference_tokens"])
+    if CHUNKS[cname] is not None:
+        assert r["chunk_tokens"] == CHUNKS[cname]
+    layers = {"tiny-gemma3": 6}.get(model, 4)
+    assert r["stages"][0] == 0 and r["stages"][-1] == layers and len(r["stages"]) == p + 1
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_spp_in_bfloat16_matches_within_its_rounding(world, model):
+    assert world[1][f"{model}/uneven/bfloat16"]["verification"]["ok"]
+
+
+def test_spp_beyond_the_trained_positions_matches_the_same_yarn_extension(world):
+    r = world[1]["yarn"]
+    assert r["rope_extension"].startswith("RoPE extended by YaRN")
+    assert r["verification"]["ok"] and r["verification"]["generated_match"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_stage_but_the_last_sends_each_chunk_s_hidden_states_once(world, model):
+    """Per chunk one message of [chunk, hidden] float32 from stage r to r+1: the whole prompt's hidden states once
+    per stage boundary, whatever the chunk; never K,V. The last stage sends nothing."""
+    p, results = world
+    per_stage = CONTEXT * MODELS[model] * 4
+    for cname in CHUNKS:
+        assert results[f"{model}/{cname}/float32"]["bytes_sent"] == [per_stage] * (p - 1) + [0]
+
+
+def test_stages_as_given_are_run_and_still_exact(worlds):
+    r = worlds(2)["given-stages"]
+    assert r["stages"] == [0, 1, 4]
+    assert r["verification"]["ok"] and r["verification"]["generated_match"]
+
+
+def test_a_stage_loads_only_its_layers_and_the_embedding_only_where_it_embeds_or_emits():
+    whole = load_model("tiny-llama", torch.float32, torch.device("cpu"))
+    stage = load_model("tiny-llama", torch.float32, torch.device("cpu"), stage=StageSpec(2, 4, 4)).model
+    assert len(stage.model.layers) == 2 and stage.model.embed_tokens is None  # untied: the head is its own
+    theirs = dict(whole.model.named_parameters())
+    for name, param in stage.named_parameters():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            assert torch.equal(param, theirs[f"model.layers.{int(i) + 2}.{rest}"]), name
+    first = load_model("tiny-llama", torch.float32, torch.device("cpu"), stage=StageSpec(0, 2, 4)).model
+    assert first.lm_head is None and isinstance(first.model.norm, torch.nn.Identity)
+    count = sum(p.numel() for p in stage.parameters()) + sum(p.numel() for p in first.parameters())
+    assert count == sum(p.numel() for p in whole.model.parameters())
+
+
+def test_the_real_model_s_stage_reads_its_layers_from_the_weights_file():
+    """SmolLM2 ties its LM head to the embedding: the last stage holds both, a middle one neither."""
+    whole = load_model("smollm2-135m", torch.float32, torch.device("cpu")).model
+    last = load_model("smollm2-135m", torch.float32, torch.device("cpu"), stage=StageSpec(20, 30, 30)).model
+    middle = load_model("smollm2-135m", torch.float32, torch.device("cpu"), stage=StageSpec(10, 20, 30)).model
+    assert torch.equal(last.lm_head.weight, whole.lm_head.weight)
+    assert torch.equal(last.model.layers[9].mlp.down_proj.weight, whole.model.layers[29].mlp.down_proj.weight)
+    assert middle.model.embed_tokens is None and middle.lm_head is None
+    assert torch.equal(middle.model.layers[0].self_attn.q_proj.weight, whole.model.layers[10].self_attn.q_proj.weight)
+
+
+def test_the_balanced_cut_minimises_the_slowest_stage():
+    assert balanced_cut([1, 1, 1, 1], 2).boundaries == (0, 2, 4)
+    assert balanced_cut([4, 1, 1, 1, 1], 2).boundaries == (0, 1, 5)
+    assert balanced_cut([1, 1, 1, 1, 1, 5], 3).boundaries in ((0, 3, 5, 6), (0, 2, 5, 6))
+    assert max(sum([3, 1, 2, 2, 5, 1][a:b]) for a, b in [(0, 2), (2, 4), (4, 6)]) == 6
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--mode", "kvr", "--chunk-tokens", "64"], "--chunk-tokens and --stages apply to --mode spp"),
+    (["--mode", "spp", "--chunk-tokens", "0"], "--chunk-tokens must be at least 1"),
+    (["--mode", "spp", "--stages", "0,3"], "--stages"),
+    (["--mode", "spp", "--stages", "0.5,0.5"], "not ratios"),
+    (["--mode", "spp", "--nproc", "5"], "stage of at least one layer per rank"),
+    (["--mode", "spp", "--model", "tiny-falcon"], "spp cuts a model's decoder layers into stages"),
+])
+def test_bad_pipeline_input_is_one_line_and_exit_2_before_any_rank_starts(args, said):
+    model = [] if "--model" in args else ["--model", "tiny-llama"]
+    nproc = [] if "--nproc" in args else ["--nproc", "2"]
+    proc = kvr_prefill(*model, *nproc, "--ctx", "64", *args, timeout_s=60)
+    assert proc.returncode == 2, proc.stderr
+    assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_kvr_prefill_reports_the_stages_and_the_chunk(tmp_path):
+    proc = kvr_prefill("--model", "tiny-gemma3", "--mode", "spp", "--nproc", "2", "--ctx", "100",
+                       "--chunk-tokens", "30", "--verify", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["chunk_tokens"] == 30 and r["decode"] == "pipelined" and r["verification"]["ok"]
+    assert r["pipeline_source"].startswith("chunk as given; cost model")
