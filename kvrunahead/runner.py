@@ -128,9 +128,28 @@ def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The peak since ``reset_peak_memory``: allocated on a GPU; resident (the weights included) on a CPU, where
+    Linux keeps it as VmHWM (elsewhere the process's lifetime peak)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over (before a timed prefill): a process that ran other prefills, or loaded the whole model
+    before a pipeline stage's, reports this one's peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        pass
 
 
 def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunResult | None:
@@ -271,7 +290,7 @@ def timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, e
         liveness.patient_barrier("the other ranks to start the prefill")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     t0 = time.perf_counter()
     logits, cache = mode.prefill(step, state)
     first_token = int(logits.argmax()) if emits else -1

@@ -4,7 +4,8 @@ writes what the front saw to JSON.
 Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
 Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
 client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
-"packed" (prompts one at a time, then queued together into one packed prefill), "cached" (a prompt, then one
+"packed" (prompts one at a time, then queued together into one packed prefill), "chunked" (prompts in chunks,
+over the chain or the pipeline), "cached" (a prompt, then one
 that starts the same way and whose new tokens run over the chain after the cached prefix), "kvp" (prompts decoded
 KV-cache parallel, alone and together, one cancelled on the way), "logprobs" and "prompt_logprobs" (against one
 process's scores).
@@ -250,11 +251,12 @@ def chunked(scenario: dict, world, out: dict) -> None:
     them), against the prompt whole in this process with transformers alone: first-token logits and greedy tokens.
     With ``cancel`` the first prompt is cancelled after its first chunk."""
     cfg = EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario.get("degree", "auto"), pack_tokens=0,
-                       chunk_tokens=scenario["chunk_tokens"], prefix_cache_tokens=0)
+                       chunk_tokens=scenario["chunk_tokens"], prefix_cache_tokens=0,
+                       prefill=scenario.get("prefill", "chain"), spp_chunk_tokens=scenario.get("spp_chunk_tokens", 0))
     engine = Engine(cfg, world)
     if not engine.is_front:
         engine.worker_loop()
-        out["partial_left"] = len(engine.ctx.partial)
+        out["partial_left"] = len(engine.ctx.partial) + len(engine.ctx.staged)
         return
     params = SamplingParams(max_tokens=scenario["max_tokens"])
     out["tokens"], out["ref_tokens"], out["max_abs_logit_diff"], out["chunks"] = [], [], [], []
@@ -269,7 +271,8 @@ def chunked(scenario: dict, world, out: dict) -> None:
         out["ref_tokens"].append(ref[0, len(ids):].tolist())
         out["max_abs_logit_diff"].append(float((engine.last_prefill_logits - ref_logits).abs().max()))
         out["chunks"].append(figures.chunks)
-    out["partial_left"] = len(engine.ctx.partial)
+        out.setdefault("sources", []).append(figures.partition_source)
+    out["partial_left"] = len(engine.ctx.partial) + len(engine.ctx.staged)
     engine.shutdown()
 
 

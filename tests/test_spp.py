@@ -142,3 +142,32 @@ def test_kvr_prefill_reports_the_stages_and_the_chunk(tmp_path):
     r = json.loads(proc.stdout)
     assert r["chunk_tokens"] == 30 and r["decode"] == "pipelined" and r["verification"]["ok"]
     assert r["pipeline_source"].startswith("chunk as given; cost model")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p,chunk,spp_chunk", [(2, 0, 0), (2, 0, 7), (2, 13, 5), (3, 1, 0), (3, 17, 4)])
+def test_a_served_prompt_through_the_pipeline_answers_as_one_process(tmp_path, p, chunk, spp_chunk):
+    """kvr-serve --prefill spp: a whole prompt (chunk 0) or a chunked prefill (a step's chunk pipelined in
+    ``spp_chunk``-token pieces, the stages keeping their layers' K,V between the steps) gives the first-token logits
+    and greedy tokens of the prompt whole in one process, a short request decoding between the chunks; no stage
+    keeps anything once the prompts end."""
+    from pathlib import Path
+
+    from tests.helpers import wait_all
+    from tests.test_serve_engine import _start_ranks
+
+    prompts = [list(range(3, 150)), [5] + list(range(100, 140))]  # the first beyond the sliding window of 64
+    scenario = {"name": "chunked", "run": {"model": "tiny-gemma3" if chunk == 0 else "tiny-llama", "threads": 1},
+                "degree": str(p), "chunk_tokens": chunk, "max_tokens": 6, "prompts": prompts,
+                "short": list(range(7, 20)), "prefill": "spp", "spp_chunk_tokens": spp_chunk}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 240)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    assert r["tokens"] == r["ref_tokens"]
+    assert max(r["max_abs_logit_diff"]) <= 1e-4
+    assert all("spp: stages" in s for s in r["sources"]), r["sources"]
+    if chunk:
+        for ids, chunks in zip(prompts, r["chunks"]):
+            assert [c["start"] for c in chunks] == list(range(0, len(ids), chunk))
+    assert all(json.loads(Path(f"{out}.{rank}").read_text())["partial_left"] == 0 for rank in range(p))

@@ -8,12 +8,22 @@ order, so the collectives line up.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 
 from kvrunahead.net.spec import parse_net
 
 DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr-default", "kvr", "kvr-best", "kvr-nocomm")
-EXTRA_MODES = ("kvr-split",)  # kvr-best's partition with --kvr-attention split
+EXTRA_MODES = ("kvr-split", "spp")  # kvr-best's partition with --kvr-attention split; the pipeline (Medha)
+SPP_MODE = re.compile(r"^spp(-(\d+))?$")  # spp: the cost model's chunk; spp-512: chunks of 512 tokens
+
+
+def spp_chunk(mode: str) -> int | None:
+    """The chunk of an ``spp-N`` mode (None: ``spp``, the cost model's); raises ValueError for another name."""
+    m = SPP_MODE.match(mode)
+    if m is None or (m.group(2) is not None and int(m.group(2)) < 1):
+        raise ValueError(f"{mode!r} is no spp mode: spp or spp-N, N the chunk's tokens")
+    return int(m.group(2)) if m.group(2) else None
 
 
 @dataclass
@@ -31,6 +41,7 @@ class Job:
     kvr_attention: str = "auto"
     threads: int | None = None  # single-Nt inside a world of ranks: rank 0 runs it at N threads, the rest idle
     net: str = "loopback"  # the network setting of the run; runs of one world differ at most in noise
+    chunk_tokens: int | None = None  # spp-N: the pipeline's chunk (spp: the cost model's)
 
 
 @dataclass
@@ -149,6 +160,9 @@ def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attent
                 jobs.append(Job("kvr-nocomm", "kvr-nocomm", ctx, "@best", repeats, warmup))
             elif mode == "kvr-split":
                 jobs.append(Job("kvr-split", "kvr", ctx, "@best", repeats, warmup, kvr_attention="split"))
+            elif mode.startswith("spp"):
+                chunk = spp_chunk(mode)
+                jobs.append(Job(mode, "spp", ctx, "even", repeats, warmup, chunk_tokens=chunk))
             elif mode != "single":
                 jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
     for job in jobs:

@@ -16,7 +16,16 @@ from pathlib import Path
 import click
 
 from kvrunahead.bench.orchestrate import clean_partial_rows, run_world
-from kvrunahead.bench.plan import DEFAULT_MODES, EXTRA_MODES, Job, build_jobs, check_inputs, net_worlds, runs_in
+from kvrunahead.bench.plan import (
+    DEFAULT_MODES,
+    EXTRA_MODES,
+    SPP_MODE,
+    Job,
+    build_jobs,
+    check_inputs,
+    net_worlds,
+    runs_in,
+)
 from kvrunahead.bench.report import add_bounds, markdown_table, summarize, write_outputs
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
@@ -42,7 +51,8 @@ def _list(text: str, cast=str) -> list:
                    "--kvr-attention auto); kvr is the even partition; kvr-best sweeps rank 0's share (--shares) "
                    "and keeps the fastest; kvr-nocomm is the bound on kvr-best's partition (without kvr-best: "
                    "on the first --table's); kvr-split (not default) is kvr-best's partition with "
-                   "--kvr-attention split.")
+                   "--kvr-attention split; spp (not default) is Medha's stream pipeline with the cost model's "
+                   "chunk, spp-N the same with chunks of N tokens.")
 @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
 @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
 @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
@@ -150,9 +160,10 @@ def _checked_lists(contexts: str, nprocs: str, modes: str, tables: tuple[str, ..
     if any("=" not in t for t in tables):
         common.fail(PROG, "--table takes LABEL=PATH")
     table_paths = dict(t.split("=", 1) for t in tables)
-    bad = set(mode_list) - set(DEFAULT_MODES) - set(EXTRA_MODES)
+    bad = {m for m in set(mode_list) - set(DEFAULT_MODES) - set(EXTRA_MODES) if not SPP_MODE.match(m)}
     if bad:
-        common.fail(PROG, f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES + EXTRA_MODES)}")
+        common.fail(PROG, f"unknown modes {sorted(bad)}; choose from {', '.join(DEFAULT_MODES + EXTRA_MODES)} "
+                          "or spp-N (the pipeline with chunks of N tokens)")
     for label, path in table_paths.items():
         if not Path(path).is_file():
             common.fail(PROG, f"--table {label}={path}: no such file")

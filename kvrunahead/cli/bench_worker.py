@@ -80,7 +80,7 @@ class BenchRank:
             return self.plan.recorded[key]
         cfg = RunConfig(**{**self.plan.config, "mode": job.mode, "context_len": job.context_len,
                            "partition": partition, "table": job.table, "kvr_attention": job.kvr_attention,
-                           "net": job.net})
+                           "net": job.net, "chunk_tokens": job.chunk_tokens})
         self._set_noise(job.net)
         if self.rewarm:
             self._one_run(cfg, job)

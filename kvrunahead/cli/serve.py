@@ -49,7 +49,12 @@ def _check(options: dict, world_size: int) -> None:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
     if options["max_request_bytes"] < 1:
         raise InputError(f"--max-request-bytes must be at least 1, got {options['max_request_bytes']}")
-    for name in ("pack_tokens", "prefix_cache_tokens", "step_budget_ms", "chunk_tokens"):
+    if options["prefill"] != "spp" and (options["stages"].strip() != "auto" or options["spp_chunk_tokens"]):
+        raise InputError("--stages and --spp-chunk-tokens apply to --prefill spp")
+    if options["prefill"] == "spp" and options["decode"] == "kvp":
+        raise InputError("--prefill spp gathers every stage's K,V on the front, which decodes: --decode kvp needs "
+                         "the chain's prefill (its parts stay where they were made)")
+    for name in ("pack_tokens", "prefix_cache_tokens", "step_budget_ms", "chunk_tokens", "spp_chunk_tokens"):
         if options[name] < 0:
             raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
     check_device(options["device"])
@@ -61,6 +66,18 @@ def _check(options: dict, world_size: int) -> None:
     except (ModelError, ContextError, ValueError) as e:
         raise InputError(str(e)) from None
     _check_scheduling(options, model_config)
+    if options["prefill"] == "spp":
+        from dataclasses import replace
+
+        from kvrunahead.decide.policy import plan_stages
+        from kvrunahead.model.stage import check_stageable
+
+        try:
+            check_stageable(model_config)
+        except NotImplementedError as e:
+            raise InputError(str(e)) from None
+        plan_stages(replace(config.run, mode="spp", stages=options["stages"]), model_config, 2 * world_size,
+                    world_size, world_size)
     if options["decode"] == "kvp":
         from kvrunahead.kvp import check_kvp
 
@@ -102,7 +119,8 @@ def _engine_config(options: dict):
                         prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
                         chunk_tokens=options["chunk_tokens"], schedule=options["schedule"],
                         ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"],
-                        mixed_steps=options["mixed_steps"])
+                        mixed_steps=options["mixed_steps"], prefill=options["prefill"], stages=options["stages"],
+                        spp_chunk_tokens=options["spp_chunk_tokens"])
 
 
 def _announce(url: str, model_id: str, world_size: int):
@@ -192,6 +210,18 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "holding the whole cache; kvp = every rank keeps its own part and attends it, the partial "
                    "outputs merged per layer (KV-cache parallelism; packed, prefix-cached and one-rank prefills "
                    "decode gathered). kvrunahead.decode shows which.")
+@click.option("--prefill", type=click.Choice(["chain", "spp"]), default="chain", show_default=True,
+              help="How a prompt prefills over the ranks: chain = KV-Runahead (each rank a part of the prompt, the "
+                   "K,V handed down the chain); spp = Medha's stream pipeline (each rank a stage of the layers, "
+                   "the prompt's chunks pipelined through them, hidden states handed on; the stages' K,V then "
+                   "gathered on the front, which decodes). With spp, packed prompts, the new tokens after a cached "
+                   "prefix and prompts asking for their log-probabilities still run over the chain. "
+                   "kvrunahead.partition_source says which ran.")
+@click.option("--stages", default="auto", show_default=True,
+              help="--prefill spp: the stages' layer boundaries (0,15,30), or auto: stages of equal predicted time.")
+@click.option("--spp-chunk-tokens", type=int, default=0, show_default=True,
+              help="--prefill spp: tokens handed from stage to stage at a time; 0: the cost model's best for the "
+                   "prompt's length.")
 @click.option("--step-budget-ms", type=float, default=0.0, show_default=True,
               help="A prompt whose prefill the cost model (this machine's profile, kvr-calibrate) predicts to take "
                    "longer is prefilled in chunks, each the longest predicted to fit this budget (smaller as the "

@@ -144,3 +144,34 @@ def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator
                 f.seek(8 + size + a)
                 f.readinto(memoryview(tensor.view(torch.uint8).numpy()) if e > a else bytearray())
                 yield key, tensor
+
+
+def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:
+    """The stage's model over ``model``'s own weights (shared, not copied): a server whose ranks hold the whole
+    model (the front decodes with every layer) runs a pipelined prefill through views of it. Its layers are new
+    modules numbered from 0 holding ``model``'s parameters, so the stage's cache is an ordinary one of its layers."""
+    check_stageable(model.config)
+    cut = stage_config(model.config, spec)
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    with torch.device("meta"):
+        stage = AutoModelForCausalLM.from_config(cut, dtype=dtype,
+                                                 attn_implementation=model.config._attn_implementation)
+    tied = ties_embeddings(model.config)
+    shared = {name: t for key, t in model.state_dict(keep_vars=True).items()
+              if (name := stage_keys(key, spec, tied)) is not None}
+    stage.load_state_dict(shared, strict=False, assign=True)
+    base, whole = stage.base_model, model.base_model
+    for name, module in whole.named_children():  # the embedding, norm, rotary embedding: shared modules (their
+        if name != "layers":  # buffers, such as Gemma's embedding scale, are computed, not saved)
+            setattr(base, name, module)
+    stage.lm_head = model.lm_head
+    if not spec.embeds and not (spec.emits and tied):
+        base.embed_tokens = None
+    if not spec.emits:
+        base.norm = torch.nn.Identity()
+        stage.lm_head = None
+    left = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
+    if left:
+        raise NotImplementedError(f"a stage of {type(model).__name__} keeps tensors the whole model does not "
+                                  f"share ({', '.join(left[:3])})")
+    return stage.eval()

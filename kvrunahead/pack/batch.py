@@ -24,7 +24,7 @@ from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.prompt import chat_prompt
 from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.runner import check_alone, peak_memory_bytes
+from kvrunahead.runner import check_alone, peak_memory_bytes, reset_peak_memory
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")
@@ -134,6 +134,7 @@ def padded_on_world(cfg: RunConfig, world: World, prompts: list[list[int]]) -> B
     rope = plan_extension(resolve_config(cfg.model), max(map(len, prompts)) + cfg.max_new_tokens,
                           cfg.allow_long_context, cfg.model)
     rs = set_up_rank(cfg, world, rope)
+    reset_peak_memory(rs.device)
     results = _padded(rs.lm, prompts, cfg.max_new_tokens)
     atol = verify_prompts(lambda n: rs.lm, prompts, results, cfg.max_new_tokens) if cfg.verify else None
     report = RankReport(world.rank, results[0].ttft_s, 0, peak_memory_bytes(rs.device))

@@ -28,6 +28,9 @@ class EngineConfig:
     ttft_slo_factor: float = 4.0  # this many times the request's predicted prefill alone
     mixed_steps: bool = True  # decodes ride along every prefill step; False: a step is a prefill or a decode
     prefill_first: bool = False  # decodes wait until no prefill does (an offline batch: every first token first)
+    prefill: str = "chain"  # a prompt over the ranks: the KV chain, or "spp", the stream pipeline (modes/spp.py)
+    stages: str = "auto"  # spp: the stages' layer boundaries, or auto (the cost model's, per prompt length)
+    spp_chunk_tokens: int = 0  # spp: tokens handed stage to stage at a time; 0: the cost model's
 
 
 def model_len_limit(run: RunConfig, model_config, asked: int | None) -> int:

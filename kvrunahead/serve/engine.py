@@ -7,12 +7,14 @@ requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one reques
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 
 import torch
 
+from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
@@ -47,6 +49,24 @@ from kvrunahead.serve.sequence import (
 log = logging.getLogger(__name__)
 
 
+def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
+    """With ``--prefill spp``, the run as ``kvr-prefill --mode spp`` would make it (its stages and chunk as asked),
+    which the placement plans each prompt's pipeline with; else None. Raises InputError where the model cannot be
+    cut into stages or the pipeline cannot decode as asked."""
+    if config.prefill == "chain":
+        return None
+    if config.prefill != "spp":
+        raise InputError(f"unknown prefill {config.prefill!r}: chain or spp")
+    if config.run.decode == "kvp":
+        raise InputError("--prefill spp gathers every stage's K,V on the front: --decode kvp needs the chain")
+    try:
+        check_model("spp", model_config)
+    except NotImplementedError as e:
+        raise InputError(str(e)) from None
+    return dataclasses.replace(config.run, mode="spp", stages=config.stages,
+                               chunk_tokens=config.spp_chunk_tokens or None)
+
+
 class Engine:
     """``record``: keep a PrefillRecord of every step that prefilled (``kvr-prefill``, ``--prompts`` and
     ``kvr-ask`` report them; a server does not keep them)."""
@@ -72,7 +92,7 @@ class Engine:
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
-                                   self.heartbeat, config.pack_edge_slack)
+                                   self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config))
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
@@ -86,7 +106,7 @@ class Engine:
         self.prefills: list[PrefillRecord] | None = [] if record else None
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
-        self._unfreed: list[str] = []  # requests ended whose KVP shards or chunks the workers still hold
+        self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self._budget_s = 0.0  # the budget the last chunk was sized to
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -182,7 +202,8 @@ class Engine:
         seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
         if placed is None:  # a chunk
             n = seq.prompt_len
-            seq.figures.chunks.append(self.chunks.record(seg.cuts, time.monotonic() - t0, self._budget_s,
+            seq.figures.chunks.append(self.chunks.record(seg.cuts or (seg.start, seg.end), time.monotonic() - t0,
+                                                         self._budget_s,
                                                          learn=0 < seg.start and seg.end < n,
                                                          beside_s=self._rows_s(step.decodes)))
             seq.prefilled = seg.end
@@ -226,8 +247,10 @@ class Engine:
         done = seq.prefilled
         if not done:
             seq.prefill_start_s = time.monotonic()
+            piped = self.placement.pipeline is not None and seq.request.params.prompt_logprobs is None
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
-                                         [0, n], "chunked prefill", self.chunks.describe())
+                                         [0, n], "chunked prefill" + (f"; {self.placement.stages(n)[2]}" if piped
+                                                                      else ""), self.chunks.describe())
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
             budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
         self._budget_s = budget
@@ -331,7 +354,8 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
-        held = self.ctx.partial.pop(seq.request_id, None), self.ctx.shards.pop(seq.request_id, None)
+        held = (self.ctx.partial.pop(seq.request_id, None), self.ctx.shards.pop(seq.request_id, None),
+                self.ctx.staged.pop(seq.request_id, None))
         if any(x is not None for x in held) and self.ctx.world_size > 1:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)

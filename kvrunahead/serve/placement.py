@@ -4,6 +4,11 @@ spares of it. The engine asks; the executor runs what is decided here.
 With ``--decode kvp`` a prompt prefilled over the chain leaves each rank its own part of the cache to decode on
 (kvrunahead/kvp.py); packed, prefix-cached and one-rank prefills end with the whole cache on the front.
 
+With ``--prefill spp`` a prompt (or chunk) over the ranks runs through the stream pipeline instead of the chain
+(modes/spp.py): each rank its stage of layers, the stages' K,V sent to the front at the prompt's end. Prompts
+packed together and the new tokens after a cached prefix still run over the chain; a prompt whose log-probabilities
+are asked too (a stage has no LM head to score with).
+
 A prompt whose start the prefix cache holds prefills only its new tokens: on the front alone where the degree
 policy puts that many tokens on one rank, else over the chain, the new tokens cut so that every rank has the same
 share of their work with the cached prefix they attend to priced in (``pack.plan.cuts_after_cached``); the front
@@ -15,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrunahead.config import RunConfig
-from kvrunahead.decide.policy import choose_partition
+from kvrunahead.decide.policy import choose_partition, plan_stages
 from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
@@ -24,7 +29,7 @@ from kvrunahead.partition import PartitionError
 from kvrunahead.serve import executor
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
 
@@ -55,8 +60,10 @@ def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: 
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
                  local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat,
-                 edge_slack: float = EDGE_SLACK) -> None:
+                 edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None) -> None:
         self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
+        self.pipeline = pipeline  # --prefill spp: the run as spp (its stages and chunk as asked)
+        self._pipelines: dict[int, tuple] = {}  # prompt length -> (stages, chunk, where they come from)
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
@@ -100,6 +107,10 @@ class Placement:
         if choice.degree == 1:
             return (Segment(request_id, tuple(ids), rope=rope, score=score),
                     Placed(1, (0, len(ids)), "one rank", choice.source), None)
+        if self.pipeline is not None and score is None:
+            stages, chunk, source = self.stages(len(ids))
+            seg = Segment(request_id, tuple(ids), rope=rope, stages=stages, pipeline_chunk=chunk)
+            return seg, Placed(choice.degree, (0, len(ids)), source, choice.source), None
         partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
         seg = Segment(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
@@ -111,6 +122,8 @@ class Placement:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
         or with ``auto`` where the cost model predicts its decode step faster so than on the front alone with the
         whole cache (long contexts, where attention dominates the step)."""
+        if self.pipeline is not None:  # the pipeline gathers the cache on the front
+            return False
         if self.run.decode != "auto":
             return self.run.decode == "kvp"
         if n not in self._kvp:
@@ -140,6 +153,11 @@ class Placement:
         the chain at ``cuts``, every rank holding the positions before them; every rank keeps [0, cuts[-1]) for
         the next chunk, the front alone after the last."""
         start, end = cuts[0], cuts[-1]
+        if self.pipeline is not None and score is None:
+            stages, chunk, _ = self.stages(len(ids))
+            return Segment(request_id, tuple(ids[start:end]), start, held=STAGED if start else NOWHERE,
+                           keep=FRONT if end == len(ids) else STAGED, rope=rope, stages=stages,
+                           pipeline_chunk=min(chunk, end - start))
         return Segment(request_id, tuple(ids[start:end]), start, held=RANKS if start else NOWHERE,
                        keep=FRONT if end == len(ids) else RANKS, cuts=cuts, rope=rope, score=score,
                        follows=ids[end] if score is not None and end < len(ids) else None)
@@ -170,6 +188,16 @@ class Placement:
         """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare): used as it is,
         not chosen a second time."""
         self._partitions[n] = partition, source
+
+    def stages(self, n: int) -> tuple[tuple[int, ...], int, str]:
+        """The pipeline's stages and chunk for an ``n``-token prompt (policy.plan_stages, as ``kvr-prefill --mode
+        spp`` chooses them), decided once per length; every chunk of one prompt runs through the same stages."""
+        if n not in self._pipelines:
+            stages, chunk, source = plan_stages(self.pipeline, self.model_config, n, self.ctx.world_size,
+                                                self.local_world_size)
+            self._pipelines[n] = stages, chunk, f"spp: stages {','.join(map(str, stages))}, chunks of {chunk} " \
+                                                f"tokens ({source})"
+        return self._pipelines[n]
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

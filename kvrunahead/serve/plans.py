@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.pack.plan import PackedStep
 
-NOWHERE, FRONT, RANKS, SHARDED = "nowhere", "front", "ranks", "sharded"
-PLACES = (NOWHERE, FRONT, RANKS, SHARDED)
+NOWHERE, FRONT, RANKS, SHARDED, STAGED = "nowhere", "front", "ranks", "sharded", "staged"
+PLACES = (NOWHERE, FRONT, RANKS, SHARDED, STAGED)
 
 
 def question_id(request_id: str, question: int) -> str:
@@ -28,7 +28,12 @@ class Segment:
     - ``nowhere``: no earlier positions (``start`` 0);
     - ``front``: on the front alone (the prefix cache's entry; a request decoding there);
     - ``ranks``: on every rank (the chunks before this one of a chunked prefill);
-    - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/kvp.py).
+    - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/kvp.py);
+    - ``staged``: each rank its pipeline stage's layers (the chunks before this one of a pipelined prefill).
+
+    ``stages``: the segment runs through the stream pipeline (modes/spp.py) instead of the chain: rank r runs every
+    position through the layers [stages[r], stages[r+1]) of the whole model, in chunks of ``pipeline_chunk`` tokens
+    handed stage to stage; kept on the front, the stages then send it their layers' K,V so it holds the whole cache.
 
     ``cuts``: the rank boundaries over the chain (absolute positions, ``cuts[0] == start``, ``cuts[-1] == end``); a
     segment whose every part but the last is empty runs on the front alone, and so does one without cuts (a decode
@@ -53,6 +58,8 @@ class Segment:
     questions: tuple[tuple[int, ...], ...] = ()  # IPPD: questions after this prompt (a shared context), see below
     score: int | None = None  # the prompt's log-probabilities with this many alternatives (see below); None: none
     follows: int | None = None  # the prompt's token after this segment (a chunk's), scored by its last position
+    stages: tuple[int, ...] | None = None  # the pipeline's layer boundaries, one stage per rank (see above)
+    pipeline_chunk: int = 0  # tokens handed stage to stage at a time; 0: the whole segment
 
     def __post_init__(self) -> None:
         if self.held not in PLACES or self.keep not in PLACES or self.keep == NOWHERE:
@@ -66,6 +73,13 @@ class Segment:
             raise ValueError("questions follow a prompt kept whole on the front, each at least one token")
         if self.score is not None and (self.decode or self.held == FRONT):
             raise ValueError("a scored segment is a prompt or chunk that holds nothing on the front alone")
+        staged = self.stages is not None
+        if (STAGED in (self.held, self.keep)) and not staged:
+            raise ValueError("only a pipelined segment (with stages) is held or kept staged")
+        if staged and (self.held not in (NOWHERE, STAGED) or self.keep not in (STAGED, FRONT) or self.cuts
+                       or self.decode or self.score is not None):
+            raise ValueError("a pipelined segment is a prompt or chunk after nothing or its earlier chunks, kept "
+                             "staged or on the front, neither cut over the chain nor scored")
 
     @property
     def end(self) -> int:
@@ -73,8 +87,9 @@ class Segment:
 
     @property
     def alone(self) -> bool:
-        """Whether the front computes every token (no cuts, or every other rank's part empty)."""
-        return self.cuts is None or self.cuts[0] == self.cuts[-2]
+        """Whether the front computes every token (no cuts, or every other rank's part empty; a pipelined segment
+        runs on every rank)."""
+        return self.stages is None and (self.cuts is None or self.cuts[0] == self.cuts[-2])
 
     @property
     def is_row(self) -> bool:
@@ -90,7 +105,10 @@ class Segment:
         return after + [self.follows] if end == self.end and self.follows is not None else after
 
     def part(self, rank: int, world_size: int) -> tuple[int, int]:
-        """The positions ``rank`` computes: its cut, or all of them on the front where the segment runs alone."""
+        """The positions ``rank`` computes: its cut, or all of them on the front where the segment runs alone (on
+        every rank, through its stage, where it is pipelined)."""
+        if self.stages is not None:
+            return self.start, self.end
         if self.alone:
             return (self.start, self.end) if rank == world_size - 1 else (self.start, self.start)
         return self.cuts[rank], self.cuts[rank + 1]
