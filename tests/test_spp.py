@@ -171,3 +171,45 @@ def test_a_served_prompt_through_the_pipeline_answers_as_one_process(tmp_path, p
         for ids, chunks in zip(prompts, r["chunks"]):
             assert [c["start"] for c in chunks] == list(range(0, len(ids), chunk))
     assert all(json.loads(Path(f"{out}.{rank}").read_text())["partial_left"] == 0 for rank in range(p))
+
+
+@pytest.mark.timeout(600)
+def test_kvr_serve_prefill_spp_answers_an_8k_prompt_with_kvr_prefill_s_text():
+    """The real SmolLM2 at 8k over two ranks: the openai client's greedy completion through the pipeline is the
+    text ``kvr-prefill`` prints for the same prompt (the chain's prefill there)."""
+    import subprocess
+    import sys
+
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import prepare
+    from tests.test_serve_cli import ENV, ROOT, _api, serving
+
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--ctx", "8k",
+                        "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=400, env=ENV,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    expected = json.loads(r.stdout)["generated_text"]
+    ids = prepare(RunConfig(context_len=8192), 2).ids
+    with serving("--prefill", "spp", "--degree", "2", model="smollm2-135m") as server:
+        c = _api(server.url(timeout_s=300)).with_options(timeout=300).completions.create(
+            model="smollm2-135m", prompt=ids, max_tokens=12, temperature=0)
+    assert c.choices[0].text == expected
+    said = c.model_extra["kvrunahead"]
+    assert said["partition"]["source"].startswith("spp: stages 0,15,30") and said["degree"] == 2, said
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--stages", "0,2,4"], "--stages and --spp-chunk-tokens apply to --prefill spp"),
+    (["--prefill", "spp", "--decode", "kvp"], "--decode kvp needs the chain"),
+    (["--prefill", "spp", "--stages", "0,5"], "--stages"),
+    (["--prefill", "spp", "--spp-chunk-tokens", "-3"], "--spp-chunk-tokens must be 0 (off) or more"),
+])
+def test_kvr_serve_pipeline_flags_that_cannot_run_are_one_line_and_exit_2(args, said):
+    import subprocess
+    import sys
+
+    from tests.test_serve_cli import ENV, ROOT
+
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.serve", "--model", "tiny-llama", "--nproc", "2",
+                        *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
