@@ -257,7 +257,8 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         oversubscribed=oversubscribed(ran.threads, world.local_world_size),
         context_len=len(prepared.ids),
         rope_extension=prepared.rope.describe() if prepared.rope else None,
-        kvr_attention=f"{prepared.kvr_attention} ({prepared.attention_source})" if cfg.mode.startswith("kvr") else None,
+        kvr_attention=(f"{prepared.kvr_attention} ({prepared.attention_source})"
+                       if cfg.mode.startswith(("kvr", "spp")) else None),
         sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
         full_chain_bytes=full_chain_bytes(layout, partition) if cfg.mode == "kvr" and layout.windows else None,
         boundaries=list(partition.boundaries),

@@ -164,7 +164,7 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         config = resolve_config(cfg.model)
         ids = build_prompt(load_tokenizer(cfg.model), cfg.context_len, cfg.prompt_text, chat=cfg.chat)
         rope = plan_extension(config, len(ids), cfg.allow_long_context, cfg.model)
-        attention, why = resolve_attention(cfg, config) if cfg.mode.startswith("kvr") else ("masked", "")
+        attention, why = resolve_attention(cfg, config) if cfg.mode.startswith(("kvr", "spp")) else ("masked", "")
         check_model(cfg.mode, config, attention)
         if cfg.decode == "kvp":
             try:
@@ -174,7 +174,8 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
         done = {"rope": rope, "kvr_attention": attention, "attention_source": why}
         if cfg.mode == "spp":
             done.update(zip(("stages", "chunk_tokens", "pipeline_source"),
-                            plan_stages(cfg, config, len(ids), world_size, local_world_size or world_size)))
+                            plan_stages(cfg, config, len(ids), world_size, local_world_size or world_size,
+                                        attention)))
         if mode.own_partition:
             return Prepared(ids, Partition.even(len(ids), world_size), "even", **done)
         partition, source, warning = choose_partition(cfg, config, len(ids), world_size, attention,
@@ -186,7 +187,7 @@ def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None
     return Prepared(ids, partition, source, warning, **done)
 
 
-def plan_stages(cfg: RunConfig, config, n: int, world_size: int, local_world_size: int
+def plan_stages(cfg: RunConfig, config, n: int, world_size: int, local_world_size: int, attention: str = "split"
                 ) -> tuple[tuple[int, ...], int, str]:
     """spp's layer stages and chunk for a prompt of ``n`` tokens, and where they come from: as given, else the cost
     model's (stages of equal predicted time, the chunk with the least predicted TTFT) on a CPU, else equal layer
@@ -208,7 +209,7 @@ def plan_stages(cfg: RunConfig, config, n: int, world_size: int, local_world_siz
         try:
             plan, source = predicted_pipeline(config, _dtype_name(cfg), threads, n, world_size,
                                               network_label(cfg, world_size, local_world_size), given,
-                                              cfg.chunk_tokens)
+                                              cfg.chunk_tokens, attention)
         except ProfileError as e:
             raise InputError(str(e)) from None
         said = [what for what, g in (("stages", given), ("chunk", cfg.chunk_tokens)) if g]

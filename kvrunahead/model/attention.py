@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, PretrainedConfig
 
+from kvrunahead.model.forward import one_position
+
 _STATE: contextvars.ContextVar = contextvars.ContextVar("kvrunahead_attention_state")
 
 
@@ -68,9 +70,8 @@ def uses_attention_interface(model: torch.nn.Module | PretrainedConfig) -> bool:
         return bool(getattr(cls, "_supports_attention_backend", False))
     if not hasattr(model, "_kvrunahead_uses_interface"):
         calls: list = []
-        one_token = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
         with attention_mode(model, _PROBE, calls):
-            model.base_model(input_ids=one_token, use_cache=False)
+            model.base_model(**one_position(model), use_cache=False)
         model._kvrunahead_uses_interface = len(calls) > 0
     return model._kvrunahead_uses_interface
 

@@ -29,6 +29,15 @@ def with_cache(module: torch.nn.Module, cache) -> dict:
     return {"cache" if forward_takes(module, "cache") else "past_key_values": cache}
 
 
+def one_position(model: torch.nn.Module) -> dict:
+    """The inputs of a one-position probe forward of ``model``'s base: a token id, or for a pipeline stage that does
+    not embed (model/stage.py) a hidden state."""
+    param = next(p for p in model.parameters() if p.is_floating_point())
+    if getattr(model.base_model, "embed_tokens", True) is None:
+        return {"inputs_embeds": torch.zeros((1, 1, model.config.hidden_size), dtype=param.dtype, device=param.device)}
+    return {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=param.device)}
+
+
 @torch.no_grad()
 def last_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
     """Run the causal-LM head on the last position only, filling ``cache``; returns ``[vocab]`` logits."""

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from kvrunahead.model.forward import fill_cache, with_cache
+from kvrunahead.model.forward import one_position, with_cache
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,8 @@ def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     """Learn each layer's cached K/V shape from a one-token forward (works for GQA, MHA and MQA alike) and its
     sliding window from the config."""
     windows = layer_windows(model.config)  # refuses the layer types whose cache is no K,V prefix
-    device = next(model.parameters()).device
     cache = DynamicCache()
-    if getattr(model.base_model, "embed_tokens", True) is None:  # a later pipeline stage: it takes hidden states
-        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        hidden = torch.zeros((1, 1, model.config.hidden_size), dtype=dtype, device=device)
-        model.base_model(inputs_embeds=hidden, use_cache=True, **with_cache(model.base_model, cache))
-    else:
-        fill_cache(model, torch.zeros((1, 1), dtype=torch.long, device=device), cache)
+    model.base_model(**one_position(model), use_cache=True, **with_cache(model.base_model, cache))
     if len(cache.layers) != len(windows):
         raise NotImplementedError(f"{type(model).__name__} caches {len(cache.layers)} layers but its config lists "
                                   f"{len(windows)}; layers that share or skip a cache are not supported")

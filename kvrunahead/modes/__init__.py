@@ -57,9 +57,8 @@ def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     size in tsp, attention-logit soft-capping in the modes that insert their own attention."""
     if mode == "single":
         return
-    if mode == "spp":  # every stage runs the model's own layers and attention: only the cut must fit the model
+    if mode == "spp":  # every stage runs the model's own layers: the cut must fit the model
         check_stageable(config)
-        return
     windows = layer_windows(config)
     if mode == "ring" and any(w is not None for w in windows):
         raise NotImplementedError("ring attends every K,V block that passes it in full; it has no sliding-window "
@@ -67,8 +66,9 @@ def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     if mode == "tsp":
         tsp.sliding_window(windows)
     if soft_caps(config):
-        if mode in ("ring", "cp-allgather") or (mode.startswith("kvr") and kvr_attention == "split"):
-            what = f"kvr --kvr-attention {kvr_attention}" if mode.startswith("kvr") else mode
+        if mode in ("ring", "cp-allgather") or (mode.startswith(("kvr", "spp")) and kvr_attention == "split"):
+            what = (f"{'spp' if mode == 'spp' else 'kvr'} --kvr-attention {kvr_attention}"
+                    if mode.startswith(("kvr", "spp")) else mode)
             raise NotImplementedError(f"this model soft-caps its attention logits, which {what} does not do; use "
                                       "kvr --kvr-attention masked or tsp")
 
@@ -94,7 +94,8 @@ def _single(step: Step, _):
 
 
 def _spp(step: Step, _):
-    return spp_prefill(step.model, step.input_ids, step.transport, step.chunk_tokens or step.context_len)
+    return spp_prefill(step.model, step.input_ids, step.transport, step.chunk_tokens or step.context_len,
+                       attention=step.kvr_attention)
 
 
 def whole_prompt(partition: Partition) -> list[list[tuple[int, int]]]:

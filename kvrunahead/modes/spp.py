@@ -18,11 +18,15 @@ token and tells every rank (one small all-gather), stage 0 embeds it, each stage
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.model.attention import attention_mode, require_attention_interface
 from kvrunahead.model.forward import head_logits, with_cache
 from kvrunahead.model.growing import grow_in_place
+from kvrunahead.modes.kvr import SPLIT
 from kvrunahead.transport import Transport
 
 TAGS = 1024  # chunk c travels under tag c mod TAGS: messages of one pair and tag are matched in order
@@ -88,11 +92,24 @@ def stage_forward(model: torch.nn.Module, cache: DynamicCache, start: int, ids: 
 
 @torch.no_grad()
 def spp_prefill(model: torch.nn.Module, input_ids: torch.Tensor, transport: Transport, chunk_tokens: int,
-                cache: DynamicCache | None = None, start: int = 0) -> tuple[torch.Tensor | None, DynamicCache]:
+                cache: DynamicCache | None = None, start: int = 0, attention: str = "masked"
+                ) -> tuple[torch.Tensor | None, DynamicCache]:
     """This stage's part of a pipelined prefill of positions [start, start + n) (``input_ids`` ``[1, n]``: the
     tokens, which the first stage embeds; later stages read only their count). ``cache``: the stage's K,V of
     [0, start) (a chunked prefill's earlier steps), else a new one. Returns the last token's logits on the last
-    stage (None elsewhere) and the stage's cache, which holds its layers' K,V of [0, start + n)."""
+    stage (None elsewhere) and the stage's cache, which holds its layers' K,V of [0, start + n).
+
+    ``attention``: "masked", the model's own SDPA, which attends a chunk after cached positions under an explicit
+    mask over all of them; "split", KV-Runahead's split attention (modes/kvr.py), which is what a chunk after a
+    cached prefix is: the prefix block in full, without a mask, the chunk's own block causally, merged by
+    log-sum-exp (models that use transformers' attention interface)."""
+    if attention == "split":
+        require_attention_interface(model, "spp --kvr-attention split")
+    with attention_mode(model, SPLIT, None) if attention == "split" else contextlib.nullcontext():
+        return _pipeline(model, input_ids, transport, chunk_tokens, cache, start)
+
+
+def _pipeline(model, input_ids, transport, chunk_tokens, cache, start):
     n = input_ids.shape[1]
     parts = [(a + start, e + start) for a, e in chunks(n, chunk_tokens)]
     cache = cache if cache is not None else DynamicCache(config=model.config)

@@ -254,7 +254,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
 def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: StepOutcome):
     """The prompt segment's part on this rank: its link, its positions and the rows that rode along (front)."""
     if seg.stages is not None:
-        return _pipelined(ctx, seg, out), (seg.start, seg.end), {}
+        return _pipelined(ctx, seg, out, plan.attention), (seg.start, seg.end), {}
     front = ctx.rank == ctx.front
     lm, layout = ctx.model(seg.rope)
     start, end = seg.part(ctx.rank, ctx.world_size)
@@ -294,14 +294,15 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
     return link, (start, end), riders
 
 
-def _pipelined(ctx: RankContext, seg: Segment, out: StepOutcome) -> None:
+def _pipelined(ctx: RankContext, seg: Segment, out: StepOutcome, attention: str) -> None:
     """A pipelined segment on this rank: its positions through this rank's stage in chunks (modes/spp.py), after
     the stage's K,V of the earlier chunks; kept staged for the next chunk, or sent to the front, which then holds
     every layer's K,V and the first token's logits."""
     view = ctx.stage(seg.rope, seg.stages)
     cache = ctx.staged.pop(seg.request_id, None) if seg.held == STAGED else None
     ids = torch.tensor([seg.tokens], device=ctx.device)
-    logits, cache = spp_prefill(view, ids, ctx.transport, seg.pipeline_chunk or len(seg.tokens), cache, seg.start)
+    logits, cache = spp_prefill(view, ids, ctx.transport, seg.pipeline_chunk or len(seg.tokens), cache, seg.start,
+                                attention)
     if seg.keep == STAGED:
         ctx.staged[seg.request_id] = cache
     else:

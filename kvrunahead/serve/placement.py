@@ -194,7 +194,7 @@ class Placement:
         spp`` chooses them), decided once per length; every chunk of one prompt runs through the same stages."""
         if n not in self._pipelines:
             stages, chunk, source = plan_stages(self.pipeline, self.model_config, n, self.ctx.world_size,
-                                                self.local_world_size)
+                                                self.local_world_size, self.attention)
             self._pipelines[n] = stages, chunk, f"spp: stages {','.join(map(str, stages))}, chunks of {chunk} " \
                                                 f"tokens ({source})"
         return self._pipelines[n]

@@ -145,16 +145,12 @@ class CostModel:
         return (self.qkv_s(tokens) + copy + self.kvr_attention_s(attention, tokens, prefix, layer)
                 + self.other_s(tokens))
 
-    def spp_layer_s(self, tokens: float, prefix: float, layer: int = 0) -> float:
+    def spp_layer_s(self, attention: str, tokens: float, prefix: float, layer: int = 0) -> float:
         """One layer of a pipeline stage on a chunk of ``tokens`` after ``prefix`` positions its cache holds
-        (modes/spp.py): the model's own attention, causal alone on the first chunk and under an explicit mask over
-        the kept prefix and the chunk after it, and the chunk's K,V written into the cache's room."""
-        window = self.shape.window(layer)
-        if prefix == 0:
-            attention = self.causal_s(tokens) if window is None else self.masked_s(tokens, tokens)
-        else:
-            attention = self.masked_s(tokens, self.kept(prefix, layer) + tokens)
-        return (self.qkv_s(tokens) + attention + self.copy_s(self.kv_bytes(tokens)) + self.other_s(tokens))
+        (modes/spp.py): the chunk's attention is KV-Runahead's over a held prefix (split, or the model's own
+        masked), and its K,V are written into the cache's room (no copy of the prefix)."""
+        return (self.qkv_s(tokens) + self.kvr_attention_s(attention, tokens, prefix, layer)
+                + self.copy_s(self.kv_bytes(tokens)) + self.other_s(tokens))
 
     def hidden_bytes(self, tokens: float) -> float:
         """A chunk's hidden states, what one pipeline stage hands the next."""

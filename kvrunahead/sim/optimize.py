@@ -118,32 +118,33 @@ class PipelinePlan:
     ttft_s: float
 
 
-def balanced_stages(model: CostModel, context_len: int, world_size: int) -> tuple[int, ...]:
+def balanced_stages(model: CostModel, context_len: int, world_size: int, attention: str = "split"
+                    ) -> tuple[int, ...]:
     """Layer boundaries whose stages take equal time over the whole prompt: equal layer counts for a uniform model;
     more of the cheaper sliding-window layers per stage in a hybrid one."""
-    costs = [model.spp_layer_s(context_len, 0, layer) for layer in range(model.layers)]
+    costs = [model.spp_layer_s(attention, context_len, 0, layer) for layer in range(model.layers)]
     return balanced_cut(costs, world_size).boundaries
 
 
 def plan_pipeline(model: CostModel, context_len: int, world_size: int, stages: tuple[int, ...] | None = None,
-                  chunk_tokens: int | None = None) -> PipelinePlan:
+                  chunk_tokens: int | None = None, attention: str = "split") -> PipelinePlan:
     """spp's stages (balanced by the cost model unless given) and chunk (the one of ``CHUNK_CHOICES`` below the
     prompt with the least predicted TTFT unless given): small chunks shorten the pipeline's fill and drain, large
     ones run the projections and MLP at a better rate and send fewer messages."""
-    stages = tuple(stages) if stages else balanced_stages(model, context_len, world_size)
+    stages = tuple(stages) if stages else balanced_stages(model, context_len, world_size, attention)
     choices = [chunk_tokens] if chunk_tokens else [c for c in CHUNK_CHOICES if c < context_len] or [context_len]
-    timed = [(simulate_spp(model, context_len, stages, c).ttft_s, c) for c in choices]
+    timed = [(simulate_spp(model, context_len, stages, c, attention=attention).ttft_s, c) for c in choices]
     ttft, chunk = min(timed)
     return PipelinePlan(stages, chunk, ttft)
 
 
 def predicted_pipeline(config, dtype: str, threads: int, context_len: int, world_size: int,
                        link: str | None = None, stages: tuple[int, ...] | None = None,
-                       chunk_tokens: int | None = None) -> tuple[PipelinePlan, str]:
+                       chunk_tokens: int | None = None, attention: str = "split") -> tuple[PipelinePlan, str]:
     """spp's plan on this machine's profile (``kvr-calibrate``, else the shipped CPU profile), and a line saying
     so."""
     profile, which = resolve_profile(None, threads)
     profile, used, link_note = profile.for_network(link)
     cost = CostModel(shape_from_config(config, dtype), profile, used)
-    plan = plan_pipeline(cost, context_len, world_size, stages, chunk_tokens)
+    plan = plan_pipeline(cost, context_len, world_size, stages, chunk_tokens, attention)
     return plan, f"cost model on {which}, {link_note}: predicted TTFT {plan.ttft_s:.2f} s"

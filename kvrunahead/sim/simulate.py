@@ -114,7 +114,7 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
                        f"and the pipeline only (single, kvr, spp), not for {mode}")
     if mode == "spp":
         stages = stages or Partition.even(model.layers, p).boundaries
-        return simulate_spp(model, context_len, stages, chunk_tokens or context_len, noise, record)
+        return simulate_spp(model, context_len, stages, chunk_tokens or context_len, noise, record, attention)
     kvr = mode in ("kvr", "kvr-nocomm")
     b = tuple(boundaries) if boundaries is not None and kvr else Partition.even(context_len, p).boundaries
     if len(b) != p + 1 or b[0] != 0 or b[-1] != context_len or any(y <= x for x, y in zip(b, b[1:])):
@@ -147,7 +147,7 @@ def simulate(model: CostModel, mode: str, context_len: int, world_size: int,
 
 
 def simulate_spp(model: CostModel, context_len: int, stages: tuple[int, ...], chunk_tokens: int,
-                 noise: NoiseModel | None = None, record: bool = False) -> SimResult:
+                 noise: NoiseModel | None = None, record: bool = False, attention: str = "split") -> SimResult:
     """The stream pipeline (modes/spp.py): stage s holds layers [stages[s], stages[s+1]); chunk c enters stage s
     once stage s is done with chunk c-1 and stage s-1 has sent chunk c's hidden states (whose receive stage s
     posted when it took chunk c-1). The last stage's LM head on the last position ends the TTFT."""
@@ -169,7 +169,7 @@ def simulate_spp(model: CostModel, context_len: int, stages: tuple[int, ...], ch
                 posted[s] = clock.t[s]
                 clock.compute(s, first, model.transfer_cpu_s(model.hidden_bytes(n)))
             for layer in range(stages[s], stages[s + 1]):
-                clock.compute(s, layer, model.spp_layer_s(n, a, layer))
+                clock.compute(s, layer, model.spp_layer_s(attention, n, a, layer))
             if s < p - 1:
                 nbytes = model.hidden_bytes(n)
                 start = max(clock.t[s], posted[s + 1], links.free_at.get((s, s + 1), 0.0))
