@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -17,7 +16,7 @@ from kvrunahead.decide.policy import Prepared, network_label, prepare
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import oversubscribed, resolve_device
+from kvrunahead.model.device import oversubscribed, peak_memory_bytes, reset_peak_memory, resolve_device
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
@@ -125,31 +124,6 @@ def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:
     itemsize = torch.empty((), dtype=layout.dtype).element_size()
     per_token = sum(2 * layout.heads[i] * layout.head_dim[i] for i in range(layout.num_layers)) * itemsize
     return per_token * sum(partition.boundaries[1:-1])
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """The peak since ``reset_peak_memory``: allocated on a GPU; resident (the weights included) on a CPU, where
-    Linux keeps it as VmHWM (elsewhere the process's lifetime peak)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start the peak over (before a timed prefill): a process that ran other prefills, or loaded the whole model
-    before a pipeline stage's, reports this one's peak."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size
-    except OSError:
-        pass
 
 
 def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunResult | None:

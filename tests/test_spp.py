@@ -213,3 +213,52 @@ def test_kvr_serve_pipeline_flags_that_cannot_run_are_one_line_and_exit_2(args, 
     r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.serve", "--model", "tiny-llama", "--nproc", "2",
                         *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
+
+
+def _cpu_cost():
+    from kvrunahead.model.load import resolve_config
+    from kvrunahead.sim.costmodel import CostModel
+    from kvrunahead.sim.profile import resolve_profile
+    from kvrunahead.sim.shape import shape_from_config
+
+    return CostModel(shape_from_config(resolve_config("smollm2-135m"), "float32"), resolve_profile("cpu", 1)[0])
+
+
+def test_the_simulated_pipeline_overlaps_chunks_and_sends_each_chunk_s_hidden_states_once():
+    """One chunk: the stages run one after the other (no overlap), the second waiting the whole first; many
+    chunks: they overlap, the second stage waits for the first chunk only (the pipeline's fill). Per stage boundary
+    the whole prompt's hidden states cross once, whatever the chunk."""
+    from kvrunahead.sim.simulate import SimError, simulate
+
+    cost, n = _cpu_cost(), 4096
+    whole = simulate(cost, "spp", n, 2, stages=(0, 15, 30), chunk_tokens=n)
+    piped = simulate(cost, "spp", n, 2, stages=(0, 15, 30), chunk_tokens=256)
+    assert whole.ranks[1].wait_s >= 0.9 * whole.ranks[0].compute_s
+    assert piped.ttft_s < 0.75 * whole.ttft_s and piped.ranks[1].wait_s < 0.2 * piped.ranks[0].compute_s
+    assert piped.link_bytes == {"0->1": n * 576 * 4} == whole.link_bytes
+    with pytest.raises(SimError, match="not a cut of 30 layers"):
+        simulate(cost, "spp", n, 2, stages=(0, 30, 30))
+
+
+def test_the_pipeline_plan_balances_the_stages_and_takes_the_chunk_it_predicts_fastest():
+    from kvrunahead.sim.optimize import CHUNK_CHOICES, plan_pipeline
+    from kvrunahead.sim.simulate import simulate_spp
+
+    cost = _cpu_cost()
+    plan = plan_pipeline(cost, 8192, 3)
+    assert plan.stages == (0, 10, 20, 30)
+    timed = {c: simulate_spp(cost, 8192, plan.stages, c).ttft_s for c in CHUNK_CHOICES if c < 8192}
+    assert plan.chunk_tokens == min(timed, key=timed.get) and plan.ttft_s == min(timed.values())
+
+
+def test_kvr_plan_compares_the_pipeline_with_the_chain_and_the_peers():
+    import subprocess
+
+    r = subprocess.run(["kvr-plan", "--ctx", "16k", "--profile", "a100-nvlink", "--max-ranks", "4", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    options = json.loads(r.stdout)[0]["options"]
+    spp = [o for o in options if o["mode"] == "spp"]
+    assert [o["ranks"] for o in sorted(spp, key=lambda o: o["ranks"])] == [2, 4]
+    assert all(o["chunk_tokens"] in (128, 256, 512, 1024, 2048, 4096, 8192) and o["boundaries"][-1] == 32
+               for o in spp)

@@ -171,8 +171,9 @@ def describe(profile) -> str:
 @click.option("--max-ranks", type=int, default=8, show_default=True)
 @click.option("--ranks", default=None, help="Rank counts to consider instead, e.g. 2,3,4.")
 @click.option("--modes", default=None,
-              help="Parallel modes to compare. Default: kvr,tsp,cp-allgather,ring; kvr alone for a model with "
-                   "sliding-window layers (the simulator prices those for the KV chain only).")
+              help="Parallel modes to compare. Default: kvr,tsp,cp-allgather,ring,spp; kvr and spp for a model "
+                   "with sliding-window layers (the simulator prices those for the KV chain and the pipeline "
+                   "only).")
 @click.option("--kvr-attention", "attention", type=click.Choice(["split", "masked"]), default=None,
               help="KV-Runahead's attention (default: masked on the eager paper profiles, else split).")
 @click.option("--link", default=None, help="Which of the profile's links (e.g. loopback, cap=22MB/s).")
@@ -191,14 +192,14 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
         ctxs = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
         prof, which = resolve_profile(profile)
         shape = resolve_shape(model or ("llama-7b" if prof.device_kind == "cuda" else "smollm2-135m"), prof.dtype)
-        modes = modes or ("kvr" if shape.sliding else "kvr,tsp,cp-allgather,ring")
+        modes = modes or ("kvr,spp" if shape.sliding else "kvr,tsp,cp-allgather,ring,spp")
         chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
         bad = [m for m in chosen if m not in MODES or m in ("single", "kvr-nocomm")]
         if bad:
-            raise ProfileError(f"unknown mode(s) {bad}: choose from kvr, tsp, cp-allgather, ring")
-        if shape.sliding and set(chosen) - {"kvr"}:
+            raise ProfileError(f"unknown mode(s) {bad}: choose from kvr, tsp, cp-allgather, ring, spp")
+        if shape.sliding and set(chosen) - {"kvr", "spp"}:
             raise ProfileError(f"{shape.name} has sliding-window layers, which the simulator prices for the KV "
-                               "chain only: --modes kvr")
+                               "chain and the pipeline only: --modes kvr,spp")
         counts = [int(x) for x in ranks.split(",")] if ranks else None
         if max_ranks < 1 or (counts and min(counts) < 1):
             raise ProfileError("rank counts must be at least 1")
@@ -234,7 +235,7 @@ def _report(ctx: int, options: list[Option]) -> dict:
     return {"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode,
                                                 "boundaries": list(best.boundaries), "ttft_s": best.ttft_s},
             "options": [{"ranks": o.ranks, "mode": o.mode, "ttft_s": o.ttft_s, "boundaries": list(o.boundaries),
-                         "speedup_vs_single": single / o.ttft_s} for o in options]}
+                         "chunk_tokens": o.chunk_tokens, "speedup_vs_single": single / o.ttft_s} for o in options]}
 
 
 def _print_options(ctx: int, options: list[Option], elapsed_s: float) -> None:
@@ -243,7 +244,9 @@ def _print_options(ctx: int, options: list[Option], elapsed_s: float) -> None:
     click.echo(f"\ncontext {ctx}: predicted TTFT of every option ({elapsed_s:.1f} s)")
     click.echo(f"  {'option':<18} {'TTFT s':>10} {'vs single':>10}  partition")
     for o in sorted(options, key=lambda o: (o.ranks, o.mode)):
-        part = ",".join(map(str, o.boundaries)) if o.mode == "kvr" else "even/zigzag"
+        part = {"kvr": ",".join(map(str, o.boundaries)),
+                "spp": f"stages {','.join(map(str, o.boundaries))}, chunks of {o.chunk_tokens}"}.get(o.mode,
+                                                                                                 "even/zigzag")
         if len(part) > 60:
             part = part[:57] + "..."
         click.echo(f"  {o.label:<18} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x  {part}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 
 import torch
 
@@ -50,3 +51,28 @@ def default_threads(local_world_size: int) -> int:
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The peak since ``reset_peak_memory``: allocated on a GPU; resident (the weights included) on a CPU, where
+    Linux keeps it as VmHWM (elsewhere the process's lifetime peak)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over (before a timed prefill): a process that ran other prefills, or loaded the whole model
+    before a pipeline stage's, reports this one's peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        pass

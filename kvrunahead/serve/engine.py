@@ -7,14 +7,12 @@ requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one reques
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 
 import torch
 
-from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
@@ -29,7 +27,7 @@ from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, p
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillRecord, RankContext, StepOutcome
-from kvrunahead.serve.placement import Placement
+from kvrunahead.serve.placement import Placement, pipeline_run
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
@@ -47,24 +45,6 @@ from kvrunahead.serve.sequence import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
-    """With ``--prefill spp``, the run as ``kvr-prefill --mode spp`` would make it (its stages and chunk as asked),
-    which the placement plans each prompt's pipeline with; else None. Raises InputError where the model cannot be
-    cut into stages or the pipeline cannot decode as asked."""
-    if config.prefill == "chain":
-        return None
-    if config.prefill != "spp":
-        raise InputError(f"unknown prefill {config.prefill!r}: chain or spp")
-    if config.run.decode == "kvp":
-        raise InputError("--prefill spp gathers every stage's K,V on the front: --decode kvp needs the chain")
-    try:
-        check_model("spp", model_config)
-    except NotImplementedError as e:
-        raise InputError(str(e)) from None
-    return dataclasses.replace(config.run, mode="spp", stages=config.stages,
-                               chunk_tokens=config.spp_chunk_tokens or None)
 
 
 class Engine:
@@ -202,8 +182,7 @@ class Engine:
         seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
         if placed is None:  # a chunk
             n = seq.prompt_len
-            seq.figures.chunks.append(self.chunks.record(seg.cuts or (seg.start, seg.end), time.monotonic() - t0,
-                                                         self._budget_s,
+            seq.figures.chunks.append(self.chunks.record(seg.bounds, time.monotonic() - t0, self._budget_s,
                                                          learn=0 < seg.start and seg.end < n,
                                                          beside_s=self._rows_s(step.decodes)))
             seq.prefilled = seg.end
@@ -247,10 +226,8 @@ class Engine:
         done = seq.prefilled
         if not done:
             seq.prefill_start_s = time.monotonic()
-            piped = self.placement.pipeline is not None and seq.request.params.prompt_logprobs is None
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
-                                         [0, n], "chunked prefill" + (f"; {self.placement.stages(n)[2]}" if piped
-                                                                      else ""), self.chunks.describe())
+                                         [0, n], self.placement.chunked_source(seq), self.chunks.describe())
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
             budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
         self._budget_s = budget
@@ -354,9 +331,7 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
-        held = (self.ctx.partial.pop(seq.request_id, None), self.ctx.shards.pop(seq.request_id, None),
-                self.ctx.staged.pop(seq.request_id, None))
-        if any(x is not None for x in held) and self.ctx.world_size > 1:
+        if self.ctx.forget(seq.request_id) and self.ctx.world_size > 1:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)
         return seq.finished(reason, error, bad_input)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
+from kvrunahead.model.device import reset_peak_memory
 from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
@@ -37,18 +38,16 @@ from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec, stage_view
 from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
-from kvrunahead.modes.spp import spp_prefill
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
-from kvrunahead.runner import RankStats, rank_stats, reset_peak_memory
+from kvrunahead.runner import RankStats, rank_stats
 from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.plans import (
     FRONT,
     NOWHERE,
     RANKS,
     SHARDED,
-    STAGED,
     Drop,
     Ping,
     Plan,
@@ -59,6 +58,7 @@ from kvrunahead.serve.plans import (
 )
 from kvrunahead.serve.rows import can_mix, mixed_forward
 from kvrunahead.serve.sequence import TokenLogprob
+from kvrunahead.serve.stages import pipelined
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,12 @@ class RankContext:
     @property
     def front(self) -> int:
         return self.world_size - 1
+
+    def forget(self, request_id: str) -> bool:
+        """Drop what this rank holds of a request (KVP shards, a chunked prefill's positions or stages); whether it
+        held any."""
+        held = [d.pop(request_id, None) for d in (self.shards, self.partial, self.staged)]
+        return any(x is not None for x in held)
 
     def stage(self, rope: RopeExtension | None, stages: tuple[int, ...]) -> torch.nn.Module:
         """This rank's pipeline stage of the model (a view sharing its weights, model/stage.py)."""
@@ -253,8 +259,11 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
 
 def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: StepOutcome):
     """The prompt segment's part on this rank: its link, its positions and the rows that rode along (front)."""
-    if seg.stages is not None:
-        return _pipelined(ctx, seg, out, plan.attention), (seg.start, seg.end), {}
+    if seg.stages is not None:  # through the stream pipeline, every rank its stage (serve/stages.py)
+        logits, cache = pipelined(ctx, seg, plan.attention)
+        if ctx.rank == ctx.front:
+            out.logits[seg.request_id], out.caches[seg.request_id] = logits, cache
+        return None, (seg.start, seg.end), {}
     front = ctx.rank == ctx.front
     lm, layout = ctx.model(seg.rope)
     start, end = seg.part(ctx.rank, ctx.world_size)
@@ -292,51 +301,6 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
         out.logits[seg.request_id] = logits
         out.caches[seg.request_id] = cache
     return link, (start, end), riders
-
-
-def _pipelined(ctx: RankContext, seg: Segment, out: StepOutcome, attention: str) -> None:
-    """A pipelined segment on this rank: its positions through this rank's stage in chunks (modes/spp.py), after
-    the stage's K,V of the earlier chunks; kept staged for the next chunk, or sent to the front, which then holds
-    every layer's K,V and the first token's logits."""
-    view = ctx.stage(seg.rope, seg.stages)
-    cache = ctx.staged.pop(seg.request_id, None) if seg.held == STAGED else None
-    ids = torch.tensor([seg.tokens], device=ctx.device)
-    logits, cache = spp_prefill(view, ids, ctx.transport, seg.pipeline_chunk or len(seg.tokens), cache, seg.start,
-                                attention)
-    if seg.keep == STAGED:
-        ctx.staged[seg.request_id] = cache
-    else:
-        cache = _gather_stages(ctx, seg, cache)
-    if ctx.rank == ctx.front:
-        out.logits[seg.request_id] = logits
-        out.caches[seg.request_id] = cache
-
-
-def _gather_stages(ctx: RankContext, seg: Segment, cache: DynamicCache) -> DynamicCache | None:
-    """Every stage's layers' K,V of [0, end) to the front (what a sliding layer keeps of them), one message per
-    layer; the front's whole cache, its own stage's layers taken as they are."""
-    lm, layout = ctx.model(seg.rope)
-    first = seg.stages[ctx.rank]
-    if ctx.rank != ctx.front:
-        for i, layer in enumerate(cache.layers):
-            ctx.transport.isend(torch.stack((layer.keys, layer.values)).contiguous(), ctx.front, tag=first + i)
-        ctx.transport.drain()
-        return None
-    whole = DynamicCache(config=lm.model.config)
-    received = []
-    for r in range(ctx.world_size - 1):
-        for layer in range(seg.stages[r], seg.stages[r + 1]):
-            buf = torch.empty(layout.kv_shape(layer, layout.kept(layer, seg.end)), dtype=layout.dtype,
-                              device=ctx.device)
-            received.append((layer, ctx.transport.irecv(buf, r, tag=layer), buf))
-    for layer, req, buf in received:
-        ctx.transport.wait(req, f"the K,V of layer {layer} from its stage")
-        whole.layers[layer].update(buf[0], buf[1])
-        if layout.window(layer) is not None:
-            whole.layers[layer].cumulative_length = seg.end  # seen so far, of which the window keeps the last
-    for i, layer in enumerate(cache.layers):
-        whole.layers[first + i] = layer
-    return whole
 
 
 def scored(score: Scoring) -> list[TokenLogprob]:
@@ -413,9 +377,7 @@ def worker_loop(ctx: RankContext) -> None:
             run_step(ctx, plan)
         elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
-                ctx.shards.pop(request_id, None)
-                ctx.partial.pop(request_id, None)
-                ctx.staged.pop(request_id, None)
+                ctx.forget(request_id)
 
 
 class Heartbeat:

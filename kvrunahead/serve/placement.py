@@ -17,6 +17,7 @@ sends the cached K,V to rank 0 as its prefix, and the chain carries it on as it 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvrunahead.config import RunConfig
@@ -24,9 +25,11 @@ from kvrunahead.decide.policy import choose_partition, plan_stages
 from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
+from kvrunahead.modes import check_model
 from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.serve import executor
+from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Segment, StepPlan
@@ -55,6 +58,24 @@ def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: 
     step is predicted faster than the front's."""
     attention_dominates = solo.decode_attention_s(n) >= solo.decode_linear_s(1)
     return attention_dominates and chain.decode_step_s([n], world_size) < solo.decode_step_s([n])
+
+
+def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
+    """With ``--prefill spp``, the run as ``kvr-prefill --mode spp`` would make it (its stages and chunk as asked),
+    which the placement plans each prompt's pipeline with; else None. Raises InputError where the model cannot be
+    cut into stages or the pipeline cannot decode as asked."""
+    if config.prefill == "chain":
+        return None
+    if config.prefill != "spp":
+        raise InputError(f"unknown prefill {config.prefill!r}: chain or spp")
+    if config.run.decode == "kvp":
+        raise InputError("--prefill spp gathers every stage's K,V on the front: --decode kvp needs the chain")
+    try:
+        check_model("spp", model_config)
+    except NotImplementedError as e:
+        raise InputError(str(e)) from None
+    return dataclasses.replace(config.run, mode="spp", stages=config.stages,
+                               chunk_tokens=config.spp_chunk_tokens or None)
 
 
 class Placement:
@@ -198,6 +219,12 @@ class Placement:
             self._pipelines[n] = stages, chunk, f"spp: stages {','.join(map(str, stages))}, chunks of {chunk} " \
                                                 f"tokens ({source})"
         return self._pipelines[n]
+
+    def chunked_source(self, seq) -> str:
+        """What a chunked prefill's response says its partition came from (``seq``: a serve.sequence.Sequence)."""
+        if self.pipeline is None or seq.request.params.prompt_logprobs is not None:
+            return "chunked prefill"
+        return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

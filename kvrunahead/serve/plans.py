@@ -86,6 +86,11 @@ class Segment:
         return self.start + len(self.tokens)
 
     @property
+    def bounds(self) -> tuple[int, ...]:
+        """Its cuts over the chain, else its first and end positions."""
+        return self.cuts or (self.start, self.end)
+
+    @property
     def alone(self) -> bool:
         """Whether the front computes every token (no cuts, or every other rank's part empty; a pipelined segment
         runs on every rank)."""

@@ -106,7 +106,7 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
     return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"
 
 
-CHUNK_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
+CHUNK_CHOICES = tuple(2 ** k for k in range(7, 17))  # 128 to 64k tokens
 
 
 @dataclass(frozen=True)

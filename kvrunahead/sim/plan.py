@@ -1,7 +1,8 @@
 """Rank count, mode and partition for a context length on a profile (appendix B's question, for any length).
 
 Every rank count from one to ``max_ranks`` (powers of two and the maximum) and every mode is simulated;
-KV-Runahead with the partition the cost model finds for that count. The fastest option is recommended.
+KV-Runahead with the partition the cost model finds for that count, the stream pipeline (spp) with its balanced
+stages and the chunk the cost model finds best. The fastest option is recommended.
 """
 
 from __future__ import annotations
@@ -10,19 +11,20 @@ from dataclasses import dataclass
 
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel
-from kvrunahead.sim.optimize import search_partition
+from kvrunahead.sim.optimize import plan_pipeline, search_partition
 from kvrunahead.sim.simulate import SimResult, simulate
 
-PARALLEL_MODES = ("kvr", "tsp", "cp-allgather", "ring")
+PARALLEL_MODES = ("kvr", "tsp", "cp-allgather", "ring", "spp")
 
 
 @dataclass
 class Option:
     ranks: int
     mode: str
-    boundaries: tuple[int, ...]
+    boundaries: tuple[int, ...]  # kvr: the partition; spp: the stages' layer boundaries
     ttft_s: float
     result: SimResult
+    chunk_tokens: int | None = None  # spp: the chunk pipelined through the stages
 
     @property
     def label(self) -> str:
@@ -49,6 +51,14 @@ def plan(model: CostModel, context_len: int, max_ranks: int, modes: tuple[str, .
             continue
         for mode in modes:
             boundaries = None
+            if mode == "spp":
+                if p > model.layers:
+                    continue
+                pipe = plan_pipeline(model, context_len, p, attention=attention)
+                r = simulate(model, "spp", context_len, p, attention=attention, noise=noise, record=record,
+                             stages=pipe.stages, chunk_tokens=pipe.chunk_tokens)
+                options.append(Option(p, mode, r.boundaries, r.ttft_s, r, pipe.chunk_tokens))
+                continue
             if mode == "kvr":
                 boundaries = search_partition(model, context_len, p, attention, noise,
                                               min_stride=min(stride, context_len // (2 * p))).boundaries

@@ -1,0 +1,55 @@
+"""A step's pipelined segment on one rank (serve/plans.Segment with ``stages``): Medha's stream pipeline in the
+engine. Each rank runs the segment's positions through its stage of the model (a view sharing the weights the
+rank holds, model/stage.py) in chunks handed stage to stage (modes/spp.py); a chunked prefill's stages keep their
+layers' K,V between its steps (``ctx.staged``); after the prompt's last chunk every stage sends the front its
+layers' K,V, so the front holds the whole cache and decodes as after any prefill."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from kvrunahead.modes.spp import spp_prefill
+from kvrunahead.serve.plans import STAGED, Segment
+
+
+def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None]:
+    """A pipelined segment on this rank (``ctx``: its executor.RankContext): its positions through this rank's
+    stage in chunks (modes/spp.py), after the stage's K,V of the earlier chunks; kept staged for the next chunk, or
+    sent to the front. Returns, on the front, the first token's logits and (kept there) the whole cache."""
+    view = ctx.stage(seg.rope, seg.stages)
+    cache = ctx.staged.pop(seg.request_id, None) if seg.held == STAGED else None
+    ids = torch.tensor([seg.tokens], device=ctx.device)
+    logits, cache = spp_prefill(view, ids, ctx.transport, seg.pipeline_chunk or len(seg.tokens), cache, seg.start,
+                                attention)
+    if seg.keep == STAGED:
+        ctx.staged[seg.request_id] = cache
+        return logits, None
+    return logits, gather_stages(ctx, seg, cache)
+
+
+def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None:
+    """Every stage's layers' K,V of [0, end) to the front (what a sliding layer keeps of them), one message per
+    layer; the front's whole cache, its own stage's layers taken as they are."""
+    lm, layout = ctx.model(seg.rope)
+    first = seg.stages[ctx.rank]
+    if ctx.rank != ctx.front:
+        for i, layer in enumerate(cache.layers):
+            ctx.transport.isend(torch.stack((layer.keys, layer.values)).contiguous(), ctx.front, tag=first + i)
+        ctx.transport.drain()
+        return None
+    whole = DynamicCache(config=lm.model.config)
+    received = []
+    for r in range(ctx.world_size - 1):
+        for layer in range(seg.stages[r], seg.stages[r + 1]):
+            buf = torch.empty(layout.kv_shape(layer, layout.kept(layer, seg.end)), dtype=layout.dtype,
+                              device=ctx.device)
+            received.append((layer, ctx.transport.irecv(buf, r, tag=layer), buf))
+    for layer, req, buf in received:
+        ctx.transport.wait(req, f"the K,V of layer {layer} from its stage")
+        whole.layers[layer].update(buf[0], buf[1])
+        if layout.window(layer) is not None:
+            whole.layers[layer].cumulative_length = seg.end  # seen so far, of which the window keeps the last
+    for i, layer in enumerate(cache.layers):
+        whole.layers[first + i] = layer
+    return whole
