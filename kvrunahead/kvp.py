@@ -78,6 +78,24 @@ class ShardCache(DynamicCache):
         self.seen = seen
         super(DynamicCache, self).__init__(layers=layers or [])
 
+    def own(self, owner: bool) -> None:
+        """Whether this rank keeps the next tokens' K,V (a KV-parallel prefill passes its chunks from rank to
+        rank). A shard still empty starts at the next position; a held one must end there (the chunks of one
+        rank are consecutive)."""
+        for layer in self.layers:
+            if owner and not layer.keys.shape[-2]:
+                layer.start = self.seen
+            layer.owner = owner
+
+
+def empty_shards(layout: KVLayout, device: torch.device) -> ShardCache:
+    """A request's shard on a rank that holds none of its positions yet (a KV-parallel prefill's first chunk)."""
+    out = ShardCache(None, 0)
+    for i in range(layout.num_layers):
+        kv = torch.empty(layout.kv_shape(i, 0), dtype=layout.dtype, device=device)
+        out.layers.append(ShardLayer(kv[0], kv[1], 0, False, layout.window(i), out))
+    return out
+
 
 def shard_cache(cache: DynamicCache, layout: KVLayout, part: tuple[int, int], total: int, owner: bool) -> ShardCache:
     """This rank's shard of a chain prefill's cache (whose layers end at ``part[1]``): the K,V of its own part
@@ -186,20 +204,22 @@ def merge_parts(parts: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def kvp_forward(model: torch.nn.Module, cache: ShardCache, transport: Transport, token: int, owner: bool
-                ) -> torch.Tensor | None:
-    """One new token through the model on every rank at once, each attending its shard: the next-token logits
-    ``[vocab]`` on the owner, None elsewhere (no LM head there)."""
+def kvp_forward(model: torch.nn.Module, cache: ShardCache, transport: Transport, tokens: list[int], owner: bool,
+                emit: bool | None = None) -> torch.Tensor | None:
+    """New tokens (a decode token, or a prefill chunk: medha.txt section 3, "KVP for prefill") through the model on
+    every rank at once, each attending its shard; the ``owner`` keeps their K,V. The last token's logits
+    ``[vocab]`` where ``emit`` (default: on the owner), None elsewhere (no LM head there)."""
     device = next(model.parameters()).device
-    ids = torch.tensor([[token]], device=device)
-    pos = torch.tensor([[cache.seen]], device=device)
+    ids = torch.tensor([tokens], device=device)
+    pos = torch.arange(cache.seen, cache.seen + len(tokens), device=device).unsqueeze(0)
+    cache.own(owner)
     with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
-        if owner:
+        if owner if emit is None else emit:
             logits = last_token_logits(model, ids, position_ids=pos, cache=cache)
         else:
             fill_cache(model, ids, cache, position_ids=pos)
             logits = None
-    cache.seen += 1
+    cache.seen += len(tokens)
     return logits
 
 
@@ -216,6 +236,6 @@ def kvp_decode(model: torch.nn.Module, cache: ShardCache, transport: Transport, 
         token, go = transport.all_gather(said)[-1].tolist()  # the owner's word
         if not go:
             return tokens if owner else None
-        logits = kvp_forward(model, cache, transport, token, owner)
+        logits = kvp_forward(model, cache, transport, [token], owner)
         if owner:
             tokens.append(int(logits.argmax()))

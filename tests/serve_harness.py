@@ -254,8 +254,19 @@ def chunked(scenario: dict, world, out: dict) -> None:
                        chunk_tokens=scenario["chunk_tokens"], prefix_cache_tokens=0,
                        prefill=scenario.get("prefill", "chain"), spp_chunk_tokens=scenario.get("spp_chunk_tokens", 0))
     engine = Engine(cfg, world)
+    out["shard_positions"] = held = {}  # a KV-parallel request's positions in this rank's shard when it ends
+    forget = engine.ctx.forget
+
+    def forgetting(request_id: str) -> bool:
+        if request_id in engine.ctx.shards:
+            held[request_id] = engine.ctx.shards[request_id][0].layers[0].keys.shape[-2]
+        return forget(request_id)
+
+    engine.ctx.forget = forgetting
     if not engine.is_front:
         engine.worker_loop()
+        for request_id in list(engine.ctx.shards):  # the last request's: the Drop would come with the next step
+            forgetting(request_id)
         out["partial_left"] = len(engine.ctx.partial) + len(engine.ctx.staged)
         return
     params = SamplingParams(max_tokens=scenario["max_tokens"])
@@ -272,6 +283,7 @@ def chunked(scenario: dict, world, out: dict) -> None:
         out["max_abs_logit_diff"].append(float((engine.last_prefill_logits - ref_logits).abs().max()))
         out["chunks"].append(figures.chunks)
         out.setdefault("sources", []).append(figures.partition_source)
+        out.setdefault("decodes", []).append(figures.decode)
     out["partial_left"] = len(engine.ctx.partial) + len(engine.ctx.staged)
     engine.shutdown()
 

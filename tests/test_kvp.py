@@ -225,3 +225,32 @@ def test_the_engine_decodes_kvp_requests_together_and_frees_their_shards(tmp_pat
     assert front["finish_reasons"][-1] == "cancelled"
     assert front["together"][-1] == front["alone"][-1][: len(front["together"][-1])]
     assert front["shards_left_front"] == 0 and worker["shards_left"] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p,chunk", [(2, 13), (2, 1), (3, 7), (3, 20)])
+def test_kv_parallel_prefill_chunks_answer_as_the_one_shot_prefill_with_no_rank_holding_the_whole_prompt(
+        tmp_path, p, chunk):
+    """Medha's KVP for prefill chunks (--decode kvp with chunked prefill): each chunk runs on every rank against its
+    own shard of the positions before it, the partial attention merged by log-sum-exp, its K,V kept by one rank
+    (rank 0 first, the next once it holds its share). The first-token logits and greedy tokens are those of the
+    prompt whole in one process, whether a chunk is one token or crosses a share's edge; the
+    shards end even and together hold each position once; a short request decodes between the chunks."""
+    prompts = [list(range(3, 60)), [5] + list(range(100, 140))]
+    scenario = {"name": "chunked", "run": {"model": "tiny-llama", "threads": 1, "decode": "kvp"}, "degree": str(p),
+                "chunk_tokens": chunk, "max_tokens": 6, "prompts": prompts, "short": list(range(7, 20))}
+    procs, out = _start_ranks(scenario, tmp_path, p)
+    outputs = wait_all(procs, 240)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(p)]
+    r = ranks[-1]
+    assert r["tokens"] == r["ref_tokens"]
+    assert max(r["max_abs_logit_diff"]) <= 1e-4
+    assert r["decodes"] == ["kvp", "kvp"] and all("KV-parallel" in s for s in r["sources"]), r
+    for i, ids in enumerate(prompts):
+        held = [x["shard_positions"][f"long{i}"] for x in ranks]
+        decoded = 6 - 1  # the front's shard grew by the decode's tokens (the last one is not fed back)
+        assert sum(held) == len(ids) + decoded and max(held) < len(ids), held
+        if chunk < len(ids) // p:  # the shares fill in rank order: each rank at most a chunk over its share
+            assert max(h for h in held[:-1]) <= -(-len(ids) // p) + chunk, held
+    assert all(x["partial_left"] == 0 for x in ranks)

@@ -227,7 +227,8 @@ class Engine:
         if not done:
             seq.prefill_start_s = time.monotonic()
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
-                                         [0, n], self.placement.chunked_source(seq), self.chunks.describe())
+                                         [0, n], self.placement.chunked_source(seq), self.chunks.describe(),
+                                         decode=self.placement.chunked_decode(seq))
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
             budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
         self._budget_s = budget

@@ -57,8 +57,8 @@ from kvrunahead.serve.plans import (
     question_id,
 )
 from kvrunahead.serve.rows import can_mix, mixed_forward
+from kvrunahead.serve.segments import kv_parallel, pipelined
 from kvrunahead.serve.sequence import TokenLogprob
-from kvrunahead.serve.stages import pipelined
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     out = StepOutcome()
     for row in plan.sharded:  # every rank: the token through the model on its shard
         shard, rope = ctx.shards[row.request_id]
-        logits = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, row.tokens[0], owner=front)
+        logits = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, [row.tokens[0]], owner=front)
         if front:
             out.logits[row.request_id] = logits
     rows = plan.rows if front else ()
@@ -241,7 +241,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
                 out.scores.setdefault(request_id, []).extend(part)
     else:
         out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
-    if seg is not None and seg.keep == SHARDED:  # after the prefill's figures: the decode holds an even share
+    if seg is not None and seg.keep == SHARDED and seg.cuts:  # after the prefill's figures: an even share each
         level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
     if front and seg is not None and seg.questions:  # behind the whole cache, they join the decode
         ctx.use_threads(solo=True)
@@ -259,8 +259,8 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
 
 def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: StepOutcome):
     """The prompt segment's part on this rank: its link, its positions and the rows that rode along (front)."""
-    if seg.stages is not None:  # through the stream pipeline, every rank its stage (serve/stages.py)
-        logits, cache = pipelined(ctx, seg, plan.attention)
+    if seg.stages is not None or seg.owner is not None:  # every rank all the positions (serve/segments.py)
+        logits, cache = (pipelined if seg.stages is not None else kv_parallel)(ctx, seg, plan.attention)
         if ctx.rank == ctx.front:
             out.logits[seg.request_id], out.caches[seg.request_id] = logits, cache
         return None, (seg.start, seg.end), {}

@@ -172,8 +172,15 @@ class Placement:
               ) -> Segment:
         """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) of ``ids`` cut over
         the chain at ``cuts``, every rank holding the positions before them; every rank keeps [0, cuts[-1]) for
-        the next chunk, the front alone after the last."""
+        the next chunk, the front alone after the last. A prompt that decodes KV-parallel has its chunks computed
+        KV-parallel too (each rank attends its shard); with ``--prefill spp`` they run through the pipeline."""
         start, end = cuts[0], cuts[-1]
+        if self.pipeline is None and score is None and self.decodes_kvp(len(ids)):
+            # KVP for prefill chunks: the prompt's K,V fill rank 0's shard first, then the next rank's, an even
+            # share each (Medha's progressive scaling), so no rank holds every earlier position
+            share = -(-len(ids) // self.ctx.world_size)
+            return Segment(request_id, tuple(ids[start:end]), start, held=SHARDED if start else NOWHERE,
+                           keep=SHARDED, rope=rope, owner=min(start // share, self.ctx.world_size - 1))
         if self.pipeline is not None and score is None:
             stages, chunk, _ = self.stages(len(ids))
             return Segment(request_id, tuple(ids[start:end]), start, held=STAGED if start else NOWHERE,
@@ -222,9 +229,17 @@ class Placement:
 
     def chunked_source(self, seq) -> str:
         """What a chunked prefill's response says its partition came from (``seq``: a serve.sequence.Sequence)."""
-        if self.pipeline is None or seq.request.params.prompt_logprobs is not None:
-            return "chunked prefill"
-        return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
+        if seq.request.params.prompt_logprobs is None and self.pipeline is not None:
+            return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
+        if self.chunked_decode(seq) == "kvp":
+            return "chunked prefill, KV-parallel: each chunk's K,V kept on one rank, the ranks filled in order"
+        return "chunked prefill"
+
+    def chunked_decode(self, seq) -> str:
+        """How a chunked prompt decodes: KV-parallel where its chunks were (``chunk``), else gathered."""
+        scored = seq.request.params.prompt_logprobs is not None
+        kvp = self.pipeline is None and not scored and self.decodes_kvp(seq.prompt_len)
+        return "kvp" if kvp else "gathered"
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),

@@ -31,6 +31,10 @@ class Segment:
     - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/kvp.py);
     - ``staged``: each rank its pipeline stage's layers (the chunks before this one of a pipelined prefill).
 
+    ``owner``: a chunk computed KV-parallel (Medha's KVP for prefill chunks, kvrunahead/kvp.py): every rank runs
+    its tokens through the model attending its own shard of the positions before it, the partial outputs merged by
+    log-sum-exp, and rank ``owner`` appends the chunk's K,V to its shard; held and kept sharded.
+
     ``stages``: the segment runs through the stream pipeline (modes/spp.py) instead of the chain: rank r runs every
     position through the layers [stages[r], stages[r+1]) of the whole model, in chunks of ``pipeline_chunk`` tokens
     handed stage to stage; kept on the front, the stages then send it their layers' K,V so it holds the whole cache.
@@ -59,6 +63,7 @@ class Segment:
     score: int | None = None  # the prompt's log-probabilities with this many alternatives (see below); None: none
     follows: int | None = None  # the prompt's token after this segment (a chunk's), scored by its last position
     stages: tuple[int, ...] | None = None  # the pipeline's layer boundaries, one stage per rank (see above)
+    owner: int | None = None  # a KV-parallel chunk (see above): the rank that keeps its K,V
     pipeline_chunk: int = 0  # tokens handed stage to stage at a time; 0: the whole segment
 
     def __post_init__(self) -> None:
@@ -73,6 +78,9 @@ class Segment:
             raise ValueError("questions follow a prompt kept whole on the front, each at least one token")
         if self.score is not None and (self.decode or self.held == FRONT):
             raise ValueError("a scored segment is a prompt or chunk that holds nothing on the front alone")
+        if self.owner is not None and (self.keep != SHARDED or self.held not in (NOWHERE, SHARDED) or self.cuts
+                                       or self.stages or self.decode or self.score is not None):
+            raise ValueError("a KV-parallel chunk is held and kept sharded, neither cut, pipelined nor scored")
         staged = self.stages is not None
         if (STAGED in (self.held, self.keep)) and not staged:
             raise ValueError("only a pipelined segment (with stages) is held or kept staged")
@@ -94,7 +102,7 @@ class Segment:
     def alone(self) -> bool:
         """Whether the front computes every token (no cuts, or every other rank's part empty; a pipelined segment
         runs on every rank)."""
-        return self.stages is None and (self.cuts is None or self.cuts[0] == self.cuts[-2])
+        return self.stages is None and self.owner is None and (self.cuts is None or self.cuts[0] == self.cuts[-2])
 
     @property
     def is_row(self) -> bool:
@@ -111,8 +119,8 @@ class Segment:
 
     def part(self, rank: int, world_size: int) -> tuple[int, int]:
         """The positions ``rank`` computes: its cut, or all of them on the front where the segment runs alone (on
-        every rank, through its stage, where it is pipelined)."""
-        if self.stages is not None:
+        every rank where it is pipelined or KV-parallel)."""
+        if self.stages is not None or self.owner is not None:
             return self.start, self.end
         if self.alone:
             return (self.start, self.end) if rank == world_size - 1 else (self.start, self.start)

@@ -1,14 +1,22 @@
-"""A step's pipelined segment on one rank (serve/plans.Segment with ``stages``): Medha's stream pipeline in the
-engine. Each rank runs the segment's positions through its stage of the model (a view sharing the weights the
-rank holds, model/stage.py) in chunks handed stage to stage (modes/spp.py); a chunked prefill's stages keep their
-layers' K,V between its steps (``ctx.staged``); after the prompt's last chunk every stage sends the front its
-layers' K,V, so the front holds the whole cache and decodes as after any prefill."""
+"""A step's segments that every rank runs whole (serve/plans.Segment), each rank holding a different part of the
+model or of the cache:
+
+- pipelined (``stages``): Medha's stream pipeline in the engine. Each rank runs the segment's positions through its
+  stage of the model (a view sharing the weights the rank holds, model/stage.py) in chunks handed stage to stage
+  (modes/spp.py); a chunked prefill's stages keep their layers' K,V between its steps (``ctx.staged``); after the
+  prompt's last chunk every stage sends the front its layers' K,V, so the front holds the whole cache and decodes
+  as after any prefill.
+- KV-parallel (``owner``): Medha's KVP for prefill chunks. Every rank runs the chunk through the whole model,
+  attending its own shard of the positions before it (kvrunahead/kvp.py, the KVP decode's attention for a block of
+  queries), and rank ``owner`` appends the chunk's K,V to its shard.
+"""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.kvp import empty_shards, kvp_forward
 from kvrunahead.modes.spp import spp_prefill
 from kvrunahead.serve.plans import STAGED, Segment
 
@@ -53,3 +61,16 @@ def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None
     for i, layer in enumerate(cache.layers):
         whole.layers[first + i] = layer
     return whole
+
+
+def kv_parallel(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, object]:
+    """A KV-parallel chunk on this rank (``ctx``: its executor.RankContext; the chunk's attention is KVP's whatever
+    ``attention``): its shard of the request, made empty by the first chunk, kept in ``ctx.shards`` for the next
+    chunk and the decode. Returns, on the front, the last token's logits and the front's shard."""
+    model, layout = ctx.model(seg.rope)
+    shard, _ = ctx.shards.get(seg.request_id) or (empty_shards(layout, ctx.device), seg.rope)
+    ctx.shards[seg.request_id] = shard, seg.rope
+    logits = kvp_forward(model.model, shard, ctx.transport, list(seg.tokens), owner=ctx.rank == seg.owner,
+                         emit=ctx.rank == ctx.front)
+    return logits, shard
+
