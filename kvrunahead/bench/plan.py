@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass
 from kvrunahead.net.spec import parse_net
 
 DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr-default", "kvr", "kvr-best", "kvr-nocomm")
-EXTRA_MODES = ("kvr-split", "spp")  # kvr-best's partition with --kvr-attention split; the pipeline (Medha)
+# kvr-best's partition with --kvr-attention split; the pipeline (Medha); the single process at the world's threads
+# only (with --interleave)
+EXTRA_MODES = ("kvr-split", "spp", "single-pt")
 SPP_MODE = re.compile(r"^spp(-(\d+))?$")  # spp: the cost model's chunk; spp-512: chunks of 512 tokens
 
 
@@ -140,8 +142,8 @@ def build_jobs(contexts: list[int], modes: list[str], repeats: int, warmup: int,
 def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attention, singles_in_world) -> list[Job]:
     jobs = []
     for ctx in contexts:
-        if singles_in_world and "single" in modes and nproc > 1:
-            for t in sorted({1, nproc}):
+        if singles_in_world and {"single", "single-pt"} & set(modes) and nproc > 1:
+            for t in sorted({1, nproc}) if "single" in modes else [nproc]:
                 jobs.append(Job(f"single-{t}t", "single", ctx, "even", repeats, warmup, threads=t))
         for label, path in (tables or {}).items():
             jobs.append(Job(f"kvr-{label}", "kvr", ctx, "table", repeats, warmup, table=path))
@@ -163,7 +165,7 @@ def _jobs_of(contexts, modes, repeats, warmup, shares, nproc, tables, kvr_attent
             elif mode.startswith("spp"):
                 chunk = spp_chunk(mode)
                 jobs.append(Job(mode, "spp", ctx, "even", repeats, warmup, chunk_tokens=chunk))
-            elif mode != "single":
+            elif mode not in ("single", "single-pt"):
                 jobs.append(Job(mode, mode, ctx, "even", repeats, warmup))
     for job in jobs:
         if job.mode in ("kvr", "kvr-nocomm") and job.label not in ("kvr-split", "kvr-default"):

@@ -52,7 +52,8 @@ def _list(text: str, cast=str) -> list:
                    "and keeps the fastest; kvr-nocomm is the bound on kvr-best's partition (without kvr-best: "
                    "on the first --table's); kvr-split (not default) is kvr-best's partition with "
                    "--kvr-attention split; spp (not default) is Medha's stream pipeline with the cost model's "
-                   "chunk, spp-N the same with chunks of N tokens.")
+                   "chunk, spp-N the same with chunks of N tokens; single-pt (not default, with --interleave) the "
+                   "single process at p threads only.")
 @click.option("--transports", default="torch", show_default=True, help="torch and/or mpi (mpi needs mpirun).")
 @click.option("--repeats", default=3, show_default=True, help="Timed runs per point.")
 @click.option("--warmup", default=1, show_default=True, help="Untimed runs per point before the timed ones.")
@@ -114,13 +115,14 @@ def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, thr
         common.fail(PROG, str(e))
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    singles_left = {1, *world_sizes} if "single" in mode_list else set()
+    singles_left = {1, *world_sizes} if "single" in mode_list else set(world_sizes) if "single-pt" in mode_list \
+        else set()
     for transport in _list(transports):
         for p in world_sizes:
             for world_net, members in worlds:
                 # Interleaved: the single process at 1 and p threads is timed among the ranks' runs, in every
                 # network's world (it does not communicate, but the machine drifts between worlds).
-                in_world = interleave and p > 1 and "single" in mode_list
+                in_world = interleave and p > 1 and bool({"single", "single-pt"} & set(mode_list))
                 jobs = build_jobs(ctxs, mode_list, repeats, warmup, _list(shares, float), p, table_paths,
                                   kvr_attention, singles_in_world=in_world, nets=members)
                 if in_world:
