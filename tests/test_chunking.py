@@ -30,7 +30,7 @@ from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile
 from kvrunahead.sim.shape import shape_from_config
 from kvrunahead.sim.simulate import SimError, simulate, simulate_chunk
 from tests.helpers import wait_all
-from tests.test_serve_engine import _kill_worker_and_wait, _start_ranks
+from tests.test_serve_engine import _kill_worker_and_wait, _start_ranks, ranks_ran
 
 PROMPTS = [list(range(3, 60)), [5] + list(range(100, 140))]
 
@@ -46,10 +46,8 @@ def test_a_prompt_prefilled_in_chunks_answers_as_the_whole_prompt_in_one_process
     rest; a short request decodes between the chunks."""
     scenario = {"name": "chunked", "run": {"model": "tiny-llama", "threads": 1}, "degree": str(p),
                 "chunk_tokens": chunk, "max_tokens": 6, "prompts": PROMPTS, "short": list(range(7, 20))}
-    procs, out = _start_ranks(scenario, tmp_path, p)
-    outputs = wait_all(procs, 240)
-    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
-    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    ranks = ranks_ran(scenario, tmp_path, p)
+    r = ranks[-1]
     assert r["tokens"] == r["ref_tokens"]
     assert max(r["max_abs_logit_diff"]) <= 1e-4
     for ids, chunks in zip(PROMPTS, r["chunks"]):
@@ -59,7 +57,7 @@ def test_a_prompt_prefilled_in_chunks_answers_as_the_whole_prompt_in_one_process
             alone = [c["start"]] * p + [c["end"]]
             assert c["cuts"] == alone if c["end"] - c["start"] < p else (len(c["cuts"]) == p + 1 and c["cuts"][
                 0] == c["start"] and c["cuts"][-1] == c["end"] and c["cuts"] == sorted(set(c["cuts"])))
-    assert all(json.loads(Path(f"{out}.{rank}").read_text())["partial_left"] == 0 for rank in range(p))
+    assert all(x["partial_left"] == 0 for x in ranks)
 
 
 @pytest.mark.timeout(300)

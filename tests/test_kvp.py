@@ -16,7 +16,7 @@ from kvrunahead.kvp import ShardCache, ShardLayer, level_shards, merge_parts, sh
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.transport import Transport
 from tests.helpers import kvr_prefill, skewed_ratios, world_runs
-from tests.test_serve_engine import _start_ranks, wait_all
+from tests.test_serve_engine import _start_ranks, ranks_ran, wait_all
 
 CONTEXT = 200
 WINDOW = 64  # the tiny presets' window
@@ -239,10 +239,7 @@ def test_kv_parallel_prefill_chunks_answer_as_the_one_shot_prefill_with_no_rank_
     prompts = [list(range(3, 60)), [5] + list(range(100, 140))]
     scenario = {"name": "chunked", "run": {"model": "tiny-llama", "threads": 1, "decode": "kvp"}, "degree": str(p),
                 "chunk_tokens": chunk, "max_tokens": 6, "prompts": prompts, "short": list(range(7, 20))}
-    procs, out = _start_ranks(scenario, tmp_path, p)
-    outputs = wait_all(procs, 240)
-    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
-    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(p)]
+    ranks = ranks_ran(scenario, tmp_path, p)
     r = ranks[-1]
     assert r["tokens"] == r["ref_tokens"]
     assert max(r["max_abs_logit_diff"]) <= 1e-4

@@ -300,6 +300,14 @@ def _start_ranks(scenario: dict, tmp: Path, p: int = 2) -> tuple[list[subprocess
     return procs, tmp / "out.json"
 
 
+def ranks_ran(scenario: dict, tmp: Path, p: int = 2, timeout_s: float = 240) -> list[dict]:
+    """The scenario on p real ranks, each of which must exit 0; what every rank wrote, in rank order."""
+    procs, out = _start_ranks(scenario, tmp, p)
+    outputs = wait_all(procs, timeout_s)
+    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(p)]
+
+
 @pytest.mark.timeout(240)
 def test_engine_chain_prefill_matches_the_runner_on_real_ranks(tmp_path):
     run = {"model": "tiny-llama", "context_len": 96, "partition": "0.6,0.4", "max_new_tokens": 6, "threads": 1}

@@ -151,26 +151,21 @@ def test_a_served_prompt_through_the_pipeline_answers_as_one_process(tmp_path, p
     ``spp_chunk``-token pieces, the stages keeping their layers' K,V between the steps) gives the first-token logits
     and greedy tokens of the prompt whole in one process, a short request decoding between the chunks; no stage
     keeps anything once the prompts end."""
-    from pathlib import Path
-
-    from tests.helpers import wait_all
-    from tests.test_serve_engine import _start_ranks
+    from tests.test_serve_engine import ranks_ran
 
     prompts = [list(range(3, 150)), [5] + list(range(100, 140))]  # the first beyond the sliding window of 64
     scenario = {"name": "chunked", "run": {"model": "tiny-gemma3" if chunk == 0 else "tiny-llama", "threads": 1},
                 "degree": str(p), "chunk_tokens": chunk, "max_tokens": 6, "prompts": prompts,
                 "short": list(range(7, 20)), "prefill": "spp", "spp_chunk_tokens": spp_chunk}
-    procs, out = _start_ranks(scenario, tmp_path, p)
-    outputs = wait_all(procs, 240)
-    assert [q.returncode for q in procs] == [0] * p, "\n".join(outputs)
-    r = json.loads(Path(f"{out}.{p - 1}").read_text())
+    ranks = ranks_ran(scenario, tmp_path, p)
+    r = ranks[-1]
     assert r["tokens"] == r["ref_tokens"]
     assert max(r["max_abs_logit_diff"]) <= 1e-4
     assert all("spp: stages" in s for s in r["sources"]), r["sources"]
     if chunk:
         for ids, chunks in zip(prompts, r["chunks"]):
             assert [c["start"] for c in chunks] == list(range(0, len(ids), chunk))
-    assert all(json.loads(Path(f"{out}.{rank}").read_text())["partial_left"] == 0 for rank in range(p))
+    assert all(x["partial_left"] == 0 for x in ranks)
 
 
 @pytest.mark.timeout(600)
