@@ -94,6 +94,31 @@ def paper_predictions() -> list[dict]:
     return out
 
 
+def memory_section() -> list[str]:
+    """The memory part: each run a kvr-prefill of its own (fresh processes), peak resident memory per rank."""
+    runs = {}
+    for f in sorted((HERE / "memory").glob("*.json")):
+        r = json.loads(f.read_text())
+        runs.setdefault(r["mode"], []).append(r)
+    if not runs:
+        return ["## memory: not run", ""]
+    out = ["## memory: 16k, every run in fresh processes (`run.sh memory`)", "",
+           "| mode | runs | TTFT s | peak MiB per rank (median) | weights and K,V the rank holds |", "|---|---|---|---|---|"]
+    peaks = {}
+    for mode, rs in runs.items():
+        p = len(rs[0]["ranks"])
+        peaks[mode] = [median([r["ranks"][i]["peak_mem_bytes"] for r in rs]) / MIB for i in range(p)]
+        holds = ("each: its stage's 15 of 30 layers and their K,V of all 16k positions" if mode == "spp" else
+                 "each: every layer; rank r the K,V of [0, b_{r+1})")
+        out.append(f"| {mode} | {len(rs)} | {median([r['ttft_s'] for r in rs]):.2f} | "
+                   f"{' / '.join(f'{x:.0f}' for x in peaks[mode])} | {holds} |")
+    if {"spp", "kvr"} <= set(peaks):
+        ratios = [a / b for a, b in zip(peaks["spp"], peaks["kvr"])]
+        out += ["", f"spp / kvr per rank: {' / '.join(f'{x:.2f}' for x in ratios)}; the largest rank's: "
+                f"{max(peaks['spp']) / max(peaks['kvr']):.2f}"]
+    return out + [""]
+
+
 def main() -> None:
     lines = ["# KV-Runahead against the stream pipeline (spp): measured and predicted", "",
              "Written by `python experiments/spp_vs_kvr/report.py` from the parts of `run.sh` "
@@ -130,6 +155,7 @@ def main() -> None:
                          f"{' / '.join(f'{x:.0f}' for x in v['sent_mib'])} | "
                          f"{' / '.join(f'{x:.0f}' for x in v['peak_mib'])} | {pred_s} |")
         lines.append("")
+    lines += memory_section()
     paper = paper_predictions()
     (HERE / "sim_paper.json").write_text(json.dumps(paper, indent=1))
     lines += ["## Predicted at the paper's setting (kvr-plan, Llama-7B)", "",

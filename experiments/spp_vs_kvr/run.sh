@@ -5,6 +5,7 @@
 #   bash experiments/spp_vs_kvr/run.sh chunks      # spp's chunk: 256-2048 tokens and the cost model's, at 8k and 16k
 #   bash experiments/spp_vs_kvr/run.sh 16k         # 16k on loopback and at 650 MB/s, 5 rounds
 #   bash experiments/spp_vs_kvr/run.sh 8k-12k      # 8k and 12k on loopback and at 650 MB/s, 3 rounds
+#   bash experiments/spp_vs_kvr/run.sh memory      # peak memory per rank at 16k, each run in fresh processes
 #   python experiments/spp_vs_kvr/report.py        # summary.md (+ plot): measured, and the simulator's predictions
 # The 650 MB/s cap needs root (network namespaces, veth, tc). Peak memory per rank is each run's peak resident
 # set from its prefill's start (VmHWM reset there), the weights included.
@@ -26,5 +27,18 @@ case "${1:?which part: chunks, 16k or 8k-12k}" in
     # the single process does not use the network: timed in the loopback world only
     kvr-bench --ctx "$ctx" --modes "ring,tsp,kvr-default,spp-$CHUNK" --net "$CAP" --repeats "$repeats" \
       --out "$out/${1}_cap650" "${base[@]}" ;;
+  memory)
+    # kvr-bench's ranks run every mode in one process, where what an earlier run left for the collector can sit in
+    # a later run's peak: here every run is a kvr-prefill of its own. 2 runs of each, alternating; resumable.
+    mkdir -p "$out/memory"
+    for i in 1 2; do
+      for mode in kvr spp; do
+        row="$out/memory/${mode}_$i.json"
+        [ -s "$row" ] && continue
+        extra=$([ $mode = spp ] && echo "--chunk-tokens $CHUNK" || true)
+        kvr-prefill --mode $mode --nproc 2 --threads 1 --ctx 16k --max-new-tokens 1 --json $extra > "$row.tmp"
+        mv "$row.tmp" "$row"
+      done
+    done ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
