@@ -103,7 +103,8 @@ def memory_section() -> list[str]:
     if not runs:
         return ["## memory: not run", ""]
     out = ["## memory: 16k, every run in fresh processes (`run.sh memory`)", "",
-           "| mode | runs | TTFT s | peak MiB per rank (median) | weights and K,V the rank holds |", "|---|---|---|---|---|"]
+           "| mode | runs | TTFT s | peak MiB per rank (median) | weights and K,V the rank holds |",
+           "|---|---|---|---|---|"]
     peaks = {}
     for mode, rs in runs.items():
         p = len(rs[0]["ranks"])
