@@ -252,6 +252,7 @@ def chunked(scenario: dict, world, out: dict) -> None:
     With ``cancel`` the first prompt is cancelled after its first chunk."""
     cfg = EngineConfig(run=RunConfig(**scenario["run"]), degree=scenario.get("degree", "auto"), pack_tokens=0,
                        chunk_tokens=scenario["chunk_tokens"], prefix_cache_tokens=0,
+                       step_budget_ms=scenario.get("step_budget_ms", 0.0),
                        prefill=scenario.get("prefill", "chain"), spp_chunk_tokens=scenario.get("spp_chunk_tokens", 0))
     engine = Engine(cfg, world)
     out["shard_positions"] = held = {}  # a KV-parallel request's positions in this rank's shard when it ends

@@ -168,6 +168,24 @@ def test_a_served_prompt_through_the_pipeline_answers_as_one_process(tmp_path, p
     assert all(x["partial_left"] == 0 for x in ranks)
 
 
+@pytest.mark.timeout(300)
+def test_a_pipelined_prefill_chunked_by_a_small_step_budget_answers_as_one_process(tmp_path):
+    """--step-budget-ms sizes the chunks with the cost model (here 1 ms: the shortest chunks, 16 tokens), each
+    chunk pipelined through the stages in 5-token pieces: the one-process logits and greedy tokens."""
+    from tests.test_serve_engine import ranks_ran
+
+    prompts = [list(range(3, 90))]
+    scenario = {"name": "chunked", "run": {"model": "tiny-llama", "threads": 1}, "degree": "2", "chunk_tokens": 0,
+                "step_budget_ms": 1.0, "max_tokens": 6, "prompts": prompts, "short": list(range(7, 20)),
+                "prefill": "spp", "spp_chunk_tokens": 5}
+    ranks = ranks_ran(scenario, tmp_path, 2)
+    r = ranks[-1]
+    assert r["tokens"] == r["ref_tokens"] and max(r["max_abs_logit_diff"]) <= 1e-4
+    chunks = r["chunks"][0]
+    assert len(chunks) >= 4 and chunks[-1]["end"] == len(prompts[0]) and "spp: stages" in r["sources"][0]
+    assert all(x["partial_left"] == 0 for x in ranks)
+
+
 @pytest.mark.timeout(600)
 def test_kvr_serve_prefill_spp_answers_an_8k_prompt_with_kvr_prefill_s_text():
     """The real SmolLM2 at 8k over two ranks: the openai client's greedy completion through the pipeline is the
