@@ -107,6 +107,7 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
 
 
 CHUNK_CHOICES = tuple(2 ** k for k in range(7, 17))  # 128 to 64k tokens
+MAX_CHUNKS = 1024  # chunks per prompt at most: a million tokens in chunks of 1k and more
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,11 @@ def balanced_stages(model: CostModel, context_len: int, world_size: int, attenti
 def plan_pipeline(model: CostModel, context_len: int, world_size: int, stages: tuple[int, ...] | None = None,
                   chunk_tokens: int | None = None, attention: str = "split") -> PipelinePlan:
     """spp's stages (balanced by the cost model unless given) and chunk (the one of ``CHUNK_CHOICES`` below the
-    prompt with the least predicted TTFT unless given): small chunks shorten the pipeline's fill and drain, large
-    ones run the projections and MLP at a better rate and send fewer messages."""
+    prompt, at most ``MAX_CHUNKS`` to it, with the least predicted TTFT unless given): small chunks shorten the
+    pipeline's fill and drain, large ones run the projections and MLP at a better rate and send fewer messages."""
     stages = tuple(stages) if stages else balanced_stages(model, context_len, world_size, attention)
-    choices = [chunk_tokens] if chunk_tokens else [c for c in CHUNK_CHOICES if c < context_len] or [context_len]
+    choices = [chunk_tokens] if chunk_tokens else [
+        c for c in CHUNK_CHOICES if c < context_len and context_len / c <= MAX_CHUNKS] or [context_len]
     timed = [(simulate_spp(model, context_len, stages, c, attention=attention).ttft_s, c) for c in choices]
     ttft, chunk = min(timed)
     return PipelinePlan(stages, chunk, ttft)
