@@ -213,8 +213,9 @@ def kvp_forward(model: torch.nn.Module, cache: ShardCache, transport: Transport,
     ids = torch.tensor([tokens], device=device)
     pos = torch.arange(cache.seen, cache.seen + len(tokens), device=device).unsqueeze(0)
     cache.own(owner)
+    emit = owner if emit is None else emit
     with attention_mode(model, IMPLEMENTATION, _Step(cache, transport)):
-        if owner if emit is None else emit:
+        if emit:
             logits = last_token_logits(model, ids, position_ids=pos, cache=cache)
         else:
             fill_cache(model, ids, cache, position_ids=pos)

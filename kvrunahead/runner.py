@@ -155,8 +155,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
     rank, p = world.rank, world.world_size
-    stage = StageSpec(prepared.stages[rank], prepared.stages[rank + 1], prepared.stages[-1]) \
-        if cfg.mode == "spp" and p > 1 else None
+    stage = StageSpec.of(prepared.stages, rank) if cfg.mode == "spp" and p > 1 else None
     rs = set_up_rank(cfg, world, prepared.rope, stage)
     device, dtype, threads, lm, layout, transport = rs.device, rs.dtype, rs.threads, rs.lm, rs.layout, rs.transport
     mode = MODES[cfg.mode]

@@ -17,15 +17,13 @@ DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr-default", "kvr", 
 # kvr-best's partition with --kvr-attention split; the pipeline (Medha); the single process at the world's threads
 # only (with --interleave)
 EXTRA_MODES = ("kvr-split", "spp", "single-pt")
-SPP_MODE = re.compile(r"^spp(-(\d+))?$")  # spp: the cost model's chunk; spp-512: chunks of 512 tokens
+SPP_MODE = re.compile(r"^spp(-([1-9]\d*))?$")  # spp: the cost model's chunk; spp-512: chunks of 512 tokens
 
 
 def spp_chunk(mode: str) -> int | None:
-    """The chunk of an ``spp-N`` mode (None: ``spp``, the cost model's); raises ValueError for another name."""
-    m = SPP_MODE.match(mode)
-    if m is None or (m.group(2) is not None and int(m.group(2)) < 1):
-        raise ValueError(f"{mode!r} is no spp mode: spp or spp-N, N the chunk's tokens")
-    return int(m.group(2)) if m.group(2) else None
+    """The chunk of an ``spp`` or ``spp-N`` mode (None: ``spp``, the cost model's)."""
+    n = SPP_MODE.match(mode).group(2)
+    return int(n) if n else None
 
 
 @dataclass

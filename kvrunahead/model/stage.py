@@ -32,6 +32,11 @@ class StageSpec:
     last: int  # one past its last
     num_layers: int  # the whole model's
 
+    @classmethod
+    def of(cls, stages: tuple[int, ...], rank: int) -> StageSpec:
+        """Rank ``rank``'s stage of the layer boundaries ``stages``."""
+        return cls(stages[rank], stages[rank + 1], stages[-1])
+
     @property
     def embeds(self) -> bool:
         return self.first == 0
@@ -45,9 +50,8 @@ def check_stageable(model_or_config) -> None:
     """NotImplementedError with one line where the model has no ``model.layers`` decoder list and ``model.norm``
     (the layout the stage cut relies on: Llama, Mistral, Gemma 2 and 3)."""
     config = getattr(model_or_config, "config", model_or_config)
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    name = getattr(cls, "__name__", type(config).__name__)
     if config.model_type not in STAGEABLE:
+        name = getattr(AutoModelForCausalLM._model_mapping.get(type(config), None), "__name__", type(config).__name__)
         raise NotImplementedError(f"spp cuts a model's decoder layers into stages; it knows {', '.join(STAGEABLE)} "
                                   f"models (a model.layers list and a final model.norm), not {name}")
 
@@ -100,15 +104,20 @@ def build_stage(config: PretrainedConfig, spec: StageSpec, tensors: Iterator[tup
                 continue
             state[name].copy_(tensor)
             seen.add(name)
-    base = model.base_model
     wanted = {k for k in state if _wanted(k, spec, tied)}
     missing = sorted(wanted - seen - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ValueError(f"the stage's weights lack {', '.join(missing[:4])}")
+    return _trimmed(model, spec, tied)
+
+
+def _trimmed(model: torch.nn.Module, spec: StageSpec, tied: bool) -> torch.nn.Module:
+    """The stage without what it does not run: the embedding where it neither embeds nor emits through it, the
+    final norm and the LM head where it does not emit."""
     if not spec.embeds and not (spec.emits and tied):
-        base.embed_tokens = None  # the forward embeds only when given ids; a later stage is given hidden states
+        model.base_model.embed_tokens = None  # the forward embeds only when given ids; a later stage gets states
     if not spec.emits:
-        base.norm = torch.nn.Identity()  # the residual stream goes on to the next stage unnormalised
+        model.base_model.norm = torch.nn.Identity()  # the residual stream goes on to the next stage unnormalised
         model.lm_head = None
     return model.eval()
 
@@ -165,13 +174,9 @@ def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:
         if name != "layers":  # buffers, such as Gemma's embedding scale, are computed, not saved)
             setattr(base, name, module)
     stage.lm_head = model.lm_head
-    if not spec.embeds and not (spec.emits and tied):
-        base.embed_tokens = None
-    if not spec.emits:
-        base.norm = torch.nn.Identity()
-        stage.lm_head = None
+    stage = _trimmed(stage, spec, tied)
     left = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
     if left:
         raise NotImplementedError(f"a stage of {type(model).__name__} keeps tensors the whole model does not "
                                   f"share ({', '.join(left[:3])})")
-    return stage.eval()
+    return stage

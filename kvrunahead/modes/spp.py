@@ -49,6 +49,12 @@ class Pipe:
         self.lookahead = lookahead
         self._pending: dict[int, tuple] = {}
 
+    @classmethod
+    def of(cls, model: torch.nn.Module, transport: Transport) -> Pipe:
+        """The pipe of ``model``'s stage: messages of its hidden size, in its weights' dtype, on their device."""
+        param = next(p for p in model.parameters() if p.is_floating_point())
+        return cls(transport, model.config.hidden_size, param.dtype, param.device)
+
     @property
     def rank(self) -> int:
         return self.transport.rank
@@ -113,8 +119,7 @@ def _pipeline(model, input_ids, transport, chunk_tokens, cache, start):
     n = input_ids.shape[1]
     parts = [(a + start, e + start) for a, e in chunks(n, chunk_tokens)]
     cache = cache if cache is not None else DynamicCache(config=model.config)
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    pipe = Pipe(transport, model.config.hidden_size, dtype, input_ids.device)
+    pipe = Pipe.of(model, transport)
     for c in range(min(pipe.lookahead, len(parts))):
         pipe.post(c, parts[c][1] - parts[c][0])
     logits = None
@@ -141,21 +146,19 @@ def spp_decode(model: torch.nn.Module, cache: DynamicCache, transport: Transport
                position: int, max_new_tokens: int, eos_token_ids: set[int]) -> list[int] | None:
     """Greedy tokens after a pipelined prefill, one token at a time through every stage. The last stage passes
     ``first_token`` (at ``position``) and gets the tokens, first included; the others pass None and get None."""
-    device = next(model.parameters()).device
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    pipe = Pipe(transport, model.config.hidden_size, dtype, device)
+    pipe = Pipe.of(model, transport)
     tokens = [first_token] if pipe.last else []
     grow_in_place(cache)
     step = 0
     while True:
         go = pipe.last and len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids
         said = torch.tensor([tokens[-1] if pipe.last else -1, int(go)], dtype=torch.int64)
-        token, go = transport.all_gather(said)[-1].tolist() if transport.world_size > 1 else said.tolist()
+        token, go = transport.all_gather(said)[-1].tolist()  # the last stage's word
         if not go:
             transport.drain()
             return tokens if pipe.last else None
         if pipe.first:
-            hidden = stage_forward(model, cache, position + step, ids=torch.tensor([[token]], device=device))
+            hidden = stage_forward(model, cache, position + step, ids=torch.tensor([[token]], device=pipe.device))
         else:
             pipe.post(step, 1)
             hidden = stage_forward(model, cache, position + step, hidden=pipe.take(step))

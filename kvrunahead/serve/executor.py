@@ -108,8 +108,7 @@ class RankContext:
         """This rank's pipeline stage of the model (a view sharing its weights, model/stage.py)."""
         key = (rope, stages)
         if key not in self.views:
-            spec = StageSpec(stages[self.rank], stages[self.rank + 1], stages[-1])
-            self.views[key] = stage_view(self.model(rope)[0].model, spec)
+            self.views[key] = stage_view(self.model(rope)[0].model, StageSpec.of(stages, self.rank))
         return self.views[key]
 
     def model(self, rope: RopeExtension | None) -> tuple[LoadedModel, KVLayout]:

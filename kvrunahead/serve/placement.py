@@ -175,13 +175,14 @@ class Placement:
         the next chunk, the front alone after the last. A prompt that decodes KV-parallel has its chunks computed
         KV-parallel too (each rank attends its shard); with ``--prefill spp`` they run through the pipeline."""
         start, end = cuts[0], cuts[-1]
-        if self.pipeline is None and score is None and self.decodes_kvp(len(ids)):
+        path = self.chunk_path(len(ids), score is not None)
+        if path == "kvp":
             # KVP for prefill chunks: the prompt's K,V fill rank 0's shard first, then the next rank's, an even
             # share each (Medha's progressive scaling), so no rank holds every earlier position
             share = -(-len(ids) // self.ctx.world_size)
             return Segment(request_id, tuple(ids[start:end]), start, held=SHARDED if start else NOWHERE,
                            keep=SHARDED, rope=rope, owner=min(start // share, self.ctx.world_size - 1))
-        if self.pipeline is not None and score is None:
+        if path == "spp":
             stages, chunk, _ = self.stages(len(ids))
             return Segment(request_id, tuple(ids[start:end]), start, held=STAGED if start else NOWHERE,
                            keep=FRONT if end == len(ids) else STAGED, rope=rope, stages=stages,
@@ -227,19 +228,28 @@ class Placement:
                                                 f"tokens ({source})"
         return self._pipelines[n]
 
+    def chunk_path(self, n: int, scored: bool) -> str:
+        """How an ``n``-token prompt's chunks run: "spp" through the pipeline (``--prefill spp``), "kvp" KV-parallel
+        (a prompt that decodes so), else "chain"; a scored prompt's over the chain."""
+        if scored:
+            return "chain"
+        if self.pipeline is not None:
+            return "spp"
+        return "kvp" if self.decodes_kvp(n) else "chain"
+
     def chunked_source(self, seq) -> str:
         """What a chunked prefill's response says its partition came from (``seq``: a serve.sequence.Sequence)."""
-        if seq.request.params.prompt_logprobs is None and self.pipeline is not None:
+        path = self.chunk_path(seq.prompt_len, seq.request.params.prompt_logprobs is not None)
+        if path == "spp":
             return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
-        if self.chunked_decode(seq) == "kvp":
+        if path == "kvp":
             return "chunked prefill, KV-parallel: each chunk's K,V kept on one rank, the ranks filled in order"
         return "chunked prefill"
 
     def chunked_decode(self, seq) -> str:
-        """How a chunked prompt decodes: KV-parallel where its chunks were (``chunk``), else gathered."""
-        scored = seq.request.params.prompt_logprobs is not None
-        kvp = self.pipeline is None and not scored and self.decodes_kvp(seq.prompt_len)
-        return "kvp" if kvp else "gathered"
+        """How a chunked prompt decodes: KV-parallel where its chunks were, else gathered."""
+        return "kvp" if self.chunk_path(seq.prompt_len, seq.request.params.prompt_logprobs is not None) == "kvp" \
+            else "gathered"
 
     def partition(self, n: int):
         """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
