@@ -18,7 +18,8 @@ class RunConfig:
     kvr_attention: str = "auto"  # split where the model uses the attention interface, else masked
     table: str | None = None
     force_table: bool = False
-    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU
+    dtype: str | None = None  # float32 on CPU, bfloat16 on GPU; auto: what the hardware is fast in
+    compile: bool = False  # the decoder stack through torch.compile (model/compiled.py)
     device: str = "auto"
     threads: int | None = None
     max_new_tokens: int = 1

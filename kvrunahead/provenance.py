@@ -8,18 +8,32 @@ import subprocess
 from pathlib import Path
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as Linux reports it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """The host a number was measured on, read from the host: '2-vCPU Intel(R) Xeon(R) Processor, 24 GiB'."""
+    try:
+        gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        gib = 0.0
+    return f"{os.cpu_count()}-vCPU {cpu_name()}, {gib:.0f} GiB"
+
+
 def environment(model: str, transport: str, threads: int, network: str) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()

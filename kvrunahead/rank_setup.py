@@ -9,9 +9,10 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, pick_backend
-from kvrunahead.model.device import default_threads, resolve_device, resolve_dtype
+from kvrunahead.model.compiled import compile_model
+from kvrunahead.model.device import config_dtype, default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
-from kvrunahead.model.load import LoadedModel, load_model
+from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.transport import Transport, make_transport
@@ -35,7 +36,7 @@ class RankSetup:
 
     def load(self, cfg: RunConfig, rope: RopeExtension | None) -> LoadedModel:
         """The same model with another RoPE extension (loaded once per extension)."""
-        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope)
+        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope, compiled=cfg.compile)
 
 
 def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
@@ -44,21 +45,26 @@ def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
     device = resolve_device(cfg.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = resolve_dtype(cfg, device)
+    own = config_dtype(resolve_config(cfg.model)) if cfg.dtype == "auto" and device.type == "cuda" else None
+    dtype = resolve_dtype(cfg, device, own)
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage)
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile)
     transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s, cfg.allgather)
     return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport)
 
 
 def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
-                 rope: RopeExtension | None = None, stage: StageSpec | None = None) -> LoadedModel:
-    """Models stay loaded across runs of one process (benchmarks, test harnesses)."""
-    key = (name, dtype, str(device), seed, rope, stage)
+                 rope: RopeExtension | None = None, stage: StageSpec | None = None,
+                 compiled: bool = False) -> LoadedModel:
+    """Models stay loaded across runs of one process (benchmarks, test harnesses); ``compiled``: its decoder stack
+    through torch.compile (model/compiled.py), warmed up here, before anything is timed."""
+    key = (name, dtype, str(device), seed, rope, stage, compiled)
     if key not in _MODELS:
         _MODELS.clear()
         _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope, stage=stage)
+        if compiled:
+            compile_model(_MODELS[key].model)
     return _MODELS[key]
 
 

@@ -16,7 +16,8 @@ from kvrunahead.decide.policy import Prepared, network_label, prepare
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import oversubscribed, peak_memory_bytes, reset_peak_memory, resolve_device
+from kvrunahead.model.compiled import eager
+from kvrunahead.model.device import oversubscribed, peak_memory_bytes, reset_peak_memory, resolve_device, synchronize
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
@@ -107,6 +108,7 @@ class RunResult:
     pipeline_source: str | None = None
     decode: str = "gathered"  # or kvp: every rank decoded on its own part of the cache
     decode_s: float | None = None  # seconds from the first token to the last (the tokens after the first)
+    compiled: bool = False  # the decoder stack ran through torch.compile (--compile)
     verification: Verification | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -226,6 +228,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         allgather=ran.transport.allgather if cfg.mode in ("tsp", "cp-allgather") and p > 1 else None,
         device=str(device),
         dtype=str(ran.dtype).removeprefix("torch."),
+        compiled=cfg.compile,
         threads_per_rank=ran.threads,
         oversubscribed=oversubscribed(ran.threads, world.local_world_size),
         context_len=len(prepared.ids),
@@ -262,14 +265,12 @@ def timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, e
     token chosen). Returns the logits, the cache, the first token (-1 off the emitting rank) and the seconds."""
     if step.transport.world_size > 1:  # a single process inside a world of ranks (kvr-bench's singles) meets nobody
         liveness.patient_barrier("the other ranks to start the prefill")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     reset_peak_memory(device)
     t0 = time.perf_counter()
     logits, cache = mode.prefill(step, state)
     first_token = int(logits.argmax()) if emits else -1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return logits, cache, first_token, time.perf_counter() - t0
 
 
@@ -326,6 +327,7 @@ class AloneCheck:
 
 
 @torch.no_grad()
+@eager()  # the reference is the eager model, compiled or not
 def check_alone(lm: LoadedModel, ids: list[int], tokens: list[int], first_logits: torch.Tensor, dtype: torch.dtype,
                 max_new_tokens: int) -> AloneCheck:
     device = next(lm.model.parameters()).device
@@ -339,6 +341,7 @@ def check_alone(lm: LoadedModel, ids: list[int], tokens: list[int], first_logits
 
 
 @torch.no_grad()
+@eager()
 def where_parted(model: torch.nn.Module, ids: list[int], reference: list[int], tokens: list[int]) -> tuple[int, float]:
     """The first step where two greedy continuations of ``ids`` differ, and the gap between the two tokens'
     logits there, from one reference forward over the prompt and the tokens both chose before it."""
@@ -353,6 +356,7 @@ def where_parted(model: torch.nn.Module, ids: list[int], reference: list[int], t
 
 
 @torch.no_grad()
+@eager()
 def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, dtype: torch.dtype, threads: int,
            all_threads: int) -> Verification:
     """Run the single-process prefill and decode of the same prompt and compare; time the single process at

@@ -47,6 +47,8 @@ def main() -> None:
                 "stages": d["stages"],
                 "chunk_tokens": d["chunk_tokens"],
                 "peak_mem_bytes": [r["peak_mem_bytes"] for r in d["ranks"]],
+                "compiled": d["compiled"],
+                "dtype": d["dtype"],
             }
     # Whichever rank emitted the first token of a case holds its result (the last rank, or rank 0 for
     # the zigzag modes): each rank writes its own file.

@@ -8,7 +8,8 @@ import torch
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import pick_backend
-from kvrunahead.model.device import resolve_device, resolve_dtype
+from kvrunahead.model import device as device_module
+from kvrunahead.model.device import dtype_name, fast_dtype, resolve_device, resolve_dtype
 
 
 def test_with_cuda_each_local_rank_takes_its_gpu_in_bfloat16_over_nccl(monkeypatch):
@@ -29,6 +30,30 @@ def test_without_cuda_ranks_run_on_cpu_in_float32_over_gloo(monkeypatch):
     assert resolve_dtype(RunConfig(), device) == torch.float32
     with pytest.raises(InputError, match="--device cuda asked for, but"):
         resolve_device("cuda", 0)
+
+
+@pytest.mark.parametrize("flags, fast", [({"avx512f", "avx512_bf16"}, "bfloat16"),
+                                         ({"amx_bf16", "amx_tile"}, "bfloat16"),
+                                         ({"avx2", "avx512f"}, "float32"), (set(), "float32")])
+def test_dtype_auto_on_a_cpu_is_bfloat16_only_where_the_cpu_has_bfloat16_instructions(monkeypatch, flags, fast):
+    monkeypatch.setattr(device_module, "cpu_flags", lambda: frozenset(flags))
+    assert fast_dtype("cpu") == fast
+    assert resolve_dtype(RunConfig(dtype="auto"), torch.device("cpu")) == device_module.DTYPES[fast]
+    assert dtype_name(None, "cpu") == "float32"  # without --dtype: float32 on a CPU, whatever it has
+
+
+def test_dtype_auto_on_a_gpu_is_the_models_own_16_bit_dtype():
+    assert fast_dtype("cuda", "float16") == "float16"
+    assert fast_dtype("cuda", "bfloat16") == "bfloat16"
+    assert fast_dtype("cuda", "float32") == "bfloat16"  # a checkpoint stored in float32 (a converted GGUF)
+    assert fast_dtype("cuda") == "bfloat16"
+    with pytest.raises(InputError, match="unknown dtype 'float64'"):
+        dtype_name("float64", "cpu")
+
+
+def test_this_machines_cpu_flags_are_read():
+    flags = device_module.cpu_flags()
+    assert not flags or "fpu" in flags or "fp" in flags or "sse2" in flags  # x86 or an ARM's 'fp'
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -53,8 +53,15 @@ def test_the_dry_run_runs_every_step_on_cpu_and_writes_the_promised_files(dry_ru
     assert {p.name for p in out.iterdir()} == FILES  # at most 8 files come back from the GPU machine
     assert re.search(r"exactness on cpu: \d+ passed", done.stdout)
     rows = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
-    assert {r["kind"] for r in rows} == {"single-prefill", "kvr-last-rank"}
-    assert all(r["ttft_s"] > 0 for r in rows)
+    assert {r["kind"] for r in rows} == {"single-prefill", "kvr-last-rank", "decode-step", "prefill-peak"}
+    assert all(r["ttft_s"] > 0 for r in rows if r["kind"] in ("single-prefill", "kvr-last-rank", "prefill-peak"))
+    decode = [r for r in rows if r["kind"] == "decode-step"]
+    # on a CPU the step runs eagerly and the row says the graph was not captured; on a GPU it has graph_s
+    assert [r["batch"] for r in decode] == [1, 2] and all(r["eager_s"] > 0 for r in decode), decode
+    assert all(r["graph"] == "not captured: no CUDA device" for r in decode)
+    peak = {r["compiled"]: r for r in rows if r["kind"] == "prefill-peak"}
+    assert set(peak) == {False, True} and peak[True]["compile_s"] > 0
+    assert all(0 < r["share_of_matmul_peak"] and r["flops"] > 0 for r in peak.values())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in predictions if r["kind"] == "prediction-8gpu"} == {"kvr", "tsp", "cp-allgather",
                                                                                   "ring"}
@@ -67,7 +74,8 @@ def test_the_plan_for_one_h100_fits_the_default_budget(dry_run):
     done, _ = dry_run
     steps = dict(re.findall(r"^  (\S+)\s+([\d.]+) s(?: predicted)?$", done.stdout, re.M))
     budget = float(re.search(r"budget (\d+) s:", done.stdout).group(1))
-    assert set(steps) == {"machine", "exactness", "calibrate", "prefill", "rank-part", "predictions", "total"}
+    assert set(steps) == {"machine", "exactness", "calibrate", "prefill", "rank-part", "decode-graphs",
+                          "prefill-peak", "predictions", "total"}
     assert float(steps["total"]) <= 0.8 * budget  # a fifth left for what the plan does not model
 
 

@@ -9,6 +9,10 @@ Steps, in the order of their value (a wrong GPU path makes every later number mo
                TTFT, tokens/s, peak memory
   rank-part    the last rank of an 8-GPU KV-Runahead chain: its part's queries against the prefix before it,
                through the runtime's own chain code with the prefix held locally (what that rank computes)
+  decode-graphs  decode steps of Llama-7B's shape at batch 1, 8 and 32 over a 512-token static cache: eager
+               against the same step captured once as a CUDA graph and replayed (time per output token)
+  prefill-peak the 16k single prefill of Llama-7B's shape, eager and compiled (torch.compile), its counted FLOPs
+               against the device's dense bf16 peak (measured by a large matmul, and the data sheet's)
   predictions  the simulator beside every measurement (relative error), and 8-GPU predictions from the measured
                profile (labelled predictions: one GPU measures no link)
 Every step has a predicted time from the built-in GPU profile (printed first); ``--budget-s`` skips what would not
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -46,6 +51,11 @@ PEER_MODES = ("kvr", "tsp", "cp-allgather", "ring")
 NEEDS = ("torch", "transformers", "safetensors", "accelerate", "numpy", "scipy", "click", "pytest")
 FILES = ("machine.json", "exactness.txt", "profile.json", "timings.jsonl", "predictions.jsonl", "summary.md",
          "campaign.log")
+DECODE_BATCHES = (1, 8, 32)
+DECODE_CONTEXT = 512
+PEAK_CONTEXT = 16384
+# Dense bf16 tensor-core peaks of the data sheets (TFLOP/s, without sparsity), by a word of the device's name.
+SHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
 @dataclass(frozen=True)
@@ -123,7 +133,8 @@ def predicted_steps(setup: Setup) -> dict[str, float]:
     from kvrunahead.sim.simulate import simulate
 
     if setup.tiny:
-        return {"machine": 2, "exactness": 30, "calibrate": 60, "prefill": 20, "rank-part": 20, "predictions": 10}
+        return {"machine": 2, "exactness": 30, "calibrate": 60, "prefill": 20, "rank-part": 20, "decode-graphs": 20,
+                "prefill-peak": 60, "predictions": 10}
     configs = model_configs(False)
     calibrate = 30 + calibrate_s(gpu_cost(configs["llama-7b"]), setup.repeats)
     runs = setup.repeats + 1  # a warm-up each
@@ -134,8 +145,13 @@ def predicted_steps(setup: Setup) -> dict[str, float]:
             prefill += runs * simulate(cost, "single", n, 1).ttft_s
             # the last rank of an even 8-way chain (an upper bound on an uneven one's last part)
             rank += runs * part_s(cost, n / CHAIN_RANKS, n - n / CHAIN_RANKS)
+    llama = gpu_cost(configs["llama-7b"])
+    # drawing the model and filling each batch's cache (a prefill of batch x 512 tokens); the steps themselves
+    # (about 50 of a few ms each) are in the 20 s
+    decode = 20 + sum(simulate(llama, "single", b * DECODE_CONTEXT, 1).ttft_s for b in DECODE_BATCHES)
+    peak = 90 + 2 * runs * simulate(llama, "single", PEAK_CONTEXT, 1).ttft_s  # 90 s: compiling the 7B stack
     return {"machine": 5, "exactness": 70, "calibrate": calibrate, "prefill": 20 + prefill, "rank-part": 20 + rank,
-            "predictions": 15}
+            "decode-graphs": decode, "prefill-peak": peak, "predictions": 15}
 
 
 def calibrate_s(cost, repeats: int) -> float:
@@ -413,7 +429,142 @@ def _profile(setup: Setup):
     return HardwareProfile.load(path) if path.exists() else builtin_profiles()["h100-nvlink"]
 
 
-# ---------------------------------------------------------------- step 6: the simulator beside the measurements
+# ---------------------------------------------------------------- step 6: decode steps as CUDA graphs
+
+def step_decode_graphs(setup: Setup, log: Log, deadline: float) -> None:
+    """One decode step of Llama-7B's shape (random bf16 weights) at each batch size, every row behind a
+    512-token prompt in a static cache (transformers' ``StaticCache``: fixed addresses, what a graph needs): the
+    eager step, then the same step captured once as a CUDA graph and replayed. Rows: time per output token of
+    each and their ratio; the replay's logits against the eager step's. On a CPU (the dry run) the graph is not
+    captured and the row says so."""
+    config = model_configs(setup.tiny)["llama-7b"]
+    model = _build(config, setup)
+    context = 32 if setup.tiny else DECODE_CONTEXT
+    for batch in (1, 2) if setup.tiny else DECODE_BATCHES:
+        row = {"kind": "decode-step", "model": "llama-7b", "batch": batch, "context": context, "tokens": batch,
+               "device": setup.device, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+        if log.elapsed() > deadline:
+            row["skipped"] = "over the budget"
+            write_row(setup.out / "timings.jsonl", row)
+            continue
+        try:
+            row.update(_decode_graph_row(model, config, batch, context, setup))
+        except Exception as e:  # noqa: BLE001 - a capture that fails is a finding: its row says why
+            row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        write_row(setup.out / "timings.jsonl", row)
+        log(f"decode-step llama-7b batch {batch}: " + (
+            f"eager {row['eager_s'] * 1e3:.2f} ms, graph "
+            + (f"{row['graph_s'] * 1e3:.2f} ms ({row['speedup']:.2f}x)" if "graph_s" in row else row["graph"])
+            if "eager_s" in row else row.get("failed", row.get("skipped", ""))))
+        _empty(setup.device)
+    del model
+    _empty(setup.device)
+
+
+def _decode_graph_row(model, config, batch: int, context: int, setup: Setup) -> dict:
+    import torch
+    from transformers import StaticCache
+
+    device = setup.device
+    with torch.no_grad():
+        cache = StaticCache(config=config, max_cache_len=context + 1)
+        prompt = torch.randint(0, config.vocab_size, (batch, context), device=device)
+        model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(context, device=device),
+              use_cache=True, logits_to_keep=1)
+        ids = torch.randint(0, config.vocab_size, (batch, 1), device=device)
+        position = torch.tensor([context], device=device)
+
+        def step():
+            return model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True).logits
+
+        eager_logits = step().float()
+        out = {}
+        out["eager_s"], out["eager_times_s"] = _time(step, setup.repeats)
+        if device != "cuda":
+            out["graph"] = "not captured: no CUDA device"
+            return out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        out["graph_max_abs_logit_diff"] = float((captured.float() - eager_logits).abs().max())
+        out["graph_s"], out["graph_times_s"] = _time(graph.replay, setup.repeats)
+        out["speedup"] = out["eager_s"] / out["graph_s"]
+        del graph, captured
+    return out
+
+
+# ---------------------------------------------------------------- step 7: the 16k prefill against the dense peak
+
+def step_prefill_peak(setup: Setup, log: Log, deadline: float) -> None:
+    """Llama-7B's shape (random bf16 weights), one 16k prompt through the decoder layers and the LM head on its
+    last position, eager and then compiled (``torch.compile`` of the decoder stack, inductor); its FLOPs counted
+    as the cost model counts them (projections, MLP, causal attention pairs, one LM-head row). The peak: a
+    8192-cube bf16 matmul timed on the device, and the data sheet's dense figure where the name is known."""
+    import torch
+
+    from kvrunahead.sim.flops import part_flops
+    from kvrunahead.sim.simulate import simulate
+
+    config = model_configs(setup.tiny)["llama-7b"]
+    n = 256 if setup.tiny else PEAK_CONTEXT
+    size = 256 if setup.tiny else 8192
+    dtype = torch.float32 if setup.tiny else torch.bfloat16
+    a = torch.randn(size, size, device=setup.device, dtype=dtype)
+    b = torch.randn(size, size, device=setup.device, dtype=dtype)
+    peak_s, _ = _time(functools.partial(torch.matmul, a, b), setup.repeats)
+    measured_peak = 2.0 * size**3 / peak_s
+    sheet = next((v for k, v in SHEET_BF16_TFLOPS.items() if setup.device == "cuda"
+                  and k in torch.cuda.get_device_name()), None)
+    del a, b
+    log(f"prefill-peak: {size}^3 matmul {measured_peak / 1e12:.1f} TFLOP/s"
+        + (f", data sheet {sheet:.0f}" if sheet else ""))
+    model = _build(config, setup)
+    flops = part_flops(config, 0, n, "split", lm_head_rows=1)
+    ids = torch.randint(0, config.vocab_size, (1, n), device=setup.device)
+    cost = gpu_cost(config)
+    for compiled in (False, True):
+        if compiled:
+            model.base_model.compile(dynamic=False)
+
+        @torch.no_grad()
+        def run(ids=ids, model=model):
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            return model.lm_head(hidden[:, -1:])
+
+        row = {"kind": "prefill-peak", "model": "llama-7b", "context": n, "tokens": n, "device": setup.device,
+               "compiled": compiled, "flops": flops, "matmul_peak_flops_per_s": measured_peak,
+               "sheet_peak_tflops": sheet}
+        if log.elapsed() + (setup.repeats + 2) * simulate(cost, "single", n, 1).ttft_s + 90 * compiled > deadline:
+            row["skipped"] = "over the budget"
+        else:
+            if compiled:
+                t0 = time.perf_counter()
+                run()  # the compile, outside the timing
+                row["compile_s"] = time.perf_counter() - t0
+            row["ttft_s"], row["times_s"] = _time(run, setup.repeats)
+            row["flops_per_s"] = flops / row["ttft_s"]
+            row["share_of_matmul_peak"] = row["flops_per_s"] / measured_peak
+            if sheet:
+                row["share_of_sheet_peak"] = row["flops_per_s"] / (sheet * 1e12)
+        write_row(setup.out / "timings.jsonl", row)
+        log(f"prefill-peak {'compiled' if compiled else 'eager'} {n}: " + (
+            f"{row['ttft_s']:.4f} s, {row['flops_per_s'] / 1e12:.1f} TFLOP/s, "
+            f"{row['share_of_matmul_peak']:.1%} of the matmul's"
+            + (f", {row['share_of_sheet_peak']:.1%} of the sheet's" if sheet else "")
+            if "ttft_s" in row else row["skipped"]))
+    del model, ids
+    _empty(setup.device)
+
+
+# ---------------------------------------------------------------- step 8: the simulator beside the measurements
 
 def step_predictions(setup: Setup, log: Log) -> None:
     from kvrunahead.sim.costmodel import CostModel
@@ -436,7 +587,7 @@ def step_predictions(setup: Setup, log: Log) -> None:
              "| what | model | context | measured s | " + " | ".join(profiles) + " |",
              "|---|---|---:|---:|" + "---:|" * len(profiles)]
     for row in rows:
-        if "ttft_s" not in row:
+        if "ttft_s" not in row or row["kind"] not in ("single-prefill", "kvr-last-rank"):
             continue
         config = configs[row["model"]]
         cells = []
@@ -484,7 +635,7 @@ def _machine_line(setup: Setup) -> str:
 
 # ---------------------------------------------------------------- the run
 
-STEPS = ("machine", "exactness", "calibrate", "prefill", "rank-part", "predictions")
+STEPS = ("machine", "exactness", "calibrate", "prefill", "rank-part", "decode-graphs", "prefill-peak", "predictions")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -540,7 +691,8 @@ def main(out_dir, budget_s, device, tiny, dry_run, steps, repeats) -> None:
                 {"machine": step_machine, "predictions": step_predictions}[name](setup, log)
             else:
                 {"exactness": step_exactness, "calibrate": step_calibrate, "prefill": step_prefill,
-                 "rank-part": step_rank_part}[name](setup, log, budget_s)
+                 "rank-part": step_rank_part, "decode-graphs": step_decode_graphs,
+                 "prefill-peak": step_prefill_peak}[name](setup, log, budget_s)
         except Exception as e:  # noqa: BLE001 - a step that breaks is reported; the others still run
             failed.append(name)
             log(f"{name}: FAILED: {type(e).__name__}: {e}")

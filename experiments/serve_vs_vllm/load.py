@@ -36,6 +36,8 @@ sys.path.insert(0, str(HERE))
 
 from single import MODEL, ROOT, VENV, Server, model_dir  # noqa: E402
 
+from kvrunahead.provenance import machine  # noqa: E402
+
 OUT = HERE / "load"
 PORT = 8302
 SHAREGPT_RATES = (0.25, 0.5)
@@ -73,7 +75,7 @@ def vllm_bench(url: str, server: str, result: Path, args: list[str]) -> None:
            "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--goodput", "ttft:2000", "tpot:200", "--save-result", "--result-dir", str(result.parent),
            "--result-filename", result.name + ".tmp", "--metadata", f"server={server}", f"commit={commit()}",
-           "machine=2-vCPU Intel Xeon, 24 GiB", *args]
+           f"machine={machine()}", *args]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd="/tmp", env=dict(os.environ, PYTHONUNBUFFERED="1"))
     (result.parent / (result.name + ".tmp")).rename(result)

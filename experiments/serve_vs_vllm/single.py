@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrunahead.provenance import machine
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ROWS = HERE / "rows.jsonl"
@@ -158,7 +160,7 @@ def run(rounds: int, lengths: list[int], families: list[str], first: int = 1) ->
                     one(up.url, prompt_ids(512, 99))  # warm-up: the first request pays the weights' first touch
                     for tokens in todo:
                         row = {"round": rnd, "server": server, "tokens": tokens,
-                               **one(up.url, prompt_ids(tokens, rnd)), "machine": "2-vCPU Intel Xeon, 24 GiB",
+                               **one(up.url, prompt_ids(tokens, rnd)), "machine": machine(),
                                "commit": commit, "command": "python experiments/serve_vs_vllm/single.py",
                                "date": time.strftime("%Y-%m-%d")}
                         with ROWS.open("a") as f:

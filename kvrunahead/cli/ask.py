@@ -57,7 +57,8 @@ def format_result(r) -> str:
                    "prefilled over them by KV-Runahead, the questions answered on the last.")
 @click.option("--partition", default="auto", show_default=True, help="The context's partition, as in kvr-prefill.")
 @common.kvr_attention_option(help="The context's chain attention, as in kvr-prefill.")
-@common.dtype_option(help="Default: float32 on CPU, bfloat16 on GPU.")
+@common.dtype_option()
+@common.compile_option()
 @common.device_option()
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,

@@ -74,6 +74,8 @@ def _list(text: str, cast=str) -> list:
 @common.kvr_attention_option("Attention of the kvr jobs (kvr-even, kvr-best and its sweep, kvr-nocomm, tables; "
                              "kvr-default always takes auto); what ran is recorded in every row.")
 @common.allow_long_context_option()
+@common.dtype_option()
+@common.compile_option()
 @common.timeout_option(600.0)
 @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())
 @click.option("--resume", is_flag=True,
@@ -86,7 +88,8 @@ def _list(text: str, cast=str) -> list:
 @click.option("--replot", is_flag=True,
               help="Measure nothing: rebuild summary.csv/md and the plots from the runs.jsonl in --out.")
 def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, threads, nets, allgather, tables,
-        force_table, kvr_attention, allow_long_context, timeout_s, out_dir, resume, interleave, replot):
+        force_table, kvr_attention, allow_long_context, dtype, compile, timeout_s, out_dir, resume, interleave,
+        replot):
     """Measure TTFT of every prefill mode; write runs.csv/jsonl, summary.csv/md and plots to --out.
 
     \b
@@ -102,7 +105,8 @@ def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, thr
     except NetError as e:
         common.fail(PROG, str(e))
     config = {"model": model, "allow_long_context": allow_long_context, "max_new_tokens": 1,
-              "timeout_s": timeout_s, "device": "cpu", "allgather": allgather, "force_table": force_table}
+              "timeout_s": timeout_s, "device": "cpu", "allgather": allgather, "force_table": force_table,
+              "dtype": dtype, "compile": compile}
     out = Path(out_dir)
     if replot:
         _replot(out)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import click
 
-from kvrunahead.choices import ALLGATHERS, DEFAULT_MODEL, DEVICES, DTYPES, KVR_ATTENTIONS
+from kvrunahead.choices import ALLGATHERS, DEFAULT_MODEL, DEVICES, DTYPE_CHOICES, KVR_ATTENTIONS
 from kvrunahead.errors import InputError, LaunchError, PeerTimeout, ProfileError
 from kvrunahead.net.spec import NetError
 from kvrunahead.prompt import PromptError
@@ -46,8 +46,20 @@ def allgather_option(help: str):
     return click.option("--allgather", type=click.Choice(ALLGATHERS), default="auto", show_default=True, help=help)
 
 
-def dtype_option(help: str | None = None):
-    return click.option("--dtype", type=click.Choice(DTYPES), default=None, help=help)
+DTYPE_HELP = ("Default: float32 on CPU, bfloat16 on GPU. auto: what the hardware is fast in (bfloat16 on a CPU "
+              "with avx512_bf16 or AMX, else float32; the model's 16-bit dtype on a GPU).")
+
+
+def dtype_option(help: str = DTYPE_HELP):
+    return click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None, help=help)
+
+
+def compile_option():
+    return click.option(
+        "--compile/--no-compile", "compile", default=False, show_default=True,
+        help="Run every rank's decoder stack through torch.compile (inductor, dynamic shapes). The first call of "
+             "each shape family compiles (minutes on a CPU; logged); inductor's cache under ~/.cache/kvrunahead "
+             "(KVR_CACHE) makes later starts quicker.")
 
 
 def device_option(help: str | None = None):

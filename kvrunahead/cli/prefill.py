@@ -34,7 +34,8 @@ def format_result(r: RunResult) -> str:
         f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}"
         f"   transport {r.transport}" + (f"   all-gather {r.allgather}" if r.allgather else ""),
         f"network      {r.network}",
-        f"device       {r.device}   dtype {r.dtype}   threads/rank {r.threads_per_rank}"
+        f"device       {r.device}   dtype {r.dtype}{' (compiled)' if r.compiled else ''}   "
+        f"threads/rank {r.threads_per_rank}"
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens" + (f"   ({r.rope_extension})" if r.rope_extension else ""),
     ]
@@ -154,8 +155,8 @@ def _continuation(v) -> str:
          "native on NCCL.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
-@common.dtype_option(
-    help="Default: float32 on CPU, bfloat16 on GPU.")
+@common.dtype_option()
+@common.compile_option()
 @common.device_option(
     help="auto: one GPU per rank (by LOCAL_RANK) with NCCL when CUDA is present, else CPU with gloo.")
 @click.option("--threads", type=int, default=None,

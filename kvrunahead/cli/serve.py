@@ -110,10 +110,10 @@ def _engine_config(options: dict):
     from kvrunahead.serve.config import EngineConfig
 
     run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
-                    table=options["table"], dtype=options["dtype"], device=options["device"],
-                    threads=options["threads"], timeout_s=options["timeout_s"], net=options["net"],
-                    seed=options["seed"], allow_long_context=options["allow_long_context"], context_len=None,
-                    decode=options["decode"])
+                    table=options["table"], dtype=options["dtype"], compile=options["compile"],
+                    device=options["device"], threads=options["threads"], timeout_s=options["timeout_s"],
+                    net=options["net"], seed=options["seed"], allow_long_context=options["allow_long_context"],
+                    context_len=None, decode=options["decode"])
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
                         degree=options["degree"], pack_tokens=options["pack_tokens"],
                         prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
@@ -267,7 +267,8 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @common.timeout_option(60.0, help="Seconds a rank waits on another before the server fails (and exits 1).")
 @click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
               help="After SIGTERM: seconds the requests in flight get to finish before they are ended.")
-@common.dtype_option(help="Default: float32 on CPU, bfloat16 on GPU.")
+@common.dtype_option()
+@common.compile_option()
 @common.device_option()
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")
 @common.allow_long_context_option(help="Run beyond the trained positions without a RoPE extension.")

@@ -18,7 +18,7 @@ from kvrunahead.decide.tables import Lookup, Table, TableError, TableKey, find_t
 from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.kvp import check_kvp
 from kvrunahead.model.attention import uses_attention_interface
-from kvrunahead.model.device import check_device, default_threads
+from kvrunahead.model.device import check_device, config_dtype, default_threads, dtype_name
 from kvrunahead.model.layout import soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
@@ -45,8 +45,8 @@ class Prepared:
     pipeline_source: str | None = None  # spp: where the stages and chunk come from
 
 
-def _dtype_name(cfg: RunConfig) -> str:
-    return cfg.dtype or ("bfloat16" if _device_kind(cfg) == "cuda" else "float32")
+def _dtype_name(cfg: RunConfig, config=None) -> str:
+    return dtype_name(cfg.dtype, _device_kind(cfg), config_dtype(config) if config is not None else None)
 
 
 def _device_kind(cfg: RunConfig) -> str:
@@ -89,7 +89,7 @@ def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
 
 
 def table_key(cfg: RunConfig, config, world_size: int, attention: str, local_world_size: int) -> TableKey:
-    return TableKey(cfg.model, config_hash(config), world_size, _dtype_name(cfg), attention, _device_kind(cfg),
+    return TableKey(cfg.model, config_hash(config), world_size, _dtype_name(cfg, config), attention, _device_kind(cfg),
                     network_label(cfg, world_size, local_world_size))
 
 
@@ -207,7 +207,7 @@ def plan_stages(cfg: RunConfig, config, n: int, world_size: int, local_world_siz
     if _device_kind(cfg) == "cpu":
         threads = cfg.threads or default_threads(local_world_size)
         try:
-            plan, source = predicted_pipeline(config, _dtype_name(cfg), threads, n, world_size,
+            plan, source = predicted_pipeline(config, _dtype_name(cfg, config), threads, n, world_size,
                                               network_label(cfg, world_size, local_world_size), given,
                                               cfg.chunk_tokens, attention)
         except ProfileError as e:

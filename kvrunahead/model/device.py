@@ -34,11 +34,52 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    name = cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU instructions that make bfloat16 GEMMs faster than float32's
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags, as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def fast_dtype(device_kind: str, model_dtype: str | None = None) -> str:
+    """``--dtype auto``: what the hardware is fast in. On a GPU the model's own 16-bit dtype (bfloat16 for a
+    checkpoint stored in float32); on a CPU bfloat16 where it has avx512_bf16 or AMX, else float32 (a CPU without
+    them computes bfloat16 by conversion, slower than float32)."""
+    if device_kind == "cuda":
+        return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
+    return "bfloat16" if cpu_flags() & set(BF16_FLAGS) else "float32"
+
+
+def dtype_name(requested: str | None, device_kind: str, model_dtype: str | None = None) -> str:
+    """The dtype a run computes in: the one asked for; ``auto``, the fast one; none, float32 on a CPU and
+    bfloat16 on a GPU."""
+    if requested == "auto":
+        return fast_dtype(device_kind, model_dtype)
+    name = requested or ("bfloat16" if device_kind == "cuda" else "float32")
     if name not in DTYPES:
-        raise InputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+        raise InputError(f"unknown dtype {name!r}: use one of auto, {', '.join(DTYPES)}")
+    return name
+
+
+def config_dtype(config) -> str | None:
+    """The dtype a transformers config says its weights are stored in, by name."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def resolve_dtype(cfg: RunConfig, device: torch.device, model_dtype: str | None = None) -> torch.dtype:
+    return DTYPES[dtype_name(cfg.dtype, device.type, model_dtype)]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a timer read after it measures the work, not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def oversubscribed(threads: int, local_world_size: int) -> bool:

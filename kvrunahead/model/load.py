@@ -247,6 +247,9 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
                                                      attn_implementation=attn)
         eos = _eos(model.generation_config)
     model.to(device).eval()
+    if os.environ.get('KVR_COMPILE'):
+        from kvrunahead.model.compiled import compile_model
+        compile_model(model)
     return LoadedModel(name=name, model=model, tokenizer=load_tokenizer(name), eos_token_ids=eos)
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
-from kvrunahead.model.device import reset_peak_memory
+from kvrunahead.model.device import reset_peak_memory, synchronize
 from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
@@ -213,6 +213,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     if together:
         liveness.patient_barrier("the other ranks to start the step")
     reset_peak_memory(ctx.device)
+    synchronize(ctx.device)  # the clock reads work done, not work queued on a GPU
     t0 = time.perf_counter()
     out = StepOutcome()
     for row in plan.sharded:  # every rank: the token through the model on its shard
@@ -227,6 +228,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         rows = tuple(r for r in rows if r.request_id not in riders)
     elif plan.packed is not None:
         link, mine = _packed(ctx, plan, out)
+    synchronize(ctx.device)
     total_s = time.perf_counter() - t0
     if together:  # every rank's figures and scores, the first-token logits of packed prompts ending off the front
         sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
@@ -248,6 +250,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         logits = decoder.add_questions(seg.request_id, ctx.model(seg.rope)[0].model, out.caches[seg.request_id],
                                        [list(q) for q in seg.questions])
         out.logits.update((question_id(seg.request_id, i), row) for i, row in enumerate(logits))
+        synchronize(ctx.device)
         out.questions_s = time.perf_counter() - t1
     if rows:
         ctx.use_threads(solo=True)

@@ -85,3 +85,13 @@ def balanced_partition(cost: LayerCost, context_len: int, world_size: int, atten
 
 def estimated_partition(config, context_len: int, world_size: int, attention: str) -> Partition:
     return balanced_partition(layer_cost(config), context_len, world_size, attention)
+
+
+def part_flops(config, prefix: int, tokens: int, attention: str = "split", lm_head_rows: int = 0) -> float:
+    """FLOPs of one rank's part of a prefill: ``tokens`` positions after ``prefix`` through every decoder layer
+    (projections, MLP, and attention over the pairs the attention computes), and the LM head on
+    ``lm_head_rows`` positions (1 on the rank that emits the first token)."""
+    from kvrunahead.sim.shape import shape_from_config
+
+    cost, shape = layer_cost(config), shape_from_config(config, "float32")
+    return shape.layers * cost.rank_flops(prefix, tokens, attention) + 2.0 * lm_head_rows * shape.hidden * shape.vocab
