@@ -9,7 +9,7 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, pick_backend
-from kvrunahead.model.compiled import compile_model
+from kvrunahead.model.compiled import COMPILE_WAIT_S, compile_model
 from kvrunahead.model.device import config_dtype, default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model, resolve_config
@@ -50,7 +50,9 @@ def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
     threads = cfg.threads or default_threads(world.local_world_size)
     torch.set_num_threads(threads)
     lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile)
-    transport = cached_transport(cfg.transport, world.rank, world.world_size, device, cfg.timeout_s, cfg.allgather)
+    # a compiled peer's first call of a shape family compiles (minutes on a CPU): its successor waits that long
+    timeout_s = max(cfg.timeout_s, COMPILE_WAIT_S) if cfg.compile else cfg.timeout_s
+    transport = cached_transport(cfg.transport, world.rank, world.world_size, device, timeout_s, cfg.allgather)
     return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport)
 
 

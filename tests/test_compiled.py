@@ -4,6 +4,7 @@ torch.compile, against the eager single-process model (the reference stays eager
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,10 @@ from tests.helpers import kvr_prefill, run_cases, skewed_ratios
 CONTEXT = 61
 NEW_TOKENS = 4
 FAMILIES = ["tiny-llama", "tiny-neox", "tiny-falcon", "tiny-bigcode", "tiny-gemma3", "tiny-mistral"]
+# Every case compiles its own shape families on 2 cores (about a minute each): p = 2 by default,
+# KVR_COMPILED_WORLDS=2,3,4 for more.
+WORLDS = [int(p) for p in os.environ.get("KVR_COMPILED_WORLDS", "2").split(",")]
+pytestmark = pytest.mark.timeout(2700)  # the module's ranks compile every case before its first test
 
 
 def _config(model: str, dtype: str = "float32", **kw) -> dict:
@@ -33,10 +38,10 @@ def _cases(p: int) -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=WORLDS)
 def compiled_world(request, tmp_path_factory):
     p = request.param
-    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"compiled{p}"), timeout_s=1200)
+    return p, run_cases(p, _cases(p), tmp_path_factory.mktemp(f"compiled{p}"), timeout_s=2400)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in _cases(2)])

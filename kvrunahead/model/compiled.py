@@ -4,9 +4,11 @@ and the transports are called from inside the compiled layers as they are from t
 graph at a transfer and resumes after it), so every mode runs compiled. The eager model is the reference the
 tests compare against; ``--no-compile`` keeps it.
 
-A layer's index is a plain integer on the module; dynamo would specialise on it and compile every layer anew, so
-integers on modules are left dynamic and one graph serves all layers. Inductor's on-disk cache lives under the
-project's cache folder (``KVR_CACHE``, default ``~/.cache/kvrunahead``), so a second start finds the kernels.
+Where a mode's cache breaks the graph inside a layer (a transfer), the code after the break is compiled per layer
+(dynamo specialises on the layer's index; leaving such integers symbolic instead made the whole-stack graph's shape
+reasoning run for many minutes), so the limit on recompilations is raised above the layer count times the shape
+families. Inductor's on-disk cache lives under the project's cache folder (``KVR_CACHE``, default
+``~/.cache/kvrunahead``), so a second start finds the kernels.
 """
 
 from __future__ import annotations
@@ -14,17 +16,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-
-from kvrunahead.model.forward import last_token_logits
 
 log = logging.getLogger(__name__)
 
-RECOMPILE_LIMIT = 64  # shape families per code object: prompt parts, chunks behind a prefix, decode rows, packing
+RECOMPILE_LIMIT = 256  # per code object: a layer's resumed code per layer index and shape family (prompt parts,
+# chunks behind a prefix, decode rows, packing)
+
+
+COMPILE_WAIT_S = 1800.0  # how long a rank waits on a compiled peer's K,V: its first call of a family compiles
 
 
 def inductor_cache_dir() -> Path:
@@ -42,33 +44,19 @@ def configure() -> None:
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for every layer
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch._dynamo.config.accumulated_recompile_limit = 16 * RECOMPILE_LIMIT
 
 
-WARM_UP_TOKENS = 16
-
-
-def compile_model(model: torch.nn.Module, warm_up: bool = True) -> torch.nn.Module:
-    """Compile ``model``'s decoder stack in place (its LM head stays eager: it runs on one row) and, with
-    ``warm_up``, compile its two commonest shape families now (a prompt into an empty cache, one decode token
-    behind it), so the first request does not pay for them; returns it."""
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile ``model``'s decoder stack in place (its LM head stays eager: it runs on one row); returns it. Nothing
+    compiles until the first call of each shape family (the server warms its commonest up at start:
+    serve/executor.warm_up)."""
     configure()
+    log.warning("the decoder stack is compiled on its first call of each shape family (inductor's cache: %s)",
+                os.environ["TORCHINDUCTOR_CACHE_DIR"])
     model.base_model.compile(dynamic=True)
     model._kvr_compiled = True
-    if warm_up and getattr(model.base_model, "embed_tokens", True) is not None:  # a pipeline stage takes hidden states
-        t0 = time.perf_counter()
-        log.warning("compiling the forward (a prompt, then a decode step); inductor's cache: %s",
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        device = next(model.parameters()).device
-        cache = DynamicCache(config=model.config)
-        last_token_logits(model, torch.zeros((1, WARM_UP_TOKENS), dtype=torch.long, device=device), cache)
-        t1 = time.perf_counter()
-        log.warning("compiled the prompt's forward in %.1f s", t1 - t0)
-        last_token_logits(model, torch.zeros((1, 1), dtype=torch.long, device=device), cache,
-                          position_ids=torch.tensor([[WARM_UP_TOKENS]], device=device))
-        log.warning("compiled the decode step in %.1f s", time.perf_counter() - t1)
     return model
 
 

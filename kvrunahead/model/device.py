@@ -68,7 +68,7 @@ def dtype_name(requested: str | None, device_kind: str, model_dtype: str | None 
 
 def config_dtype(config) -> str | None:
     """The dtype a transformers config says its weights are stored in, by name."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)
     return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 

@@ -1,10 +1,16 @@
 """Continuous batching of the decode on the front rank: every decoding request advances in one forward per step.
 
-The requests' caches are left-padded to a common length and stacked into one ``DynamicCache``; a 2D attention mask
-zeroes the pads and explicit position ids give every request its own positions, so each row attends exactly what
-it would alone (greedy output alone == in a batch, tests/test_serve_engine.py). The batch is rebuilt only when its
-membership changes (a request joins after its prefill or leaves); otherwise the step appends one token to it, in
-place (kvrunahead/model/growing.py: no copy of the cache per token).
+Unpadded (models whose attention goes through transformers' interface): a step is the rows of a mixed step
+(serve/rows.py) with no prompt beside them. Every request keeps its own K,V, grown in place by each token
+(model/growing.py); the step's tokens go through the model as one sequence, and each row's query attends its own
+request's keys, at its own length. A request joins or leaves without touching the others' K,V: there is no batch
+to rebuild and no pad to compute.
+
+Padded (the other models): the requests' caches are left-padded to a common length and stacked into one
+``DynamicCache``; a 2D attention mask zeroes the pads and explicit position ids give every request its own
+positions, so each row attends exactly what it would alone (greedy output alone == in a batch,
+tests/test_serve_engine.py). The batch is rebuilt only when its membership changes (a request joins after its
+prefill or leaves); otherwise the step appends one token to it, in place.
 
 Models with sliding-window layers decode one request per forward on that request's own cache: a window kept per
 row would have to be trimmed by each row's own length, which one padded cache cannot do exactly.
@@ -19,9 +25,12 @@ from transformers import DynamicCache
 
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.questions import SharedContext
 from kvrunahead.serve.plans import question_id
-from kvrunahead.serve.rows import Row
+from kvrunahead.serve.rows import Row, can_mix, mixed_forward
+from kvrunahead.transport import LocalTransport
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
 
@@ -31,10 +40,15 @@ def cache_kv(cache: DynamicCache) -> KV:
 
 
 class BatchDecoder:
-    def __init__(self, model: torch.nn.Module, batched: bool) -> None:
+    """``layout`` given and the model's attention pluggable: unpadded steps (the rows of a mixed step); else the
+    padded batch."""
+
+    def __init__(self, model: torch.nn.Module, batched: bool, layout: KVLayout | None = None) -> None:
         self.model = model
         self.batched = batched
         self.device = next(model.parameters()).device
+        self.unpadded = batched and layout is not None and can_mix(model)
+        self.layout = layout
         self.own: dict[str, object] = {}  # request id -> its KV (batched) or its cache (one request per forward)
         self.members: list[str] = []
         self.cache: DynamicCache | None = None
@@ -49,6 +63,8 @@ class BatchDecoder:
         self.own.pop(request_id, None)
         if request_id in self.members and self.cache is not None:
             self._unbatch()
+        elif request_id in self.members:  # unpadded: no batch, only the list of who stepped last
+            self.members.remove(request_id)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.own
@@ -74,12 +90,27 @@ class BatchDecoder:
         """Feed each request its last token at its position; the next-token logits ``[vocab]`` of each."""
         if not self.batched:
             return {rid: self._forward(self.own[rid], [tokens[rid]], [positions[rid]], None)[0] for rid in tokens}
+        if self.unpadded:
+            return self._rows_step(tokens, positions)
         if list(tokens) != self.members:
             self._rebuild(list(tokens))
         self.mask = torch.cat((self.mask, self.mask.new_ones(len(self.members), 1)), dim=1)
         logits = self._forward(self.cache, [tokens[r] for r in self.members], [positions[r] for r in self.members],
                                self.mask)
         return dict(zip(self.members, logits))
+
+    def _rows_step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
+        """One forward of every request's token, each attending its own K,V (no pads, nothing rebuilt)."""
+        rows = []
+        for rid in tokens:
+            kv = self.own[rid]
+            if not isinstance(kv[0], GrowingKV):  # the first step after its prefill: room to grow into
+                kv = self.own[rid] = [GrowingKV(k, v) for k, v in kv]
+            rows.append(Row(tokens[rid], positions[rid], kv))
+        self.members = list(tokens)
+        link = ChainLink(LocalTransport(), 0, self.layout, self.device)
+        _, logits, _ = mixed_forward(self.model, [], link, rows, emit=False)
+        return dict(zip(tokens, logits))
 
     def _forward(self, cache, tokens: list[int], positions: list[int], mask) -> torch.Tensor:
         ids = torch.tensor([[t] for t in tokens], device=self.device)
