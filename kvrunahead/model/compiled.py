@@ -44,6 +44,9 @@ def configure() -> None:
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
+    # a frame dynamo fails on inside (seen: "sources must not be empty for symbol" guarding a recompiled decode
+    # step behind a growing cache) runs eagerly, with a warning, instead of ending the rank
+    torch._dynamo.config.suppress_errors = True
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch._dynamo.config.accumulated_recompile_limit = 16 * RECOMPILE_LIMIT
 
