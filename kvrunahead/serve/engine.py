@@ -46,6 +46,7 @@ from kvrunahead.serve.sequence import (
     Sequence,
     TokenEvent,
 )
+from kvrunahead.transport import LocalTransport
 
 log = logging.getLogger(__name__)
 WARM_UP_TOKENS = 16
@@ -106,8 +107,8 @@ class Engine:
         t0 = time.perf_counter()
         for i, n in enumerate((WARM_UP_TOKENS, WARM_UP_TOKENS + 5)):
             ids = torch.zeros((1, n), dtype=torch.long, device=self.ctx.device)
-            _, cache = kvr_prefill(lm.model, ids, SegmentLink(self.ctx.transport, 0, layout, self.ctx.device),
-                                   "masked")
+            # a link of its own (one rank, no peers): the workers are not in this forward
+            _, cache = kvr_prefill(lm.model, ids, SegmentLink(LocalTransport(), 0, layout, self.ctx.device), "masked")
             decoder.add(f"warm-up{i}", cache)
             ends[f"warm-up{i}"] = n
         t1 = time.perf_counter()
