@@ -18,20 +18,24 @@ row would have to be trimmed by each row's own length, which one padded cache ca
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.model.compiled import is_compiled
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.modes.kvr import ChainLink
+from kvrunahead.modes.kvr import ChainLink, kvr_prefill
 from kvrunahead.questions import SharedContext
 from kvrunahead.serve.plans import question_id
 from kvrunahead.serve.rows import Row, can_mix, mixed_forward
 from kvrunahead.transport import LocalTransport
 
+log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
 
 
@@ -140,6 +144,32 @@ class BatchDecoder:
         cache.layers = [GrowingLayer(GrowingKV.left_padded([kv[layer] for kv in kvs])) for layer in range(len(kvs[0]))]
         self.mask = torch.tensor([[0] * (total - n) + [1] * n for n in lengths], device=self.device)
         self.members, self.cache = members, cache
+
+
+WARM_UP_TOKENS = 16
+
+
+@torch.no_grad()
+def warm_up(model: torch.nn.Module, layout: KVLayout, device: torch.device, front: bool = True) -> None:
+    """On the front, a compiled model's commonest shape families, each logged with its seconds: a prompt alone, and
+    decode steps of one row and of two behind it (a chain prefill's compile on the first prompt over the ranks).
+    On a link of its own: the workers are not in these forwards. Nothing for an eager model."""
+    if not front or not is_compiled(model):
+        return
+    decoder, ends = BatchDecoder(model, batched=not layout.windows, layout=layout), {}
+    t0 = time.perf_counter()
+    for i, n in enumerate((WARM_UP_TOKENS, WARM_UP_TOKENS + 5)):
+        ids = torch.zeros((1, n), dtype=torch.long, device=device)
+        _, cache = kvr_prefill(model, ids, ChainLink(LocalTransport(), 0, layout, device), "masked")
+        decoder.add(f"warm-up{i}", cache)
+        ends[f"warm-up{i}"] = n
+    t1 = time.perf_counter()
+    log.warning("compiled a prompt's forward in %.1f s", t1 - t0)
+    for rows in (["warm-up0"], ["warm-up0", "warm-up1"]):
+        for _ in range(2):
+            decoder.step({r: 0 for r in rows}, {r: ends[r] for r in rows})
+            ends.update((r, ends[r] + 1) for r in rows)
+    log.warning("compiled the decode steps in %.1f s", time.perf_counter() - t1)
 
 
 class VariantDecoders:

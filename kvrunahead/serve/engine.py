@@ -16,20 +16,17 @@ import torch
 from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
-from kvrunahead.model.compiled import is_compiled
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
-from kvrunahead.modes.kvr import kvr_prefill
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.runner import RankStats
 from kvrunahead.serve import asking, executor
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
+from kvrunahead.serve.decode import BatchDecoder, VariantDecoders, warm_up
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillRecord, RankContext, StepOutcome
-from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.placement import Placement, pipeline_run
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
@@ -46,10 +43,8 @@ from kvrunahead.serve.sequence import (
     Sequence,
     TokenEvent,
 )
-from kvrunahead.transport import LocalTransport
 
 log = logging.getLogger(__name__)
-WARM_UP_TOKENS = 16
 
 
 class Engine:
@@ -93,31 +88,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self._budget_s = 0.0  # the budget the last chunk was sized to
-        self._warm_up()
-
-    @torch.no_grad()
-    def _warm_up(self) -> None:
-        """With ``--compile``, the front's commonest shape families compile before the first request, each logged
-        with its seconds: a prompt on the front alone, and decode steps of one row and of two behind it. (A chain
-        prefill's families compile on the first prompt that runs over the ranks.)"""
-        lm, layout = self.ctx.model(None)
-        if not self.is_front or not is_compiled(lm.model):
-            return
-        decoder, ends = BatchDecoder(lm.model, batched=not layout.windows, layout=layout), {}
-        t0 = time.perf_counter()
-        for i, n in enumerate((WARM_UP_TOKENS, WARM_UP_TOKENS + 5)):
-            ids = torch.zeros((1, n), dtype=torch.long, device=self.ctx.device)
-            # a link of its own (one rank, no peers): the workers are not in this forward
-            _, cache = kvr_prefill(lm.model, ids, SegmentLink(LocalTransport(), 0, layout, self.ctx.device), "masked")
-            decoder.add(f"warm-up{i}", cache)
-            ends[f"warm-up{i}"] = n
-        t1 = time.perf_counter()
-        log.warning("compiled a prompt's forward in %.1f s", t1 - t0)
-        for rows in (["warm-up0"], ["warm-up0", "warm-up1"]):
-            for _ in range(2):
-                decoder.step({r: 0 for r in rows}, {r: ends[r] for r in rows})
-                ends.update((r, ends[r] + 1) for r in rows)
-        log.warning("compiled the decode steps in %.1f s", time.perf_counter() - t1)
+        warm_up(rs.lm.model, rs.layout, rs.device, front=self.is_front)  # with --compile: shape families now
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
