@@ -10,7 +10,6 @@ report.py divides a run's counted FLOP/s by. Writes peak.jsonl (one row per meas
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,22 +17,13 @@ from pathlib import Path
 import torch
 import torch.utils.mkldnn
 
+from kvrunahead.calibrate.timing import median_time
 from kvrunahead.provenance import environment, machine
 
 HERE = Path(__file__).parent
 SHAPES = {"q": (576, 576), "kv": (576, 192), "o": (576, 576), "gate/up": (576, 1536), "down": (1536, 576)}
 ROWS = (2048, 8192)
 REPEATS = 5
-
-
-def timed(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -53,7 +43,7 @@ def main() -> None:
                     flops = 2.0 * rows * k * n
                     for path, fn in (("default", lambda x=x, m=linear: m(x)),
                                      ("onednn", lambda x=xd, m=onednn: m(x))):
-                        s = timed(fn)
+                        s = median_time(fn, REPEATS)
                         row = {**env, "machine": machine(), "threads": threads, "dtype": str(dtype)[6:],
                                "shape": name, "rows": rows, "k": k, "n": n, "path": path, "seconds": s,
                                "gflops": flops / s / 1e9, "command": "python experiments/fast_forward/peak.py",
