@@ -33,3 +33,18 @@ def write_table() -> Callable[..., Path]:
         return path
 
     return write
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``KVR_TEST_COMPILE=1`` (the serve tests with every engine compiled, docs/testing.md) each test's time
+    limit is ``COMPILE_SLOWDOWN`` times its own."""
+    import os
+
+    if not os.environ.get("KVR_TEST_COMPILE"):
+        return
+    from tests.helpers import COMPILE_SLOWDOWN  # imports torch: only here
+    default = config.getini("timeout") or 300
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = mark.args[0] if mark and mark.args else float(default)
+        item.add_marker(pytest.mark.timeout(limit * COMPILE_SLOWDOWN))

@@ -13,6 +13,9 @@ from kvrunahead.launcher import free_port
 from kvrunahead.launcher import rank_env as launcher_rank_env
 
 HERE = Path(__file__).parent
+# KVR_TEST_COMPILE=1 runs the serve tests with every model compiled (docs/testing.md): each compiles its shapes
+# first (minutes on 2 cores), so every time limit is this many times its own (tests/conftest.py)
+COMPILE_SLOWDOWN = 8 if os.environ.get("KVR_TEST_COMPILE") else 1
 
 
 def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
@@ -53,6 +56,7 @@ def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 
 
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    timeout_s *= COMPILE_SLOWDOWN
     deadline = time.monotonic() + timeout_s
     outputs = []
     for p in procs:

@@ -28,20 +28,25 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+# KVR_TEST_COMPILE=1: every kvr-serve here (and in tests/test_clients.py) runs --compile; it compiles its warm-up's
+# shapes before it serves (docs/testing.md)
+COMPILED = ("--compile",) if os.environ.get("KVR_TEST_COMPILE") else ()
+START_S = 900 if COMPILED else 0
 
 
 class Server:
     """A ``kvr-serve --nproc 2`` process group; its stderr is collected as it comes."""
 
     def __init__(self, *args: str, model: str = MODEL) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--port", "0",
-                                      "--model", model, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     text=True, env=ENV, cwd=ROOT, start_new_session=True)
+        command = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--port", "0", "--model", model,
+                   *COMPILED, *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV,
+                                     cwd=ROOT, start_new_session=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
 
     def url(self, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s + START_S
         while time.monotonic() < deadline:
             for line in list(self.lines):
                 if m := re.search(r"serving \S+ on (http://\S+)/v1", line):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,12 +54,14 @@ def model_dir() -> str:
 FAMILIES = ("kvr", "vllm", "vllm-reserved")
 
 
-def server_command(server: str, port: int, kvr_args: tuple[str, ...] = ()) -> tuple[list[str], dict]:
+def server_command(server: str, port: int, kvr_args: tuple[str, ...] = (), dtype: str = "float32"
+                   ) -> tuple[list[str], dict]:
     if server == "kvr":
-        return (["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port), "--model", MODEL, *kvr_args],
+        return (["kvr-serve", "--nproc", "2", "--threads", "1", "--port", str(port), "--model", MODEL,
+                 "--dtype", dtype, *kvr_args],
                 dict(os.environ, OMP_NUM_THREADS="1"))
     args = [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(),
-            "--served-model-name", MODEL, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", MODEL, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
             "--no-enable-prefix-caching", "--max-model-len", "16640" if "yarn" in server else "8448"]
     if "yarn" in server:
         args += ["--hf-overrides", json.dumps({"rope_parameters": YARN, "max_position_embeddings": 16640})]
@@ -71,8 +74,8 @@ def server_command(server: str, port: int, kvr_args: tuple[str, ...] = ()) -> tu
 
 
 class Server:
-    def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = ()) -> None:
-        args, env = server_command(server, port, kvr_args)
+    def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = (), dtype: str = "float32") -> None:
+        args, env = server_command(server, port, kvr_args, dtype)
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(HERE / f"server_{server}.log", "w")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp",
@@ -142,9 +145,10 @@ def server_for(tokens: int, family: str) -> str:
     return family.replace("vllm", "vllm-yarn")
 
 
-def run(rounds: int, lengths: list[int], families: list[str], first: int = 1) -> None:
-    done = {(r["round"], r["server"], r["tokens"]) for r in map(json.loads, ROWS.read_text().splitlines())} \
-        if ROWS.exists() else set()
+def run(rounds: int, lengths: list[int], families: list[str], first: int = 1, dtype: str = "float32",
+        kvr_args: tuple[str, ...] = ()) -> None:
+    rows = map(json.loads, ROWS.read_text().splitlines()) if ROWS.exists() else ()
+    done = {(r["round"], r["server"], r["tokens"], r.get("dtype", "float32"), r.get("kvr_args", "")) for r in rows}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     for rnd in range(first, rounds + 1):
@@ -152,16 +156,18 @@ def run(rounds: int, lengths: list[int], families: list[str], first: int = 1) ->
         for family in families[shift:] + families[:shift]:
             servers = {}
             for tokens in lengths:
-                if (rnd, server_for(tokens, family), tokens) not in done:
+                if (rnd, server_for(tokens, family), tokens, dtype, " ".join(kvr_args) * (family == "kvr")) not in done:
                     servers.setdefault(server_for(tokens, family), []).append(tokens)
             for server, todo in servers.items():
-                up = Server(server, 8301)
+                up = Server(server, 8301, kvr_args if server == "kvr" else (), dtype)
                 try:
                     one(up.url, prompt_ids(512, 99))  # warm-up: the first request pays the weights' first touch
                     for tokens in todo:
-                        row = {"round": rnd, "server": server, "tokens": tokens,
+                        row = {"round": rnd, "server": server, "tokens": tokens, "dtype": dtype,
+                               "kvr_args": " ".join(kvr_args) * (server == "kvr"),
                                **one(up.url, prompt_ids(tokens, rnd)), "machine": machine(),
-                               "commit": commit, "command": "python experiments/serve_vs_vllm/single.py",
+                               "commit": commit,
+                               "command": "python experiments/serve_vs_vllm/single.py " + shlex.join(sys.argv[1:]),
                                "date": time.strftime("%Y-%m-%d")}
                         with ROWS.open("a") as f:
                             f.write(json.dumps(row) + "\n")
@@ -179,9 +185,14 @@ if __name__ == "__main__":
     parser.add_argument("--lengths", default="4096,8184,16376")
     parser.add_argument("--servers", default="kvr,vllm", help=f"families, of {', '.join(FAMILIES)}")
     parser.add_argument("--first-round", type=int, default=1, help="rounds from this one to --rounds")
+    parser.add_argument("--rows", default=str(ROWS), help="the rows file (resumed from)")
+    parser.add_argument("--dtype", default="float32", help="both servers' (rows record it)")
+    parser.add_argument("--kvr-args", default="", help="more kvr-serve options, e.g. --compile (rows record them)")
     args = parser.parse_args()
     families = args.servers.split(",")
     if not set(families) <= set(FAMILIES):
         parser.error(f"--servers takes {', '.join(FAMILIES)}")
-    run(args.rounds, [int(x) for x in args.lengths.split(",")], families, args.first_round)
+    ROWS = Path(args.rows)
+    run(args.rounds, [int(x) for x in args.lengths.split(",")], families, args.first_round, args.dtype,
+        tuple(shlex.split(args.kvr_args)))
     sys.exit(0)
