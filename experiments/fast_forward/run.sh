@@ -6,6 +6,9 @@
 # chain's shape families), then one timed run. Resumable: a finished (setting, round) is skipped.
 #   bash experiments/fast_forward/run.sh rounds [N]   # N rounds (default 3)
 #   bash experiments/fast_forward/run.sh startup      # kvr-serve's start-up, eager / compiled cold / compiled warm
+#   bash experiments/fast_forward/run.sh decode       # the batch decoder's step: 8 unequal rows against one
+#   bash experiments/fast_forward/run.sh chunks       # a long prompt whole against chunked (500 ms budget)
+#   bash experiments/fast_forward/run.sh vllm         # against vLLM CPU (install.sh first), bf16 then fp32
 #   python experiments/fast_forward/peak.py           # the GEMM peak on the run's shapes, fp32 and bf16 (1 thread)
 #   python experiments/fast_forward/report.py         # summary.md: medians, ratios, FLOP/s against the peak
 set -euo pipefail
@@ -30,5 +33,18 @@ case "${1:?which part: rounds or startup}" in
     done ;;
   startup)
     python "$out/startup.py" --dtype float32 ;;
+  decode)  # one decode step of 8 unequal rows against one row, unpadded and padded
+    for d in float32 bfloat16; do python "$out/decode_step.py" --dtype "$d"; done
+    python "$out/decode_step.py" --dtype float32 --compile ;;
+  chunks)  # a prompt alone, whole against chunked at a 500 ms step budget
+    python "$out/chunks.py" --rounds 2 --lengths 8184,16376 --dtype bfloat16
+    python "$out/chunks.py" --rounds 2 --lengths 8184 --dtype float32 ;;
+  vllm)  # against vLLM CPU on both cores, in each dtype: one request at a time, then under load
+    for d in ${FF_DTYPES:-bfloat16 float32}; do
+      python experiments/serve_vs_vllm/single.py --rows "$out/vs_vllm_single.jsonl" --rounds 2 \
+        --lengths 4096,8184,16376 --servers kvr,vllm --dtype "$d"
+      python experiments/serve_vs_vllm/load.py concurrency sharegpt --servers kvr,vllm --dtype "$d" \
+        --out "$out/vs_vllm_load/$d"
+    done ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -75,7 +75,7 @@ def vllm_bench(url: str, server: str, result: Path, args: list[str]) -> None:
            "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--goodput", "ttft:2000", "tpot:200", "--save-result", "--result-dir", str(result.parent),
            "--result-filename", result.name + ".tmp", "--metadata", f"server={server}", f"commit={commit()}",
-           f"machine={machine()}", *args]
+           f"machine={machine()}", f"dtype={DTYPE}", *args]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd="/tmp", env=dict(os.environ, PYTHONUNBUFFERED="1"))
     (result.parent / (result.name + ".tmp")).rename(result)
@@ -86,6 +86,7 @@ def vllm_bench(url: str, server: str, result: Path, args: list[str]) -> None:
 KVR_OPTIONS = {"kvr-lars": ("--step-budget-ms", "1000", "--schedule", "lars")}
 FAMILIES = ("kvr", "kvr-lars", "vllm", "vllm-reserved")
 SEED = 0  # --seed: another draw of kvr-serve-bench's prompts, arrivals and long documents (folders <part>-seedN)
+DTYPE = "float32"  # --dtype: both servers'
 
 
 def our_bench(url: str, server: str, out: Path, args: list[str]) -> None:
@@ -143,7 +144,7 @@ def main(parts: list[str], families: list[str]) -> None:
             # prefix caching off on both (vLLM runs with --no-enable-prefix-caching): the seeded clients send the
             # same prompts at each rate and concurrency, which a prefix cache would answer from the last piece
             up = Server("kvr" if who.startswith("kvr") else server, PORT,
-                        ("--prefix-cache-tokens", "0", *KVR_OPTIONS.get(who, ())))
+                        ("--prefix-cache-tokens", "0", *KVR_OPTIONS.get(who, ())), DTYPE)
             print(f"[{part}] {server} up in {time.monotonic() - t0:.0f} s", flush=True)
             try:
                 for _, make in todo:
@@ -160,8 +161,10 @@ if __name__ == "__main__":
                              "(vLLM's default placement)")
     parser.add_argument("--seed", type=int, default=0, help="kvr-serve-bench's seed (sharegpt, mixed); N > 0 writes "
                         "<part>-seedN/")
+    parser.add_argument("--dtype", default="float32", help="both servers' dtype")
+    parser.add_argument("--out", default=str(OUT), help="the folder of the parts' results (resumed from)")
     args = parser.parse_args()
-    SEED = args.seed
+    SEED, DTYPE, OUT = args.seed, args.dtype, Path(args.out)
     families = args.servers.split(",")
     if not set(args.parts) <= set(PARTS):
         parser.error(f"parts: {', '.join(PARTS)}")

@@ -74,8 +74,12 @@ def server_command(server: str, port: int, kvr_args: tuple[str, ...] = (), dtype
 
 
 class Server:
-    def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = (), dtype: str = "float32") -> None:
-        args, env = server_command(server, port, kvr_args, dtype)
+    def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = (), dtype: str = "float32",
+                 env: dict | None = None) -> None:
+        """Started and answering /health (``env``: more environment variables for it)."""
+        args, base = server_command(server, port, kvr_args, dtype)
+        env = {**base, **(env or {})}
+        self.command = " ".join(args)
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(HERE / f"server_{server}.log", "w")
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd="/tmp",
@@ -89,7 +93,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(2)
+            time.sleep(0.5)
         self.stop()
         raise SystemExit(f"{server} not up within {START_S} s: see {self.log.name}")
 
