@@ -35,7 +35,9 @@ def inductor_cache_dir() -> Path:
 
 
 def configure() -> None:
-    """Dynamo and inductor settings for the whole process (once, before the first compiled call)."""
+    """Dynamo and inductor settings (before the first compiled call). torch keeps dynamo's settings in context
+    variables: they hold in this thread and in threads started in a copy of its context (serve/client.py), not in
+    others."""
     import torch._dynamo
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -58,7 +60,7 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     configure()
     log.warning("the decoder stack is compiled on its first call of each shape family (inductor's cache: %s)",
                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    model.base_model.compile(dynamic=True)
+    model.base_model.compile(dynamic=True, recompile_limit=RECOMPILE_LIMIT)  # the limit in every thread
     model._kvr_compiled = True
     return model
 

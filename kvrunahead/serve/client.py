@@ -8,6 +8,7 @@ cross to the event loop with ``loop.call_soon_threadsafe`` onto one ``asyncio.Qu
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -39,7 +40,10 @@ class AsyncEngineClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
+        # in a copy of this thread's context: torch keeps dynamo's settings in context variables (a compiled model's
+        # recompile limit and error handling, model/compiled.py), which a new thread would start without
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), name="kvr-engine",
+                                        daemon=True)
         self._thread.start()
 
     @property
