@@ -8,7 +8,8 @@
 #   bash experiments/fast_forward/run.sh startup      # kvr-serve's start-up, eager / compiled cold / compiled warm
 #   bash experiments/fast_forward/run.sh decode       # the batch decoder's step: 8 unequal rows against one
 #   bash experiments/fast_forward/run.sh chunks       # a long prompt whole against chunked (500 ms budget)
-#   bash experiments/fast_forward/run.sh vllm         # against vLLM CPU (install.sh first), bf16 then fp32
+#   bash experiments/fast_forward/run.sh vllm         # against vLLM CPU (serve_vs_vllm/install.sh first); FF_DTYPE,
+#                                                     # FF_LENGTHS, FF_ROUNDS, FF_LOAD (load.py's parts)
 #   python experiments/fast_forward/peak.py           # the GEMM peak on the run's shapes, fp32 and bf16 (1 thread)
 #   python experiments/fast_forward/report.py         # summary.md: medians, ratios, FLOP/s against the peak
 set -euo pipefail
@@ -39,12 +40,12 @@ case "${1:?which part: rounds or startup}" in
   chunks)  # a prompt alone, whole against chunked at a 500 ms step budget
     python "$out/chunks.py" --rounds 2 --lengths 8184,16376 --dtype bfloat16
     python "$out/chunks.py" --rounds 2 --lengths 8184 --dtype float32 ;;
-  vllm)  # against vLLM CPU on both cores, in each dtype: one request at a time, then under load
-    for d in ${FF_DTYPES:-bfloat16 float32}; do
-      python experiments/serve_vs_vllm/single.py --rows "$out/vs_vllm_single.jsonl" --rounds 2 \
-        --lengths 4096,8184,16376 --servers kvr,vllm --dtype "$d"
-      python experiments/serve_vs_vllm/load.py concurrency sharegpt --servers kvr,vllm --dtype "$d" \
-        --out "$out/vs_vllm_load/$d"
-    done ;;
+  vllm)  # against vLLM CPU on both cores, in one dtype (FF_DTYPE): one request at a time, then under load
+    d=${FF_DTYPE:-bfloat16}
+    python experiments/serve_vs_vllm/single.py --rows "$out/vs_vllm_single.jsonl" --rounds "${FF_ROUNDS:-2}" \
+      --lengths "${FF_LENGTHS:-4096,8184,16376}" --servers kvr,vllm --dtype "$d"
+    # shellcheck disable=SC2086  # the parts are words
+    python experiments/serve_vs_vllm/load.py ${FF_LOAD:-concurrency sharegpt} --servers kvr,vllm --dtype "$d" \
+      --out "$out/vs_vllm_load/$d" ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
