@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.model.compiled import is_compiled
+from kvrunahead.model.compiled import eager, is_compiled
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.layout import KVLayout
@@ -90,6 +90,7 @@ class BatchDecoder:
         return out
 
     @torch.no_grad()
+    @eager()  # a compiled model's decode steps run eager (serve/rows.mixed_forward says why)
     def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
         """Feed each request its last token at its position; the next-token logits ``[vocab]`` of each."""
         if not self.batched:
@@ -151,25 +152,17 @@ WARM_UP_TOKENS = 16
 
 @torch.no_grad()
 def warm_up(model: torch.nn.Module, layout: KVLayout, device: torch.device, front: bool = True) -> None:
-    """On the front, a compiled model's commonest shape families, each logged with its seconds: a prompt alone, and
-    decode steps of one row and of two behind it (a chain prefill's compile on the first prompt over the ranks).
-    On a link of its own: the workers are not in these forwards. Nothing for an eager model."""
+    """On the front, a compiled model's prompt forward, two lengths (the second checks that a new length does not
+    compile again), logged with its seconds; decode steps run eager (``BatchDecoder.step``). On a link of its own:
+    the workers are not in these forwards (a chain prefill's own families compile on the first prompt over the
+    ranks). Nothing for an eager model."""
     if not front or not is_compiled(model):
         return
-    decoder, ends = BatchDecoder(model, batched=not layout.windows, layout=layout), {}
     t0 = time.perf_counter()
-    for i, n in enumerate((WARM_UP_TOKENS, WARM_UP_TOKENS + 5)):
+    for n in (WARM_UP_TOKENS, WARM_UP_TOKENS + 5):
         ids = torch.zeros((1, n), dtype=torch.long, device=device)
-        _, cache = kvr_prefill(model, ids, ChainLink(LocalTransport(), 0, layout, device), "masked")
-        decoder.add(f"warm-up{i}", cache)
-        ends[f"warm-up{i}"] = n
-    t1 = time.perf_counter()
-    log.warning("compiled a prompt's forward in %.1f s", t1 - t0)
-    for rows in (["warm-up0"], ["warm-up0", "warm-up1"]):
-        for _ in range(2):
-            decoder.step({r: 0 for r in rows}, {r: ends[r] for r in rows})
-            ends.update((r, ends[r] + 1) for r in rows)
-    log.warning("compiled the decode steps in %.1f s", time.perf_counter() - t1)
+        kvr_prefill(model, ids, ChainLink(LocalTransport(), 0, layout, device), "masked")
+    log.warning("compiled a prompt's forward in %.1f s", time.perf_counter() - t0)
 
 
 class VariantDecoders:

@@ -27,6 +27,7 @@ from kvrunahead.model.attention import (
     require_attention_interface,
     uses_attention_interface,
 )
+from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.modes.attention import refuse_softcap
@@ -103,11 +104,17 @@ register(MIXED, mixed_attention)
 
 
 @torch.no_grad()
+@eager()
 def mixed_forward(model: torch.nn.Module, part_ids: list[int], link: ChainLink, rows: list[Row], emit: bool
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor], RunaheadCache]:
     """The front's part of a prompt segment (``part_ids`` at positions from ``link.prefix_len``) and ``rows`` in
     one forward. Returns the part's last-token logits (``emit``), each row's next-token logits, and the part's
-    cache (as ``kvr_prefill`` leaves it)."""
+    cache (as ``kvr_prefill`` leaves it).
+
+    Eager under ``--compile`` too: compiled, a step of rows ran slower than eager (one row 80 against 70 ms, eight
+    of unequal contexts 304 against 194 ms, experiments/fast_forward/decode_step.jsonl: dynamo's guards and graph
+    breaks at every layer's per-row attention cost more than the fused kernels save at a few tokens), and its
+    shape families took minutes to compile at start."""
     require_attention_interface(model, "a mixed step")
     device = link.device
     n = len(part_ids)
