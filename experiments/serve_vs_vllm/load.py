@@ -164,7 +164,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32", help="both servers' dtype")
     parser.add_argument("--out", default=str(OUT), help="the folder of the parts' results (resumed from)")
     args = parser.parse_args()
-    SEED, DTYPE, OUT = args.seed, args.dtype, Path(args.out)
+    SEED, DTYPE, OUT = args.seed, args.dtype, Path(args.out).resolve()  # vllm bench runs from /tmp
     families = args.servers.split(",")
     if not set(args.parts) <= set(PARTS):
         parser.error(f"parts: {', '.join(PARTS)}")
