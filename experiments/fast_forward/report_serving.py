@@ -63,6 +63,11 @@ def chunks_section() -> list[str]:
         runs = lambda rs: ", ".join(f"{r['ttft_s']:.2f}" for r in rs)  # noqa: E731
         out.append(f"| {dtype} | {n} | {w:.2f} s ({runs(whole)}) | {c:.2f} s ({runs(chunked)}) | {count:.0f} | "
                    f"{n / count:.0f} | {steps:.1%} | {c / w:.2f}x | {verdict(c / w <= 1.15)} |")
+    for r in rows("chunks-kvp.jsonl"):  # before --decode auto stopped chunking KV-parallel
+        out += ["", f"At {r['commit']}, where `--decode auto` still chunked a long prompt KV-parallel (an "
+                    f"all-gather per layer per chunk), a {r['tokens']}-token {r['dtype']} prompt took {r['chunks']} "
+                    f"chunks of {r['tokens'] / r['chunks']:.0f} tokens on average: {r['ttft_s']:.1f} s, chunked "
+                    "(chunks-kvp.jsonl)."]
     return out + [""]
 
 
