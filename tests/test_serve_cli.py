@@ -22,16 +22,17 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import COMPILE_SLOWDOWN
+
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-# KVR_TEST_COMPILE=1: every kvr-serve here (and in tests/test_clients.py) runs --compile; it compiles its warm-up's
-# shapes before it serves (docs/testing.md)
-COMPILED = ("--compile",) if os.environ.get("KVR_TEST_COMPILE") else ()
-START_S = 900 if COMPILED else 0
+# KVR_TEST_COMPILE=1: every kvr-serve here (and in tests/test_clients.py) runs --compile, its waits stretched by
+# COMPILE_SLOWDOWN (docs/testing.md)
+COMPILED = ("--compile",) if COMPILE_SLOWDOWN > 1 else ()
 
 
 class Server:
@@ -46,7 +47,7 @@ class Server:
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
 
     def url(self, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s + START_S
+        deadline = time.monotonic() + timeout_s * COMPILE_SLOWDOWN
         while time.monotonic() < deadline:
             for line in list(self.lines):
                 if m := re.search(r"serving \S+ on (http://\S+)/v1", line):
@@ -90,7 +91,7 @@ def serving(*args: str, model: str = MODEL) -> Iterator[Server]:
 
 
 def _api(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=60 * COMPILE_SLOWDOWN)
 
 
 def _prefill_text(tmp_path: Path, max_new_tokens: int) -> str:

@@ -175,7 +175,7 @@ class Placement:
         the next chunk, the front alone after the last. A prompt that decodes KV-parallel has its chunks computed
         KV-parallel too (each rank attends its shard); with ``--prefill spp`` they run through the pipeline."""
         start, end = cuts[0], cuts[-1]
-        path = self.chunk_path(len(ids), score is not None)
+        path = self.chunk_path(score is not None)
         if path == "kvp":
             # KVP for prefill chunks: the prompt's K,V fill rank 0's shard first, then the next rank's, an even
             # share each (Medha's progressive scaling), so no rank holds every earlier position
@@ -228,8 +228,8 @@ class Placement:
                                                 f"tokens ({source})"
         return self._pipelines[n]
 
-    def chunk_path(self, n: int, scored: bool) -> str:
-        """How an ``n``-token prompt's chunks run: "spp" through the pipeline (``--prefill spp``), "kvp" KV-parallel
+    def chunk_path(self, scored: bool) -> str:
+        """How a prompt's chunks run: "spp" through the pipeline (``--prefill spp``), "kvp" KV-parallel
         under ``--decode kvp``, else "chain"; a scored prompt's over the chain. ``--decode auto`` never chunks
         KV-parallel: a KV-parallel chunk all-gathers at every layer, and at a step budget of 500 ms on 2 CPU ranks
         (gloo) that fixed cost left chunks of about 27 tokens: a 16k prompt in 614 of them, 429 s against 24.8 s
@@ -242,7 +242,7 @@ class Placement:
 
     def chunked_source(self, seq) -> str:
         """What a chunked prefill's response says its partition came from (``seq``: a serve.sequence.Sequence)."""
-        path = self.chunk_path(seq.prompt_len, seq.request.params.prompt_logprobs is not None)
+        path = self.chunk_path(seq.request.params.prompt_logprobs is not None)
         if path == "spp":
             return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
         if path == "kvp":
@@ -251,7 +251,7 @@ class Placement:
 
     def chunked_decode(self, seq) -> str:
         """How a chunked prompt decodes: KV-parallel where its chunks were, else gathered."""
-        return "kvp" if self.chunk_path(seq.prompt_len, seq.request.params.prompt_logprobs is not None) == "kvp" \
+        return "kvp" if self.chunk_path(seq.request.params.prompt_logprobs is not None) == "kvp" \
             else "gathered"
 
     def partition(self, n: int):
