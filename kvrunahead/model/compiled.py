@@ -56,7 +56,7 @@ def configure() -> None:
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     """Compile ``model``'s decoder stack in place (its LM head stays eager: it runs on one row); returns it. Nothing
     compiles until the first call of each shape family (the server warms its commonest up at start:
-    serve/executor.warm_up)."""
+    serve/warm.py)."""
     configure()
     log.warning("the decoder stack is compiled on its first call of each shape family (inductor's cache: %s)",
                 os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -90,6 +90,9 @@ class ChainLink:
         self._post_recv(layer + self.lookahead)
         return buf
 
+    @torch.compiler.disable  # runs eagerly inside a compiled layer: its branches read the link's integers,
+    # which dynamo may hold symbolic and guard by relation (seen: a front alone waiting on a prefix it has not);
+    # its transfers break the graph anyway
     def exchange(self, layer: int, local_kv: torch.Tensor) -> torch.Tensor:
         """Prepend the predecessor's prefix to ``local_kv``, forward what the successor's cache keeps of the
         result, return the result."""

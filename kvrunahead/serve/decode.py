@@ -19,17 +19,16 @@ row would have to be trimmed by each row's own length, which one padded cache ca
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.model.compiled import eager, is_compiled
+from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.modes.kvr import ChainLink, kvr_prefill
+from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.questions import SharedContext
 from kvrunahead.serve.plans import question_id
 from kvrunahead.serve.rows import Row, can_mix, mixed_forward
@@ -145,24 +144,6 @@ class BatchDecoder:
         cache.layers = [GrowingLayer(GrowingKV.left_padded([kv[layer] for kv in kvs])) for layer in range(len(kvs[0]))]
         self.mask = torch.tensor([[0] * (total - n) + [1] * n for n in lengths], device=self.device)
         self.members, self.cache = members, cache
-
-
-WARM_UP_TOKENS = 16
-
-
-@torch.no_grad()
-def warm_up(model: torch.nn.Module, layout: KVLayout, device: torch.device, front: bool = True) -> None:
-    """On the front, a compiled model's prompt forward, two lengths (the second checks that a new length does not
-    compile again), logged with its seconds; decode steps run eager (``BatchDecoder.step``). On a link of its own:
-    the workers are not in these forwards (a chain prefill's own families compile on the first prompt over the
-    ranks). Nothing for an eager model."""
-    if not front or not is_compiled(model):
-        return
-    t0 = time.perf_counter()
-    for n in (WARM_UP_TOKENS, WARM_UP_TOKENS + 5):
-        ids = torch.zeros((1, n), dtype=torch.long, device=device)
-        kvr_prefill(model, ids, ChainLink(LocalTransport(), 0, layout, device), "masked")
-    log.warning("compiled a prompt's forward in %.1f s", time.perf_counter() - t0)
 
 
 class VariantDecoders:

@@ -22,10 +22,10 @@ from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.runner import RankStats
-from kvrunahead.serve import asking, executor
+from kvrunahead.serve import asking, executor, warm
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.decode import BatchDecoder, VariantDecoders, warm_up
+from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillRecord, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement, pipeline_run
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
@@ -88,7 +88,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self._budget_s = 0.0  # the budget the last chunk was sized to
-        warm_up(rs.lm.model, rs.layout, rs.device, front=self.is_front)  # with --compile: shape families now
+        warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)

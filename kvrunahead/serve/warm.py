@@ -1,0 +1,43 @@
+"""The compiled server's warm-up: before ``kvr-serve`` says it is serving, the front runs the shape families its
+first requests would otherwise compile on (model/compiled.py), so no client waits minutes on its first prompt.
+
+Two prompts on the front alone and two over the chain, each pair of different lengths (the second checks that a new
+length does not compile again), through the engine's own step (``Placement.execute``): every rank compiles its part
+of a chain prefill, the first rank's without a prefix and the others' behind one. Decode steps run eager
+(``BatchDecoder.step``); a chunk behind the earlier ones, packed prompts and KV-parallel steps compile on first
+use. Nothing for an eager model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvrunahead.model.compiled import is_compiled
+from kvrunahead.partition import Partition
+from kvrunahead.serve.plans import Segment, StepPlan
+
+log = logging.getLogger(__name__)
+
+WARM_UP_TOKENS = 16  # per rank: short, the families are what compiles, not the lengths
+
+
+@torch.no_grad()
+def warm_up(placement, attention: str) -> None:
+    """Run the warm-up prompts from the front (``placement``: its ``Placement``), logged with their seconds; the
+    workers take part in those over the chain from their ``worker_loop``."""
+    ctx = placement.ctx
+    if ctx.rank != ctx.front or not is_compiled(ctx.lm.model):
+        return
+    worlds = (1, ctx.world_size) if ctx.world_size > 1 else (1,)
+    for degree in worlds:
+        t0 = time.perf_counter()
+        for extra in (0, 5):
+            n = WARM_UP_TOKENS * degree + extra
+            cuts = tuple(Partition.even(n, degree).boundaries) if degree > 1 else None
+            seg = Segment("warm-up", (0,) * n, cuts=cuts)
+            placement.execute(StepPlan((seg,), attention))
+        where = "over the chain" if degree > 1 else "on the front"
+        log.warning("compiled a prompt's forward %s in %.1f s", where, time.perf_counter() - t0)
