@@ -245,6 +245,9 @@ def split_block(query, key, value, scale, window: int | None = None) -> torch.Te
     start = key.shape[2] - n
     if window:
         return window_attention(query, expand_kv(key, heads), expand_kv(value, heads), start, window, scale)
+    if n == 1:  # one query (a decode row) sees every key: one kernel, nothing to merge
+        out, _ = attend_with_lse(query, key, value, causal=False, scale=scale)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
     # Peak memory is that of one block at a time: the diagonal block's K,V repeated to the query heads die with
     # its call, before the prefix block (attended per K,V head, never repeated) adds its output to be merged.
     out, lse = attend_with_lse(query, key[:, :, start:], value[:, :, start:], causal=True, scale=scale)
