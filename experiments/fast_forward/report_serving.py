@@ -29,14 +29,15 @@ def decode_section() -> list[str]:
     out = ["## One decode step: 8 requests of unequal contexts against one (decode_step.py)", "",
            "One process, 1 thread; medians of 12 steps after 2 warm-ups, the settings' decoders taking turns step by "
            "step. Target: 8 rows at most 1.8x one row.", "",
-           "| dtype | forward | path | 8 rows (150-1550) | 1 row (150) | 1 row (750) | 1 row (1550) | 8 rows / 1 row "
-           "(750) | target |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+           "| dtype | forward | path | commit | 8 rows (150-1550) | 1 row (150) | 1 row (750) | 1 row (1550) | "
+           "8 rows / 1 row (750) | target |", "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     by = defaultdict(dict)
     for r in rows("decode_step.jsonl"):
-        by[(r["dtype"], r["compiled"], r["path"])][r["batch"]] = r["median_s"]
-    for (dtype, compiled, path), t in sorted(by.items()):
+        by[(r["dtype"], r["compiled"], r["path"], r["commit"])][r["batch"]] = r["median_s"]
+    for (dtype, compiled, path, commit), t in sorted(by.items()):
         ratio = t["8 rows"] / t["1 row (750)"]
-        out.append(f"| {dtype} | {'compiled' if compiled else 'eager'} | {path} | {t['8 rows'] * 1e3:.1f} ms | "
+        out.append(f"| {dtype} | {'compiled' if compiled else 'eager'} | {path} | {commit} | "
+                   f"{t['8 rows'] * 1e3:.1f} ms | "
                    f"{t['1 row (150)'] * 1e3:.1f} ms | {t['1 row (750)'] * 1e3:.1f} ms | "
                    f"{t['1 row (1550)'] * 1e3:.1f} ms | {ratio:.2f}x | {verdict(ratio <= 1.8)} |")
     return out + [""]
@@ -75,10 +76,11 @@ def startup_section() -> list[str]:
     out = ["## kvr-serve's start-up (startup.py)", "",
            "`kvr-serve --nproc 2 --threads 1`, float32: seconds from the command to /health answering, then two "
            "1024-token prompts and two of 2048 tokens (8 new tokens each, latency).", "",
-           "| setting | start-up | 1024 first / second | 2048 first / second | date |", "|---|---:|---|---|---|"]
+           "| setting | start-up | 1024 first / second | 2048 first / second | commit | date |",
+           "|---|---:|---|---|---|---|"]
     for r in rows("startup.jsonl"):
         out.append(f"| {r['setting']} | {r['start_s']:.1f} s | {r['first_1024_s']:.2f} / {r['second_1024_s']:.2f} s "
-                   f"| {r['first_2048_s']:.2f} / {r['second_2048_s']:.2f} s | {r.get('date', '')} |")
+                   f"| {r['first_2048_s']:.2f} / {r['second_2048_s']:.2f} s | {r['commit']} | {r.get('date', '')} |")
     return out + [""]
 
 
