@@ -32,6 +32,8 @@ def warm_up(placement, attention: str) -> None:
     if ctx.rank != ctx.front or not is_compiled(ctx.lm.model):
         return
     worlds = (1, ctx.world_size) if ctx.world_size > 1 else (1,)
+    log.warning("compiling the first requests' shapes before serving: %s (minutes on a CPU, less with inductor's "
+                "cache filled)", " and ".join("on the front" if d == 1 else "over the chain" for d in worlds))
     for degree in worlds:
         t0 = time.perf_counter()
         for extra in (0, 5):
