@@ -31,15 +31,14 @@ def warm_up(placement, attention: str) -> None:
     ctx = placement.ctx
     if ctx.rank != ctx.front or not is_compiled(ctx.lm.model):
         return
-    worlds = (1, ctx.world_size) if ctx.world_size > 1 else (1,)
+    places = [(1, "on the front")] + ([(ctx.world_size, "over the chain")] if ctx.world_size > 1 else [])
     log.warning("compiling the first requests' shapes before serving: %s (minutes on a CPU, less with inductor's "
-                "cache filled)", " and ".join("on the front" if d == 1 else "over the chain" for d in worlds))
-    for degree in worlds:
+                "cache filled)", " and ".join(where for _, where in places))
+    for degree, where in places:
         t0 = time.perf_counter()
         for extra in (0, 5):
             n = WARM_UP_TOKENS * degree + extra
             cuts = tuple(Partition.even(n, degree).boundaries) if degree > 1 else None
             seg = Segment("warm-up", (0,) * n, cuts=cuts)
             placement.execute(StepPlan((seg,), attention))
-        where = "over the chain" if degree > 1 else "on the front"
         log.warning("compiled a prompt's forward %s in %.1f s", where, time.perf_counter() - t0)
