@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from kvrunahead.calibrate.timing import timed_runs
 from kvrunahead.provenance import environment, machine
 
 HERE = Path(__file__).resolve().parent
@@ -31,14 +32,10 @@ SIZES_B = [2 ** k for k in range(11, 22, 2)]  # 2 KB .. 2 MB
 
 
 def timed(call, calls: int) -> list[float]:
-    for _ in range(20):
+    """``calls`` timed calls after 20 untimed (the last of them ``timed_runs``' own warm-up)."""
+    for _ in range(19):
         call()
-    out = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
+    return timed_runs(call, calls)
 
 
 def main() -> None:
