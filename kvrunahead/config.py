@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class RunConfig:
     model: str = "smollm2-135m"
     mode: str = "kvr"
+    tp: int = 1  # tensor-parallel degree: --nproc ranks form nproc/tp TP groups, chained (mesh.py)
     transport: str = "torch"
     context_len: int | None = 2048
     prompt_text: str | None = None

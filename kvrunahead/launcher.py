@@ -31,6 +31,17 @@ class World:
     local_rank: int
     local_world_size: int
     launcher: str  # "single", "torchrun", "mpi" or "spawn"
+    tp: int = 1  # tensor-parallel degree: ``rank`` and ``world_size`` count TP groups (the chain's links) when > 1
+    tp_rank: int = 0  # this process's place in its TP group
+
+    @property
+    def host_ranks(self) -> int:
+        """Processes on this host (every TP rank of every local group): what shares its cores."""
+        return self.local_world_size * self.tp
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank * self.tp + self.tp_rank
 
 
 def detect_launcher() -> str:

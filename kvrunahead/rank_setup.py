@@ -14,7 +14,9 @@ from kvrunahead.model.device import config_dtype, default_threads, resolve_devic
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
+from kvrunahead.mesh import TpCollective, forget_collectives, tp_collective
 from kvrunahead.model.stage import StageSpec
+from kvrunahead.model.tp import TpSpec
 from kvrunahead.transport import Transport, make_transport
 
 _MODELS: dict = {}
@@ -34,9 +36,17 @@ class RankSetup:
     layout: KVLayout
     transport: Transport
 
+    tp: TpSpec | None = None  # this rank's tensor-parallel shard (model/tp.py); None: the whole model
+    collective: TpCollective | None = None
+
     def load(self, cfg: RunConfig, rope: RopeExtension | None) -> LoadedModel:
-        """The same model with another RoPE extension (loaded once per extension)."""
-        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope, compiled=cfg.compile)
+        """The same model (this rank's shard of it) with another RoPE extension (loaded once per extension)."""
+        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope, compiled=cfg.compile, tp=self.tp,
+                            collective=self.collective)
+
+    def whole(self, cfg: RunConfig, rope: RopeExtension | None) -> LoadedModel:
+        """The whole model on this rank alone (a TP rank's report: its text and ``--verify``), after the timing."""
+        return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope)
 
 
 def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
@@ -47,37 +57,42 @@ def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
         torch.cuda.set_device(device)
     own = config_dtype(resolve_config(cfg.model)) if cfg.dtype == "auto" and device.type == "cuda" else None
     dtype = resolve_dtype(cfg, device, own)
-    threads = cfg.threads or default_threads(world.local_world_size)
+    threads = cfg.threads or default_threads(world.host_ranks)
     torch.set_num_threads(threads)
-    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile)
+    tp = TpSpec(world.tp_rank, world.tp) if world.tp > 1 else None
+    collective = tp_collective(cfg.transport, world, device) if tp else None
+    lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile, tp=tp,
+                      collective=collective)
     # a compiled peer's first call of a shape family compiles (minutes on a CPU): its successor waits that long
     timeout_s = max(cfg.timeout_s, COMPILE_WAIT_S) if cfg.compile else cfg.timeout_s
-    transport = cached_transport(cfg.transport, world.rank, world.world_size, device, timeout_s, cfg.allgather)
-    return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport)
+    transport = cached_transport(cfg.transport, world, device, timeout_s, cfg.allgather)
+    return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport, tp, collective)
 
 
 def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
                  rope: RopeExtension | None = None, stage: StageSpec | None = None,
-                 compiled: bool = False) -> LoadedModel:
+                 compiled: bool = False, tp: TpSpec | None = None, collective: TpCollective | None = None
+                 ) -> LoadedModel:
     """Models stay loaded across runs of one process (benchmarks, test harnesses); ``compiled``: its decoder stack
     through torch.compile (model/compiled.py), warmed up here, before anything is timed."""
-    key = (name, dtype, str(device), seed, rope, stage, compiled)
+    key = (name, dtype, str(device), seed, rope, stage, compiled, tp)
     if key not in _MODELS:
         _MODELS.clear()
-        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope, stage=stage)
+        _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope, stage=stage, tp=tp,
+                                  collective=collective)
         if compiled:
             compile_model(_MODELS[key].model)
     return _MODELS[key]
 
 
-def cached_transport(name: str, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                     allgather: str) -> Transport:
+def cached_transport(name: str, world: World, device: torch.device, timeout_s: float, allgather: str) -> Transport:
     """One transport (and its process groups and communicators, made here, before anything is timed) per process
-    and kind, reused across runs."""
+    and kind, reused across runs; with TP, over the chain of TP groups (this rank's lane, mesh.py)."""
     backend = pick_backend(device)
-    key = (name, rank, world_size, backend)
+    key = (name, world.rank, world.world_size, backend, world.tp)
     if key not in _TRANSPORTS:
-        _TRANSPORTS[key] = make_transport(name, rank, world_size, backend, timeout_s, allgather, device)
+        _TRANSPORTS[key] = make_transport(name, world.rank, world.world_size, backend, timeout_s, allgather, device,
+                                          world.tp, world.tp_rank)
     transport = _TRANSPORTS[key]
     transport.timeout_s = timeout_s
     transport.set_allgather(allgather)
@@ -85,5 +100,6 @@ def cached_transport(name: str, rank: int, world_size: int, device: torch.device
 
 
 def forget_transports() -> None:
-    """Drop the cached transports (their pair groups die with the world that made them)."""
+    """Drop the cached transports and TP collectives (their groups die with the world that made them)."""
     _TRANSPORTS.clear()
+    forget_collectives()

@@ -12,10 +12,11 @@ from transformers import DynamicCache
 
 from kvrunahead import launcher
 from kvrunahead.config import RunConfig
-from kvrunahead.decide.policy import Prepared, network_label, prepare
+from kvrunahead.decide.policy import Prepared, network_label, prepare, tp_groups
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.mesh import chain_world
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.device import oversubscribed, peak_memory_bytes, reset_peak_memory, resolve_device, synchronize
 from kvrunahead.model.forward import greedy_decode, last_token_logits
@@ -109,6 +110,8 @@ class RunResult:
     decode: str = "gathered"  # or kvp: every rank decoded on its own part of the cache
     decode_s: float | None = None  # seconds from the first token to the last (the tokens after the first)
     compiled: bool = False  # the decoder stack ran through torch.compile (--compile)
+    tp: int = 1  # ranks per TP group (world_size counts groups)
+    weight_bytes: int | None = None  # with --tp: the weights one rank of the emitting group holds
     verification: Verification | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -131,13 +134,13 @@ def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:
 def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunResult | None:
     """Check the input, join the ranks, run one prefill (``on_world``, default ``run_on_world``); the emitting rank
     returns the result, others None."""
-    prepare(cfg, world_size)
+    prepare(cfg, tp_groups(cfg, world_size))
     if cfg.transport == "mpi" and launcher != "mpi" and world_size > 1:
         raise InputError("--transport mpi needs the ranks to be started by mpirun")
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
     try:
-        result = (on_world or run_on_world)(cfg, world)
+        result = (on_world or run_on_world)(cfg, chain_world(world, cfg.tp))  # with --tp: a chain of TP groups
         # rank 0 hosts the rendezvous store: a rank that left while the last one still decodes or verifies would
         # take the store of its heartbeat away (torch prints a C++ trace for it), so the ranks leave together
         liveness.patient_barrier("the emitting rank to finish its report")
@@ -172,7 +175,8 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     emits = rank == mode.emitter(p)
     logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
     stats = rank_stats(rank, ranges[rank], total_s, transport, state, device)
-    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill") if p > 1 else [stats]
+    all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")[::world.tp] if p > 1 \
+        else [stats]  # with --tp, each group's first rank speaks for it
     new_tokens = cfg.max_new_tokens if mode.decodes else 1
     t0 = time.perf_counter()
     if cfg.decode == "kvp":  # every rank decodes on its own part of the cache
@@ -187,15 +191,21 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
                             lm.eos_token_ids)
     elif emits:
         tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
-    if not emits:
+    if not emits or world.tp_rank:
         return None
     decode_s = time.perf_counter() - t0
-    if stage is not None:  # the report decodes text and --verify runs the whole model: loaded after the timing
+    weights = weight_bytes(lm.model) if world.tp > 1 else None
+    if stage is not None or world.tp > 1:  # --verify runs the whole model: loaded after the timing, on this rank
         del cache
-        lm = rs.load(cfg, prepared.rope)
+        lm = rs.whole(cfg, prepared.rope)
         layout = probe_kv_layout(lm.model)
-    ran = Ran(world, prepared, lm, layout, transport, dtype, threads)
+    ran = Ran(world, prepared, lm, layout, transport, dtype, threads, weights)
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 @dataclass
@@ -209,6 +219,7 @@ class Ran:
     transport: Transport
     dtype: torch.dtype
     threads: int
+    weight_bytes: int | None = None  # with --tp: the weights of the emitting group's first rank
 
 
 def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats], logits: torch.Tensor,
@@ -230,7 +241,9 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         dtype=str(ran.dtype).removeprefix("torch."),
         compiled=cfg.compile,
         threads_per_rank=ran.threads,
-        oversubscribed=oversubscribed(ran.threads, world.local_world_size),
+        oversubscribed=oversubscribed(ran.threads, world.host_ranks),
+        tp=world.tp,
+        weight_bytes=ran.weight_bytes,
         context_len=len(prepared.ids),
         rope_extension=prepared.rope.describe() if prepared.rope else None,
         kvr_attention=(f"{prepared.kvr_attention} ({prepared.attention_source})"
@@ -255,7 +268,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         logits=logits.float().cpu(),
     )
     if cfg.verify:
-        all_threads = min(ran.threads * world.local_world_size, os.cpu_count() or 1)
+        all_threads = min(ran.threads * world.host_ranks, os.cpu_count() or 1)
         result.verification = verify(lm, prepared.ids, result, cfg, ran.dtype, ran.threads, all_threads)
     return result
 

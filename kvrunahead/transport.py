@@ -204,7 +204,8 @@ class TorchTransport(Transport):
     name = "torch"
 
     def __init__(self, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
-                 allgather: str = "auto", device: torch.device | None = None) -> None:
+                 allgather: str = "auto", device: torch.device | None = None,
+                 lanes: list[list[int]] | None = None, lane: int = 0) -> None:
         self.backend = backend
         self.native_allgather_fair = self.polls = backend == "nccl"
         if self.polls:
@@ -212,56 +213,69 @@ class TorchTransport(Transport):
         super().__init__(rank, world_size, timeout_s, allgather)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.polls
                                  else torch.device("cpu"))
+        # With tensor parallelism the chain's ranks are TP groups: this transport joins this rank's lane (the same
+        # TP rank of every group, mesh.py); ``rank`` and ``world_size`` count groups, ``members`` maps them to
+        # global ranks.
+        lanes = lanes or [list(range(world_size))]
+        self.members = lanes[lane]
         self._pairs: dict[frozenset[int], object] = {}
+        self._lane_group = None
         if world_size > 1:
-            # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around.
-            for i in range(world_size):
-                j = (i + 1) % world_size
-                key = frozenset((i, j))
-                if key not in self._pairs:
-                    self._pairs[key] = dist.new_group(sorted(key), backend=backend)
+            # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around, per lane.
+            for index, ranks in enumerate(lanes):
+                pairs = {}
+                for i in range(world_size):
+                    key = frozenset((ranks[i], ranks[(i + 1) % world_size]))
+                    if key not in pairs:
+                        pairs[key] = dist.new_group(sorted(key), backend=backend)
+                whole = dist.new_group(ranks, backend=backend) if len(lanes) > 1 else None
+                if index == lane:
+                    self._pairs, self._lane_group = pairs, whole
             if self.polls:
                 self.connect()
 
     def _group(self, a: int, b: int):
-        return self._pairs[frozenset((a, b))]
+        return self._pairs[frozenset((self.members[a], self.members[b]))]
 
     def connect(self) -> None:
         """Make every NCCL communicator this rank will use, before any timed region: a batched exchange with each
         neighbour (the first batched call on a group, with every rank of it), one plain message each way (plain
         point-to-point may get a communicator of its own), and one all-gather of the world."""
         one = torch.zeros(1, device=self.device)
+        me = self.members[self.rank]
         for key, group in self._pairs.items():
-            if self.rank not in key:
+            if me not in key:
                 continue
-            (peer,) = key - {self.rank}
+            (peer,) = key - {me}
             got = torch.empty(1, device=self.device)
             works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, peer, group=group),
                                             dist.P2POp(dist.isend, one, peer, group=group)])
             for work in works:
                 self._bounded_wait(work, f"connecting to rank {peer}")
             # The lower rank sends first: each side's two plain operations meet in the same order.
-            sends_first = self.rank < peer
+            sends_first = me < peer
+            index = self.members.index(peer)
             for sending in (sends_first, not sends_first):
-                work = self._isend(one, peer, 0) if sending else self._irecv(got, peer, 0)
+                work = self._isend(one, index, 0) if sending else self._irecv(got, index, 0)
                 self._bounded_wait(work, f"connecting to rank {peer}")
         self._all_gather(torch.empty(self.world_size, device=self.device), one)
 
     def _isend(self, t, dst, tag):
-        return dist.isend(t, dst=dst, group=self._group(self.rank, dst), tag=tag)
+        return dist.isend(t, dst=self.members[dst], group=self._group(self.rank, dst), tag=tag)
 
     def _irecv(self, t, src, tag):
-        return dist.irecv(t, src=src, group=self._group(self.rank, src), tag=tag)
+        return dist.irecv(t, src=self.members[src], group=self._group(self.rank, src), tag=tag)
 
     def _all_gather(self, out, inp):
-        self._bounded_wait(_all_gather_single(out, inp, async_op=True), "the all-gather of every rank's K,V")
+        self._bounded_wait(_all_gather_single(out, inp, group=self._lane_group, async_op=True),
+                           "the all-gather of every rank's K,V")
 
     def _post_exchange(self, send, dst, recv, src, tag):
         group = self._group(self.rank, src)
         if self.backend != "nccl" or group is not self._group(self.rank, dst):
             return super()._post_exchange(send, dst, recv, src, tag)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, src, group=group, tag=tag),
-                                        dist.P2POp(dist.isend, send, dst, group=group, tag=tag)])
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, self.members[src], group=group, tag=tag),
+                                        dist.P2POp(dist.isend, send, self.members[dst], group=group, tag=tag)])
         # NCCL coalesces a batch into one request; other backends return one per operation.
         return works[0], works[-1]
 
@@ -279,12 +293,16 @@ class MpiTransport(Transport):
     name = "mpi"
     polls = True  # MPI has no timed wait; the chain's waits are milliseconds to seconds
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto") -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float = 60.0, allgather: str = "auto",
+                 tp: int = 1) -> None:
         super().__init__(rank, world_size, timeout_s, allgather)
         self.MPI = import_mpi()
         self.comm = self.MPI.COMM_WORLD
-        if self.comm.Get_size() != world_size:
+        if self.comm.Get_size() != world_size * tp:
             raise RuntimeError("--transport mpi needs the ranks to be started by mpirun")
+        if tp > 1:  # this rank's lane (mesh.py): the same TP rank of every group, ranked by group
+            me = self.comm.Get_rank()
+            self.comm = self.comm.Split(color=me % tp, key=me // tp)
 
     def _buf(self, t: torch.Tensor):
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -328,11 +346,15 @@ class LocalTransport(Transport):
 
 
 def make_transport(name: str, rank: int, world_size: int, backend: str, timeout_s: float = 60.0,
-                   allgather: str = "auto", device: torch.device | None = None) -> Transport:
+                   allgather: str = "auto", device: torch.device | None = None, tp: int = 1,
+                   tp_rank: int = 0) -> Transport:
+    """The chain's transport; with ``tp`` > 1, ``rank`` and ``world_size`` count TP groups and the transport
+    joins this rank's lane (mesh.py)."""
     if world_size == 1:
         return LocalTransport()
     if name == "torch":
-        return TorchTransport(rank, world_size, backend, timeout_s, allgather, device)
+        lanes = [[g * tp + t for g in range(world_size)] for t in range(tp)]
+        return TorchTransport(rank, world_size, backend, timeout_s, allgather, device, lanes, tp_rank)
     if name == "mpi":
-        return MpiTransport(rank, world_size, timeout_s, allgather)
+        return MpiTransport(rank, world_size, timeout_s, allgather, tp)
     raise ValueError(f"unknown transport {name!r}: use one of {', '.join(TRANSPORTS)}")

@@ -62,6 +62,15 @@ def compile_option():
              "(KVR_CACHE) makes later starts quicker.")
 
 
+def tp_option():
+    return click.option(
+        "--tp", type=int, default=1, show_default=True,
+        help="Tensor-parallel degree: the --nproc ranks form --nproc/--tp groups; each group's ranks hold a shard "
+             "of every layer (Megatron: q, k, v, gate, up by columns, o and down by rows, cut by the model's "
+             "base_model_tp_plan and read shard by shard) and all-reduce twice per layer; the groups are the "
+             "chain's ranks.")
+
+
 def device_option(help: str | None = None):
     return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, help=help)
 

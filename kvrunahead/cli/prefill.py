@@ -11,7 +11,7 @@ import click
 from kvrunahead.choices import DECODES, TRANSPORTS
 from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
-from kvrunahead.decide.policy import network_spec, prepare
+from kvrunahead.decide.policy import network_spec, prepare, tp_groups, with_tp_mode
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
 from kvrunahead.model.load import MODEL_CHOICES
@@ -31,7 +31,8 @@ def format_result(r: RunResult) -> str:
     sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
     lines = [
         f"model        {r.model}",
-        f"mode         {r.mode}   world size {r.world_size}   launcher {r.launcher}   backend {r.backend}"
+        f"mode         {r.mode}   world size {r.world_size}" + (f" TP groups of {r.tp}" if r.tp > 1 else "")
+        + f"   launcher {r.launcher}   backend {r.backend}"
         f"   transport {r.transport}" + (f"   all-gather {r.allgather}" if r.allgather else ""),
         f"network      {r.network}",
         f"device       {r.device}   dtype {r.dtype}{' (compiled)' if r.compiled else ''}   "
@@ -155,6 +156,7 @@ def _continuation(v) -> str:
          "native on NCCL.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
+@common.tp_option()
 @common.dtype_option()
 @common.compile_option()
 @common.device_option(
@@ -220,11 +222,13 @@ def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, 
             context_len = parse_tokens(ctx) if ctx is not None else (None if prompt_file else 2048)
         except PromptError as e:
             raise InputError(str(e)) from None
-        cfg = RunConfig(context_len=context_len, prompt_text=text, chat=not no_chat, **options)
         world_size = world_size_hint(launcher, nproc)
         common.check_nproc(nproc, launcher, world_size)
+        cfg = with_tp_mode(RunConfig(context_len=context_len, prompt_text=text, chat=not no_chat, **options),
+                           world_size)
+        groups = tp_groups(cfg, world_size)  # a bad TP shape: one line, before any rank starts
         if launcher == "single" and nproc > 1:
-            prepare(cfg, nproc)  # one clear error here rather than one per rank
+            prepare(cfg, groups)  # one clear error here rather than one per rank
             sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
         if launcher == "single" and network_spec(cfg).emulated:
             raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
@@ -246,6 +250,8 @@ def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, n
         raise InputError("--prompts is a batch of whole prompts: --ctx and --prompt-file do not apply")
     texts = common.read_prompts_file(prompts_file)
     cfg = RunConfig(context_len=None, chat=not no_chat, **options)
+    if cfg.tp > 1:
+        raise InputError("--prompts does not run over TP groups yet: give one prompt (--ctx or --prompt-file)")
     world_size = world_size_hint(launcher, nproc)
     common.check_nproc(nproc, launcher, world_size)
     check_batch(cfg, batching, world_size)

@@ -7,6 +7,7 @@ it, so a request is planned the same way wherever it comes from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from kvrunahead.model.device import check_device, config_dtype, default_threads,
 from kvrunahead.model.layout import soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
+from kvrunahead.model.tp import check_tp
 from kvrunahead.modes import MODES, check_model
 from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
@@ -131,13 +133,50 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     return partition, f"cost estimate of the ranks' work ({why})"
 
 
+TP_MODES = ("kvr", "tp", "tsp", "ring", "cp-allgather", "kvr-nocomm")
+
+
+def tp_groups(cfg: RunConfig, nproc: int) -> int:
+    """The number of TP groups ``nproc`` ranks form at ``cfg.tp`` (the chain's length), after checking the degree
+    against the ranks, the mode and the model without loading any weight; InputError with one line."""
+    if cfg.tp < 1:
+        raise InputError(f"--tp must be at least 1, got {cfg.tp}")
+    if nproc % cfg.tp:
+        raise InputError(f"--tp {cfg.tp} does not divide --nproc {nproc}: the ranks form groups of --tp ranks")
+    if cfg.tp == 1:
+        return nproc
+    if cfg.mode not in TP_MODES:
+        raise InputError(f"--tp runs the modes {', '.join(TP_MODES)}; mode {cfg.mode!r} does not run over TP "
+                         "groups yet")
+    if cfg.mode == "tp" and cfg.tp != nproc:
+        raise InputError(f"mode 'tp' is one TP group of every rank: --tp {cfg.tp} must equal --nproc {nproc}")
+    if cfg.decode == "kvp":
+        raise InputError("--decode kvp does not run over TP groups yet; use --decode gathered with --tp")
+    if cfg.compile:
+        raise InputError("--compile does not run with --tp yet")
+    try:
+        check_tp(resolve_config(cfg.model), cfg.tp)
+    except ModelError as e:
+        raise InputError(str(e)) from None
+    except NotImplementedError as e:
+        raise InputError(f"--tp {cfg.tp} cannot run {cfg.model}: {e}") from None
+    return nproc // cfg.tp
+
+
+def with_tp_mode(cfg: RunConfig, nproc: int) -> RunConfig:
+    """``--mode tp`` without ``--tp``: every rank in one TP group."""
+    return dataclasses.replace(cfg, tp=nproc) if cfg.mode == "tp" and cfg.tp == 1 else cfg
+
+
 def prepare(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> Prepared:
-    """Validate the input and build the prompt and partition; raises InputError with one line."""
+    """Validate the input and build the prompt and partition for a chain of ``world_size`` ranks (TP groups, with
+    ``--tp``); raises InputError with one line."""
     check_device(cfg.device)
     if cfg.mode not in MODES:
         raise InputError(f"unknown mode {cfg.mode!r}: use one of {', '.join(MODES)}")
-    if cfg.mode == "single" and world_size != 1:
-        raise InputError(f"mode 'single' runs one process, but the world size is {world_size}")
+    if cfg.mode in ("single", "tp") and world_size != 1:
+        raise InputError(f"mode {cfg.mode!r} runs one {'TP group' if cfg.mode == 'tp' else 'process'}, but the "
+                         f"world has {world_size}")
     mode = MODES[cfg.mode]
     if mode.own_partition and (cfg.partition not in ("auto", "even") or cfg.table):
         raise InputError(f"mode {cfg.mode!r} sets its own layout; --partition and --table apply to kvr and "

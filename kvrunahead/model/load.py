@@ -27,6 +27,14 @@ from transformers import (
 
 from kvrunahead.model.rope import RopeExtension, extended
 from kvrunahead.model.stage import StageSpec, build_stage, safetensors_tensors, stage_keys, ties_embeddings
+from kvrunahead.model.tp import (
+    ShardBuilder,
+    TpSpec,
+    add_all_reduces,
+    cut_tensors,
+    safetensors_shapes,
+    safetensors_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +231,30 @@ def resolve_config(name: str) -> PretrainedConfig:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-               rope: RopeExtension | None = None, stage: StageSpec | None = None) -> LoadedModel:
+               rope: RopeExtension | None = None, stage: StageSpec | None = None, tp: TpSpec | None = None,
+               collective=None) -> LoadedModel:
     """Load a model by preset name or local directory, in eval mode, with SDPA attention where the class has it
     (and its rotary embedding extended by ``rope``, for contexts beyond the trained positions). ``stage``: only
-    that pipeline stage's layers (model/stage.py)."""
+    that pipeline stage's layers (model/stage.py); ``tp``: only this TP rank's shard, its rowwise outputs summed
+    by ``collective`` (model/tp.py)."""
     config = extended(resolve_config(name), rope)
     attn = attention_implementation(config)
-    if name in PRESETS:
+    if tp is not None:
+        builder = ShardBuilder(config, tp)
+        if name in PRESETS:  # drawn whole (the same numbers on every rank), then cut
+            torch.manual_seed(seed)
+            with torch.device(device):
+                whole = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            state = whole.state_dict()
+            model = builder.build(dtype, device, attn, {k: tuple(v.shape) for k, v in state.items()},
+                                  cut_tensors(iter(state.items())))
+            del whole, state
+        else:
+            folder = _model_path(name)
+            model = builder.build(dtype, device, attn, safetensors_shapes(folder), safetensors_shard(folder))
+        add_all_reduces(model, collective)
+        eos = frozenset() if name in PRESETS else _generation_eos(name, config)
+    elif name in PRESETS:
         torch.manual_seed(seed)  # every rank builds the same weights (on the same kind of device)
         with torch.device(device):  # drawn where they will live: a 7B-shaped model is drawn in seconds on a GPU
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -240,8 +265,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         tied = ties_embeddings(config)
         tensors = safetensors_tensors(_model_path(name), lambda key: stage_keys(key, stage, tied) is not None)
         model = build_stage(config, stage, tensors, dtype, device, attn)
-        eos = _eos(GenerationConfig.from_model_config(config) if not (_model_path(name) / "generation_config.json")
-                   .exists() else GenerationConfig.from_pretrained(_model_path(name)))
+        eos = _generation_eos(name, config)
     else:
         model = AutoModelForCausalLM.from_pretrained(_model_path(name), config=config, dtype=dtype,
                                                      attn_implementation=attn)
@@ -251,6 +275,13 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         from kvrunahead.model.compiled import compile_model
         compile_model(model)
     return LoadedModel(name=name, model=model, tokenizer=load_tokenizer(name), eos_token_ids=eos)
+
+
+def _generation_eos(name: str, config: PretrainedConfig) -> frozenset[int]:
+    """The end tokens of a model folder loaded part by part (a stage, a TP shard)."""
+    path = _model_path(name)
+    return _eos(GenerationConfig.from_pretrained(path) if (path / "generation_config.json").exists()
+                else GenerationConfig.from_model_config(config))
 
 
 def _eos(generation_config) -> frozenset[int]:

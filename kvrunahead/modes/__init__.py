@@ -118,6 +118,9 @@ MODES: dict[str, Mode] = {
     for m in [
         Mode(name="single", summary="one process, the reference", own_partition=True, decodes=True,
              setup=lambda step: None, prefill=_single, **_CONTIGUOUS),
+        Mode(name="tp", summary="Megatron tensor parallelism: every rank a shard of every layer's heads and MLP, two "
+             "all-reduces per layer (--tp = --nproc)", own_partition=True, decodes=True,
+             setup=lambda step: None, prefill=_single, **_CONTIGUOUS),
         Mode(name="kvr", summary="KV-Runahead: KV cache handed down a chain of ranks, any partition",
              own_partition=False, decodes=True, setup=_chain, prefill=_kvr, **_CONTIGUOUS),
         Mode(name="kvr-nocomm", summary="KV-Runahead with its communication removed (prefix K,V given locally): "
