@@ -9,12 +9,12 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, pick_backend
+from kvrunahead.mesh import TpCollective, forget_collectives, tp_collective
 from kvrunahead.model.compiled import COMPILE_WAIT_S, compile_model
 from kvrunahead.model.device import config_dtype, default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
-from kvrunahead.mesh import TpCollective, forget_collectives, tp_collective
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.model.tp import TpSpec
 from kvrunahead.transport import Transport, make_transport

@@ -135,6 +135,17 @@ def test_bad_pipeline_input_is_one_line_and_exit_2_before_any_rank_starts(args, 
     assert said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-neox"])
+def test_spp_cuts_a_held_out_family_by_its_own_pipeline_plan(model):
+    """Families outside the ones spp was built on (Phi-3, GPT-NeoX: another base prefix, embedding and final
+    norm) are cut by their base_model_pp_plan and verify as one process."""
+    proc = kvr_prefill("--model", model, "--mode", "spp", "--nproc", "2", "--ctx", "120", "--chunk-tokens", "50",
+                       "--verify", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["verification"]["ok"] and out["stages"] == [0, 2, 4]
+
+
 def test_kvr_prefill_reports_the_stages_and_the_chunk(tmp_path):
     proc = kvr_prefill("--model", "tiny-gemma3", "--mode", "spp", "--nproc", "2", "--ctx", "100",
                        "--chunk-tokens", "30", "--verify", "--json")

@@ -31,7 +31,7 @@ def format_result(r: RunResult) -> str:
     sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
     lines = [
         f"model        {r.model}",
-        f"mode         {r.mode}   world size {r.world_size}" + (f" TP groups of {r.tp}" if r.tp > 1 else "")
+        f"mode         {r.mode}   world size {r.world_size}" + (f" (TP groups of {r.tp} ranks)" if r.tp > 1 else "")
         + f"   launcher {r.launcher}   backend {r.backend}"
         f"   transport {r.transport}" + (f"   all-gather {r.allgather}" if r.allgather else ""),
         f"network      {r.network}",

@@ -39,6 +39,7 @@ def _check_listen(host: str, port: int) -> None:
 
 def _check(options: dict, world_size: int) -> None:
     """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
+    from kvrunahead.decide.policy import tp_groups
     from kvrunahead.model.device import check_device
     from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.model.rope import ContextError
@@ -58,9 +59,12 @@ def _check(options: dict, world_size: int) -> None:
         if options[name] < 0:
             raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
     check_device(options["device"])
+    config = _engine_config(options)
+    if options["tp"] > 1 and options["prefill"] == "spp":
+        raise InputError("--prefill spp does not run over TP groups yet: --tp needs --prefill chain")
+    groups = tp_groups(config.run, world_size)  # a bad TP shape: one line, before any rank loads weights
     try:
-        parse_degree(options["degree"], world_size)
-        config = _engine_config(options)
+        parse_degree(options["degree"], groups)
         model_config = resolve_config(options["model"])
         model_len_limit(config.run, model_config, config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:
@@ -113,7 +117,7 @@ def _engine_config(options: dict):
                     table=options["table"], dtype=options["dtype"], compile=options["compile"],
                     device=options["device"], threads=options["threads"], timeout_s=options["timeout_s"],
                     net=options["net"], seed=options["seed"], allow_long_context=options["allow_long_context"],
-                    context_len=None, decode=options["decode"])
+                    context_len=None, decode=options["decode"], tp=options["tp"])
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
                         degree=options["degree"], pack_tokens=options["pack_tokens"],
                         prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
@@ -123,10 +127,11 @@ def _engine_config(options: dict):
                         spp_chunk_tokens=options["spp_chunk_tokens"])
 
 
-def _announce(url: str, model_id: str, world_size: int):
+def _announce(url: str, model_id: str, world):
+    ranks = f"{world.world_size} rank(s)" if world.tp == 1 else \
+        f"{world.world_size} TP group(s) of {world.tp} ranks"
     def started(server) -> None:
-        click.echo(f"{PROG}: serving {model_id} on {url.format(port=server.port)} over {world_size} rank(s)",
-                   err=True)
+        click.echo(f"{PROG}: serving {model_id} on {url.format(port=server.port)} over {ranks}", err=True)
     return started
 
 
@@ -149,7 +154,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
                             timeout_graceful_shutdown=5)
     url = f"http://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
     server = DrainingServer(config, client, grace_s,
-                            on_started=_announce(url, client.model_id, engine.world.world_size))
+                            on_started=_announce(url, client.model_id, engine.world))
     try:
         server.run()
     finally:
@@ -169,14 +174,15 @@ def _ignore_stop_signals() -> None:
 def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
     """Join the world and serve: the front runs HTTP, the others the worker loop."""
     from kvrunahead.launcher import init_world, local_rank_hint, pick_backend
+    from kvrunahead.mesh import chain_world
     from kvrunahead.model.device import resolve_device
     from kvrunahead.runner import leave_world
     from kvrunahead.serve.engine import Engine
 
     config = _engine_config(options)
     device = resolve_device(config.run.device, local_rank_hint())
-    world = init_world(launcher, pick_backend(device), config.run.timeout_s, device)
-    front = world.rank == world.world_size - 1
+    world = chain_world(init_world(launcher, pick_backend(device), config.run.timeout_s, device), config.run.tp)
+    front = world.rank == world.world_size - 1 and world.tp_rank == 0  # the last group's first TP rank
     if not front:
         _ignore_stop_signals()
     engine = Engine(config, world)  # a failure from here on ends the rank without teardown (failure_ending)
@@ -267,6 +273,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @common.timeout_option(60.0, help="Seconds a rank waits on another before the server fails (and exits 1).")
 @click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
               help="After SIGTERM: seconds the requests in flight get to finish before they are ended.")
+@common.tp_option()
 @common.dtype_option()
 @common.compile_option()
 @common.device_option()

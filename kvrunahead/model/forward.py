@@ -33,9 +33,17 @@ def one_position(model: torch.nn.Module) -> dict:
     """The inputs of a one-position probe forward of ``model``'s base: a token id, or for a pipeline stage that does
     not embed (model/stage.py) a hidden state."""
     param = next(p for p in model.parameters() if p.is_floating_point())
-    if getattr(model.base_model, "embed_tokens", True) is None:
+    if not _embeds(model):
         return {"inputs_embeds": torch.zeros((1, 1, model.config.hidden_size), dtype=param.dtype, device=param.device)}
     return {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=param.device)}
+
+
+def _embeds(model: torch.nn.Module) -> bool:
+    """Whether the model embeds token ids (a later pipeline stage's embedding is dropped)."""
+    try:
+        return model.base_model.get_input_embeddings() is not None
+    except NotImplementedError:  # transformers finds no embedding module to return: it was dropped
+        return False
 
 
 @torch.no_grad()

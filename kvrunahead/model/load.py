@@ -22,11 +22,19 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
 )
 
 from kvrunahead.model.rope import RopeExtension, extended
-from kvrunahead.model.stage import StageSpec, build_stage, safetensors_tensors, stage_keys, ties_embeddings
+from kvrunahead.model.stage import (
+    StageSpec,
+    build_stage,
+    pipeline_cut,
+    safetensors_tensors,
+    stage_keys,
+    ties_embeddings,
+)
 from kvrunahead.model.tp import (
     ShardBuilder,
     TpSpec,
@@ -111,6 +119,12 @@ PRESETS: dict[str, callable] = {
         Gemma2Config, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
         attn_logit_softcapping=None,
+    ),
+    # Phi-3: fused q,k,v and gate,up projections (TP refuses its plan's fused styles; spp cuts it by its pipeline
+    # plan like any other family).
+    "tiny-phi3": lambda: _tiny(
+        Phi3Config, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0,
     ),
     "llama-7b": lambda: LlamaConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -263,7 +277,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         eos: frozenset[int] = frozenset()
     elif stage is not None:
         tied = ties_embeddings(config)
-        tensors = safetensors_tensors(_model_path(name), lambda key: stage_keys(key, stage, tied) is not None)
+        cut = pipeline_cut(config)
+        tensors = safetensors_tensors(_model_path(name), lambda key: stage_keys(key, stage, tied, cut) is not None)
         model = build_stage(config, stage, tensors, dtype, device, attn)
         eos = _generation_eos(name, config)
     else:

@@ -23,8 +23,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-LAYERS = "model.layers."
-
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -46,17 +44,51 @@ class StageSpec:
         return self.last == self.num_layers
 
 
-def check_stageable(model_or_config) -> None:
-    """NotImplementedError with one line where the model has no ``model.layers`` decoder list and ``model.norm``
-    (the layout the stage cut relies on: Llama, Mistral, Gemma 2 and 3)."""
+@dataclass(frozen=True)
+class Cut:
+    """Where a model's pipeline cut falls, read off its own plans: the base model's attribute (``model``), and in
+    it the embedding, the decoder-layer list and the final norm (the keys of ``base_model_pp_plan``, in order), then
+    the causal LM's head (its class's ``_pp_plan``)."""
+
+    prefix: str
+    embed: str
+    layers: str
+    norm: str
+    head: str
+
+    def layer_of(self, key: str) -> tuple[int, str] | None:
+        """A checkpoint tensor's decoder layer and the rest of its name, or None outside the layer list."""
+        start = f"{self.prefix}.{self.layers}."
+        if not key.startswith(start):
+            return None
+        index, rest = key[len(start):].split(".", 1)
+        return int(index), rest
+
+    def is_embed(self, key: str) -> bool:
+        return key.startswith(f"{self.prefix}.{self.embed}.")
+
+    def emits_with(self, key: str) -> bool:
+        """Whether only the emitting stage holds the tensor (the final norm, the head)."""
+        return key.startswith((f"{self.prefix}.{self.norm}.", f"{self.head}."))
+
+
+def pipeline_cut(model_or_config) -> Cut:
+    """The model's pipeline cut; NotImplementedError with one line naming what is missing."""
     config = getattr(model_or_config, "config", model_or_config)
-    if config.model_type not in STAGEABLE:
-        name = getattr(AutoModelForCausalLM._model_mapping.get(type(config), None), "__name__", type(config).__name__)
-        raise NotImplementedError(f"spp cuts a model's decoder layers into stages; it knows {', '.join(STAGEABLE)} "
-                                  f"models (a model.layers list and a final model.norm), not {name}")
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    text = config.get_text_config(decoder=True)
+    plan = getattr(text, "base_model_pp_plan", None) or getattr(config, "base_model_pp_plan", None)
+    name = getattr(cls, "__name__", type(config).__name__)
+    if not plan or "layers" not in plan or len(plan) < 3 or cls is None or not getattr(cls, "_pp_plan", None):
+        raise NotImplementedError(f"spp cuts a model's decoder layers into stages by its pipeline plan "
+                                  f"(base_model_pp_plan: embedding, layers, final norm); {name} ships none")
+    names = list(plan)
+    return Cut(cls.base_model_prefix, names[0], "layers", names[-1], next(iter(cls._pp_plan)))
 
 
-STAGEABLE = ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3")
+def check_stageable(model_or_config) -> None:
+    """NotImplementedError with one line where the model has no pipeline plan to cut it by."""
+    pipeline_cut(model_or_config)
 
 
 def stage_config(config: PretrainedConfig, spec: StageSpec) -> PretrainedConfig:
@@ -68,15 +100,15 @@ def stage_config(config: PretrainedConfig, spec: StageSpec) -> PretrainedConfig:
     return cut
 
 
-def stage_keys(key: str, spec: StageSpec, tied: bool) -> str | None:
+def stage_keys(key: str, spec: StageSpec, tied: bool, cut: Cut) -> str | None:
     """The stage model's name for a whole model's tensor, or None where the stage does not hold it."""
-    if key.startswith(LAYERS):
-        index, rest = key[len(LAYERS):].split(".", 1)
-        i = int(index)
-        return f"{LAYERS}{i - spec.first}.{rest}" if spec.first <= i < spec.last else None
-    if "embed_tokens" in key:
+    layer = cut.layer_of(key)
+    if layer is not None:
+        i, rest = layer
+        return f"{cut.prefix}.{cut.layers}.{i - spec.first}.{rest}" if spec.first <= i < spec.last else None
+    if cut.is_embed(key):
         return key if spec.embeds or (spec.emits and tied) else None
-    if key.startswith("lm_head") or key.startswith("model.norm"):
+    if cut.emits_with(key):
         return key if spec.emits else None
     return key  # anything else (rotary buffers saved by some checkpoints) every stage keeps
 
@@ -90,7 +122,7 @@ def build_stage(config: PretrainedConfig, spec: StageSpec, tensors: Iterator[tup
                 dtype: torch.dtype, device: torch.device, attn_implementation: str) -> torch.nn.Module:
     """The stage's model from its config, its weights taken from ``tensors`` (a whole model's names and tensors,
     read lazily: only the stage's are kept)."""
-    check_stageable(config)
+    names = pipeline_cut(config)
     cut = stage_config(config, spec)
     tied = ties_embeddings(config)
     with torch.device(device):
@@ -99,35 +131,35 @@ def build_stage(config: PretrainedConfig, spec: StageSpec, tensors: Iterator[tup
     seen = set()
     with torch.no_grad():
         for key, tensor in tensors:
-            name = stage_keys(key, spec, tied)
+            name = stage_keys(key, spec, tied, names)
             if name is None or name not in state:
                 continue
             state[name].copy_(tensor)
             seen.add(name)
-    wanted = {k for k in state if _wanted(k, spec, tied)}
-    missing = sorted(wanted - seen - ({"lm_head.weight"} if tied else set()))
+    wanted = {k for k in state if _wanted(k, spec, tied, names)}
+    missing = sorted(wanted - seen - ({f"{names.head}.weight"} if tied else set()))
     if missing:
         raise ValueError(f"the stage's weights lack {', '.join(missing[:4])}")
-    return _trimmed(model, spec, tied)
+    return _trimmed(model, spec, tied, names)
 
 
-def _trimmed(model: torch.nn.Module, spec: StageSpec, tied: bool) -> torch.nn.Module:
+def _trimmed(model: torch.nn.Module, spec: StageSpec, tied: bool, cut: Cut) -> torch.nn.Module:
     """The stage without what it does not run: the embedding where it neither embeds nor emits through it, the
     final norm and the LM head where it does not emit."""
     if not spec.embeds and not (spec.emits and tied):
-        model.base_model.embed_tokens = None  # the forward embeds only when given ids; a later stage gets states
-    if not spec.emits:
-        model.base_model.norm = torch.nn.Identity()  # the residual stream goes on to the next stage unnormalised
-        model.lm_head = None
+        setattr(model.base_model, cut.embed, None)  # the forward embeds only when given ids; a later stage gets
+    if not spec.emits:  # states
+        setattr(model.base_model, cut.norm, torch.nn.Identity())  # the residual stream goes on unnormalised
+        setattr(model, cut.head, None)
     return model.eval()
 
 
-def _wanted(key: str, spec: StageSpec, tied: bool) -> bool:
-    if "embed_tokens" in key:
+def _wanted(key: str, spec: StageSpec, tied: bool, cut: Cut) -> bool:
+    if cut.is_embed(key):
         return spec.embeds or (spec.emits and tied)
-    if key.startswith("lm_head") or key.startswith("model.norm"):
+    if cut.emits_with(key):
         return spec.emits
-    return key.startswith(LAYERS)
+    return cut.layer_of(key) is not None
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
@@ -159,7 +191,7 @@ def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:
     """The stage's model over ``model``'s own weights (shared, not copied): a server whose ranks hold the whole
     model (the front decodes with every layer) runs a pipelined prefill through views of it. Its layers are new
     modules numbered from 0 holding ``model``'s parameters, so the stage's cache is an ordinary one of its layers."""
-    check_stageable(model.config)
+    names = pipeline_cut(model.config)
     cut = stage_config(model.config, spec)
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     with torch.device("meta"):
@@ -167,14 +199,14 @@ def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:
                                                  attn_implementation=model.config._attn_implementation)
     tied = ties_embeddings(model.config)
     shared = {name: t for key, t in model.state_dict(keep_vars=True).items()
-              if (name := stage_keys(key, spec, tied)) is not None}
+              if (name := stage_keys(key, spec, tied, names)) is not None}
     stage.load_state_dict(shared, strict=False, assign=True)
     base, whole = stage.base_model, model.base_model
     for name, module in whole.named_children():  # the embedding, norm, rotary embedding: shared modules (their
-        if name != "layers":  # buffers, such as Gemma's embedding scale, are computed, not saved)
+        if name != names.layers:  # buffers, such as Gemma's embedding scale, are computed, not saved)
             setattr(base, name, module)
-    stage.lm_head = model.lm_head
-    stage = _trimmed(stage, spec, tied)
+    setattr(stage, names.head, getattr(model, names.head))
+    stage = _trimmed(stage, spec, tied, names)
     left = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
     if left:
         raise NotImplementedError(f"a stage of {type(model).__name__} keeps tensors the whole model does not "

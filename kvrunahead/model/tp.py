@@ -52,7 +52,8 @@ class Share:
 
 
 def _even(n: int, parts: int) -> list[tuple[int, int]]:
-    cuts = [n * i // parts for i in range(parts + 1)]
+    """``n`` in ``parts`` contiguous ranges as even as they go, the first ones the longer."""
+    cuts = [-(-n * i // parts) for i in range(parts + 1)]
     return list(zip(cuts, cuts[1:]))
 
 

@@ -152,8 +152,9 @@ class VariantDecoders:
     shared-context requests' questions (kvrunahead/questions.py): one forward per request for all its questions
     still answering, its context read once."""
 
-    def __init__(self, decoder_for: Callable[[object], BatchDecoder]) -> None:
+    def __init__(self, decoder_for: Callable[[object], BatchDecoder], record: bool = False) -> None:
         self.decoder_for = decoder_for
+        self.ops: list[tuple] | None = [] if record else None  # the front of a TP group: what its peers repeat
         self.by_variant: dict[object, BatchDecoder] = {}
         self.variant_of: dict[str, object] = {}
         self.shared: dict[str, SharedContext] = {}  # request id -> its questions after its context
@@ -169,13 +170,22 @@ class VariantDecoders:
         self.question_of.update((question_id(request_id, i), (request_id, i)) for i in range(len(questions)))
         return logits
 
+    def take_ops(self) -> tuple:
+        """The batch's changes since the last call (``record``), for the front's TP peers (plans.Mirrored)."""
+        ops, self.ops = tuple(self.ops or ()), [] if self.ops is not None else None
+        return ops
+
     def add(self, request_id: str, cache: DynamicCache, variant: object = None) -> None:
+        if self.ops is not None:
+            self.ops.append(("add", request_id, variant))
         if variant not in self.by_variant:
             self.by_variant[variant] = self.decoder_for(variant)
         self.by_variant[variant].add(request_id, cache)
         self.variant_of[request_id] = variant
 
     def remove(self, request_id: str) -> None:
+        if self.ops is not None and request_id in self:
+            self.ops.append(("remove", request_id))
         if request_id in self.variant_of:
             self.by_variant[self.variant_of.pop(request_id)].remove(request_id)
         if self.shared.pop(request_id, None) is not None:

@@ -58,17 +58,17 @@ class Engine:
         self.max_model_len = model_len_limit(cfg, model_config, config.max_model_len)
         self.attention, _ = resolve_attention(cfg, model_config)
         check_model("kvr", model_config, self.attention)
-        rs = set_up_rank(cfg, world)
+        rs = self.rank_setup = set_up_rank(cfg, world)
         threads = rs.threads
         solo = executor.solo_threads(threads, world.local_world_size) if rs.device.type == "cpu" else threads
         self.ctx = RankContext(rs.lm, rs.layout, rs.transport, rs.device, world.rank, world.world_size,
-                               load=lambda rope: rs.load(cfg, rope), threads=threads, solo_threads=solo)
-        self.model_config = model_config
-        self.threads = threads
+                               load=lambda rope: rs.load(cfg, rope), threads=threads, solo_threads=solo,
+                               tp=world.tp, tp_rank=world.tp_rank)
+        self.model_config, self.threads = model_config, threads
         why = why_not_packable(model_config)
         if config.pack_tokens and why:
             log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
-        self.decoder = VariantDecoders(self._decoder_for)
+        self.decoder = VariantDecoders(self._decoder_for, record=world.tp > 1 and self.is_front)
         self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
@@ -96,7 +96,7 @@ class Engine:
 
     @property
     def is_front(self) -> bool:
-        return self.ctx.rank == self.ctx.front
+        return self.ctx.rank == self.ctx.front and self.ctx.tp_rank == 0
 
     @property
     def tokenizer(self):
@@ -333,7 +333,7 @@ class Engine:
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
-        if self.ctx.forget(seq.request_id) and self.ctx.world_size > 1:
+        if self.ctx.forget(seq.request_id) and self.ctx.has_peers:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)
         return seq.finished(reason, error, bad_input)
@@ -387,11 +387,11 @@ class Engine:
 
     def worker_loop(self) -> None:
         """A non-front rank: run the front's plans until it shuts the engine down."""
-        executor.worker_loop(self.ctx)
+        executor.worker_loop(self.ctx, self.decoder)
 
     def shutdown(self) -> None:
         """End the workers' loops (front only; best effort when a rank has already gone)."""
-        if self.ctx.world_size > 1 and self.error is None:
+        if self.ctx.has_peers and self.error is None:
             try:
                 executor.send_plan(self.ctx, Shutdown())
             except Exception as e:  # noqa: BLE001

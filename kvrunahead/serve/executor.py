@@ -49,6 +49,7 @@ from kvrunahead.serve.plans import (
     RANKS,
     SHARDED,
     Drop,
+    Mirrored,
     Ping,
     Plan,
     Segment,
@@ -88,6 +89,8 @@ class RankContext:
     partial: dict = field(default_factory=dict)  # request id -> per layer GrowingKV: a chunked prefill so far
     staged: dict = field(default_factory=dict)  # request id -> this stage's DynamicCache: a pipelined prefill so far
     views: dict = field(default_factory=dict)  # (RopeExtension, stages) -> this rank's stage of the model
+    tp: int = 1  # ranks per TP group: ``rank`` and ``world_size`` count groups (mesh.py)
+    tp_rank: int = 0
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads
@@ -97,6 +100,20 @@ class RankContext:
     @property
     def front(self) -> int:
         return self.world_size - 1
+
+    @property
+    def front_rank(self) -> int:
+        """The front's global rank: the first TP rank of the last group."""
+        return self.front * self.tp
+
+    @property
+    def mirror(self) -> bool:
+        """Whether this rank is one of the front's TP peers, which run every step the front runs."""
+        return self.rank == self.front and self.tp_rank > 0
+
+    @property
+    def has_peers(self) -> bool:
+        return self.world_size * self.tp > 1
 
     def forget(self, request_id: str) -> bool:
         """Drop what this rank holds of a request (KVP shards, a chunked prefill's positions or stages); whether it
@@ -171,7 +188,7 @@ def recv_plan(ctx: RankContext) -> Plan:
 
 
 def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
-    work = dist.broadcast(tensor, src=ctx.front, group=liveness.patient_group(), async_op=True)
+    work = dist.broadcast(tensor, src=ctx.front_rank, group=liveness.patient_group(), async_op=True)
     liveness.wait_for_peers(work, what)
 
 
@@ -234,6 +251,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
         stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
         everyone = liveness.gather_objects((stats, sent, out.scores), "the other ranks to finish the step")
+        everyone = everyone[::ctx.tp]  # with --tp, each group's first rank speaks for it
         out.ranks = [s for s, _, _ in everyone]
         out.scores = {}
         for _, theirs, scores in everyone:  # in rank order: the parts' positions in order
@@ -367,9 +385,13 @@ def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
     return link, (step.boundaries[rank], step.boundaries[rank + 1])
 
 
-def worker_loop(ctx: RankContext) -> None:
-    """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone."""
-    log.info("rank %d serving as a worker of front rank %d", ctx.rank, ctx.front)
+def worker_loop(ctx: RankContext, decoder=None) -> None:
+    """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone. A TP
+    peer of the front (``ctx.mirror``) runs every step whole, with its own ``decoder`` (the front's batch, on its
+    shard)."""
+    log.info("rank %d (TP rank %d) serving as a %s of front rank %d", ctx.rank, ctx.tp_rank,
+             "TP peer" if ctx.mirror else "worker", ctx.front)
+    caches: dict = {}  # the caches of the last step's prompts, which the front's next ops add to the batch
     while True:
         plan = recv_plan(ctx)
         if isinstance(plan, Shutdown):
@@ -377,6 +399,15 @@ def worker_loop(ctx: RankContext) -> None:
             return
         if isinstance(plan, StepPlan):
             run_step(ctx, plan)
+        elif isinstance(plan, Mirrored) and ctx.mirror:
+            for op in plan.ops:
+                if op[0] == "add":
+                    decoder.add(op[1], caches[op[1]], op[2])
+                else:
+                    decoder.remove(op[1])
+            caches = run_step(ctx, plan.plan, None, decoder).caches
+        elif isinstance(plan, Mirrored) and plan.plan.needs_workers:
+            run_step(ctx, plan.plan.workers_plan)
         elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
                 ctx.forget(request_id)
@@ -393,6 +424,6 @@ class Heartbeat:
         self.last_s = time.monotonic()
 
     def maybe_ping(self) -> None:
-        if self.ctx.world_size > 1 and time.monotonic() - self.last_s >= self.heartbeat_s:
+        if self.ctx.has_peers and time.monotonic() - self.last_s >= self.heartbeat_s:
             send_plan(self.ctx, Ping())
             self.sent()

@@ -22,6 +22,7 @@ from kvrunahead.decide.policy import prepare
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.device import oversubscribed, peak_memory_bytes, resolve_device
+from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.net import liveness
@@ -36,7 +37,7 @@ from kvrunahead.pack.batch import (
     verify_prompts,
 )
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, ffd_bins
-from kvrunahead.runner import Ran, RunResult, finish_result, leave_world
+from kvrunahead.runner import Ran, RunResult, finish_result, leave_world, weight_bytes
 from kvrunahead.runner import run_on_world as run_on_runner
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
@@ -72,7 +73,7 @@ def on_engine(config: EngineConfig, world: World, job: Callable[[Engine], T],
             result = job(engine)
         finally:
             engine.shutdown()
-    if world.world_size > 1:  # together: a worker still taking the Shutdown must not find rank 0's store gone
+    if world.world_size * world.tp > 1:  # together: a worker taking the Shutdown must not find rank 0's store gone
         liveness.patient_barrier("every rank to leave the engine")
     return result
 
@@ -123,8 +124,12 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         engine.shutdown()  # the workers are done; the report (and --verify) is the front's alone
         record = engine.prefills[-1]
         lm, layout = engine.ctx.model(prepared.rope)
+        weights = weight_bytes(lm.model) if world.tp > 1 else None
+        if world.tp > 1:  # a TP rank holds a shard: the whole model for the report, on the front alone
+            lm = engine.rank_setup.whole(cfg, prepared.rope)
+            layout = probe_kv_layout(lm.model)
         ran = Ran(world, prepared, lm, layout, engine.ctx.transport, next(lm.model.parameters()).dtype,
-                  engine.ctx.threads)
+                  engine.ctx.threads, weights)
         tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
         return finish_result(cfg, ran, record.ranks[-1].total_s, record.ranks, record.first_logits[request.request_id],
                              tokens, decode_s)

@@ -32,7 +32,7 @@ from kvrunahead.serve import executor
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreePolicy
 from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Segment, StepPlan
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Mirrored, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
 
@@ -89,7 +89,8 @@ class Placement:
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries)
-        self.prefixes = PrefixCache(prefix_cache_tokens)
+        # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
+        self.prefixes = PrefixCache(prefix_cache_tokens if ctx.tp == 1 else 0)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
         self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
         self.kvp_possible = why_not_kvp(model_config) is None
@@ -143,8 +144,8 @@ class Placement:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
         or with ``auto`` where the cost model predicts its decode step faster so than on the front alone with the
         whole cache (long contexts, where attention dominates the step)."""
-        if self.pipeline is not None:  # the pipeline gathers the cache on the front
-            return False
+        if self.pipeline is not None or self.ctx.tp > 1:  # the pipeline gathers the cache on the front; a TP
+            return False  # group's front decodes its own heads (KVP over TP groups is not built)
         if self.run.decode != "auto":
             return self.run.decode == "kvp"
         if n not in self._kvp:
@@ -193,7 +194,10 @@ class Placement:
 
     def execute(self, plan: StepPlan, held=None, decoder=None) -> StepOutcome:
         """Run a step: told to the workers where any takes part, then this rank's part."""
-        if plan.needs_workers and self.ctx.world_size > 1:
+        if self.ctx.tp > 1:  # the front is a TP group: its peers run every step with it
+            executor.send_plan(self.ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
+            self.heartbeat.sent()
+        elif plan.needs_workers and self.ctx.world_size > 1:
             executor.send_plan(self.ctx, plan.workers_plan)
             self.heartbeat.sent()
         return executor.run_step(self.ctx, plan, held, decoder)

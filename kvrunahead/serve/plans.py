@@ -189,6 +189,18 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class Mirrored:
+    """A step the front runs, told to every rank when the front is a TP group (``--tp``): the front's TP peers run
+    the whole step as it does (its decode rows, a prompt's questions), on their shards, after taking the changes
+    to the front's decode batch since the last one (``ops``: ("add", request id, RoPE variant) for a prompt the
+    last step prefilled, ("remove", request id)); the other groups' ranks run the workers' part where it needs
+    them."""
+
+    plan: StepPlan
+    ops: tuple = ()
+
+
+@dataclass(frozen=True)
 class Drop:
     """The requests whose state every rank drops: KVP shards, a chunked prefill's positions (finished,
     cancelled)."""
@@ -206,4 +218,4 @@ class Shutdown:
     """Ends every worker's loop (the server is stopping)."""
 
 
-Plan = StepPlan | Drop | Ping | Shutdown
+Plan = StepPlan | Mirrored | Drop | Ping | Shutdown

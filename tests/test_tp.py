@@ -1,0 +1,139 @@
+"""Tensor parallelism (``--tp``): each rank a shard of the model cut by its own ``base_model_tp_plan``, TP groups
+chained by KV-Runahead. On real ranks (gloo, one thread each; oversubscribed at 4 ranks, which exactness allows):
+``kvr-prefill --verify`` equal to one process over one group and over a chain of groups, in float32 and bfloat16,
+full-attention and hybrid; the peers over TP groups; ``kvr-serve --tp 2`` streaming kvr-prefill's greedy text to
+the ``openai`` client; bad shapes refused in one line before any rank starts; the shard's weights and reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import torch
+
+from tests.test_serve_cli import ENV, PROMPT, ROOT, serving
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _prefill(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrunahead.cli.prefill", "--json", *args], capture_output=True,
+                          text=True, timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def _verified(*args: str) -> dict:
+    r = _prefill("--verify", "--threads", "1", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    v = out["verification"]
+    assert v["ok"] and v["first_token_match"] and v["generated_match"], v
+    return out
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny-llama", "float32"), ("tiny-gemma3", "float32"),
+                                         ("tiny-llama", "bfloat16"), ("tiny-mistral", "float32")])
+def test_one_tp_group_of_two_verifies(model, dtype):
+    out = _verified("--model", model, "--dtype", dtype, "--nproc", "2", "--tp", "2", "--ctx", "300",
+                    "--max-new-tokens", "8")
+    assert out["tp"] == 2 and out["world_size"] == 1
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_kvr_chain_of_two_tp_groups_verifies(model):
+    out = _verified("--model", model, "--nproc", "4", "--tp", "2", "--ctx", "400", "--partition", "0.6,0.4",
+                    "--max-new-tokens", "8")
+    assert out["tp"] == 2 and out["world_size"] == 2 and out["boundaries"] == [0, 240, 400]
+    assert out["ranks"][0]["bytes_sent"] > 0  # the first group's ranks handed their heads' K,V on
+
+
+@pytest.mark.parametrize("mode", ["tp", "tsp", "ring", "cp-allgather"])
+def test_the_peers_over_tp_groups_verify(mode):
+    nproc, tp = ("4", "4") if mode == "tp" else ("4", "2")
+    args = ("--tp", tp) if mode != "tp" else ()
+    out = _verified("--model", "tiny-llama", "--mode", mode, "--nproc", nproc, *args, "--ctx", "300",
+                    "--max-new-tokens", "4")
+    assert out["tp"] == int(tp)
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--nproc", "2", "--tp", "3"), "--tp 3 does not divide --nproc 2"),
+    (("--nproc", "3", "--tp", "3"), "4 query heads in 2 K,V groups do not split over 3 ranks"),
+    (("--nproc", "2", "--tp", "2", "--model", "tiny-falcon"), "falcon ships no tensor-parallel plan"),
+    (("--nproc", "2", "--tp", "2", "--model", "tiny-neox"), "its layout does not follow the head count"),
+    (("--nproc", "2", "--tp", "2", "--mode", "spp"), "mode 'spp' does not run over TP groups"),
+])
+def test_bad_tp_shapes_are_one_line_and_exit_2_before_any_rank_starts(args, says):
+    args = args if "--model" in args else (*args, "--model", "tiny-llama")
+    t0 = time.monotonic()
+    r = _prefill(*args, "--ctx", "100", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "rank" not in r.stderr.split(":")[0]  # said by the launcher, not by a rank
+    assert time.monotonic() - t0 < 30
+
+
+def test_kvr_serve_tp_2_streams_kvr_prefill_greedy_text_to_the_openai_client(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    r = _prefill("--nproc", "2", "--tp", "2", "--model", "tiny-llama", "--prompt-file", str(prompt), "--no-chat",
+                 "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    expected = json.loads(r.stdout)["generated_text"]
+    with serving("--tp", "2", "--threads", "1") as server:
+        api = openai.OpenAI(base_url=f"{server.url(timeout_s=200)}/v1", api_key="any", max_retries=0, timeout=120)
+        stream = api.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=0,
+                                        stream=True)
+        assert "".join(c.choices[0].text for c in stream) == expected
+        alone = [api.completions.create(model="tiny-llama", prompt=PROMPT[i:], max_tokens=10, temperature=0)
+                 .choices[0].text for i in range(3)]
+        from concurrent.futures import ThreadPoolExecutor  # the three at once: decode rows batched on the group
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda i: api.completions.create(
+                model="tiny-llama", prompt=PROMPT[i:], max_tokens=10, temperature=0).choices[0].text, range(3)))
+        assert together == alone
+    assert any("TP group(s) of 2" in line for line in server.lines)
+
+
+def test_heads_split_by_kv_group_and_replicated_where_fewer():
+    from kvrunahead.model.load import PRESETS
+    from kvrunahead.model.tp import Share, shares
+
+    llama = PRESETS["tiny-llama"]()  # 4 query heads, 2 K,V heads
+    assert shares(llama, 2) == [Share((0, 2), (0, 1), (0, 64)), Share((2, 4), (1, 2), (64, 128))]
+    assert [s.kv for s in shares(llama, 4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # each K,V head on two ranks
+    odd = type(llama)(**{**llama.to_dict(), "num_attention_heads": 9, "num_key_value_heads": 3,
+                         "hidden_size": 576})  # SmolLM2's heads: K,V groups of 3, split 2 and 1
+    assert [s.q for s in shares(odd, 2)] == [(0, 6), (6, 9)]
+    with pytest.raises(NotImplementedError, match="do not split over 4 ranks"):
+        shares(odd, 4)
+
+
+def test_a_shard_holds_its_share_of_the_weights_and_reads_only_it():
+    from kvrunahead.model.load import load_model
+    from kvrunahead.model.tp import TpSpec
+
+    whole = load_model("tiny-llama", torch.float32, torch.device("cpu")).model
+    shard = load_model("tiny-llama", torch.float32, torch.device("cpu"), tp=TpSpec(1, 2)).model
+    size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    shared = sum(p.numel() for n, p in whole.named_parameters() if "layers" not in n or "norm" in n)
+    assert size(shard) <= (size(whole) - shared) / 2 + shared
+    w, s = whole.model.layers[0], shard.model.layers[0]
+    assert torch.equal(s.self_attn.q_proj.weight, w.self_attn.q_proj.weight[32:])  # heads 2, 3
+    assert torch.equal(s.self_attn.o_proj.weight, w.self_attn.o_proj.weight[:, 32:])
+    assert torch.equal(s.mlp.down_proj.weight, w.mlp.down_proj.weight[:, 64:])
+
+
+def test_the_safetensors_shard_read_equals_the_whole_tensor_cut(tmp_path):
+    from safetensors.torch import save_file
+
+    from kvrunahead.model.tp import safetensors_shard
+
+    a, b = torch.randn(10, 7), torch.randn(6, 9).to(torch.bfloat16)
+    save_file({"a": a, "b": b}, tmp_path / "model.safetensors")
+    cuts = {"a": (0, 3, 8), "b": (1, 2, 5)}
+    got = dict(safetensors_shard(tmp_path)(lambda k: cuts[k]))
+    assert torch.equal(got["a"], a[3:8]) and torch.equal(got["b"], b[:, 2:5])
