@@ -16,7 +16,7 @@ from kvrunahead.net.spec import parse_net
 DEFAULT_MODES = ("single", "tsp", "cp-allgather", "ring", "kvr-default", "kvr", "kvr-best", "kvr-nocomm")
 # kvr-best's partition with --kvr-attention split; the pipeline (Medha); the single process at the world's threads
 # only (with --interleave)
-EXTRA_MODES = ("kvr-split", "spp", "single-pt")
+EXTRA_MODES = ("kvr-split", "spp", "single-pt", "tp")  # tp: Megatron TP, every rank of the world one TP group
 SPP_MODE = re.compile(r"^spp(-([1-9]\d*))?$")  # spp: the cost model's chunk; spp-512: chunks of 512 tokens
 
 

@@ -6,6 +6,7 @@ up for their whole share of the sweep (the model is loaded once).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from kvrunahead.bench.plan import Job, WorldPlan, job_groups, run_key
 from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
+from kvrunahead.mesh import chain_world
 from kvrunahead.model.device import resolve_device
 from kvrunahead.net import liveness
 from kvrunahead.net.noise import switch
@@ -103,6 +105,9 @@ class BenchRank:
             self.noise_on = on
 
     def _one_run(self, cfg: RunConfig, job: Job) -> RunResult | None:
+        if job.mode == "tp":  # the world's ranks as one TP group (its transport and collective made untimed)
+            p = self.world.world_size
+            return run_on_world(dataclasses.replace(cfg, tp=p), chain_world(self.world, p))
         if job.mode != "single" or self.world.world_size == 1:
             return run_on_world(cfg, self.world)
         # A single process among the timed runs of the ranks (interleaved): rank 0 runs it alone at the job's

@@ -10,6 +10,7 @@ queries against the keys each block's window reaches (modes/kvr.py ``window_atte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvrunahead.sim.profile import AttentionCost, HardwareProfile, LinkProfile, key_doublings
@@ -18,9 +19,30 @@ from kvrunahead.sim.shape import ModelShape
 
 @dataclass(frozen=True)
 class CostModel:
+    """``tp`` > 1: one rank of a TP group (``over_tp``): its shard's shape, and two all-reduces of every token's
+    hidden state per layer (after attention and after the MLP) on ``tp_link_label``'s link."""
+
     shape: ModelShape
     profile: HardwareProfile
     link_label: str | None = None
+    tp: int = 1
+    tp_link_label: str | None = None
+
+    def over_tp(self, tp: int, link_label: str | None = None) -> CostModel:
+        """The cost of one rank of a TP group of ``tp`` ranks, its all-reduces on ``link_label``'s link."""
+        if self.tp != 1:
+            raise ValueError("over_tp takes the whole model's cost")
+        return dataclasses.replace(self, shape=self.shape.tp_shard(tp), tp=tp, tp_link_label=link_label)
+
+    def allreduce_s(self, tokens: float) -> float:
+        """One all-reduce of ``tokens`` hidden states over the TP group: a ring's 2 (tp - 1) steps, each moving
+        1/tp of the bytes at the link's rate after its latency."""
+        if self.tp == 1 or tokens <= 0:
+            return 0.0
+        link = self.profile.link(self.tp_link_label)
+        nbytes = tokens * self.shape.hidden * self.shape.dtype_bytes
+        steps = 2 * (self.tp - 1)
+        return steps * (link.latency_s + nbytes / self.tp / link.bandwidth_Bps)
 
     @property
     def layers(self) -> int:
@@ -41,8 +63,8 @@ class CostModel:
         return self.profile.layer_s + self._matmul_s(self.shape.qkv_flops_per_token, tokens)
 
     def other_s(self, tokens: float) -> float:
-        """Output projection and MLP."""
-        return self._matmul_s(self.shape.other_flops_per_token, tokens)
+        """Output projection and MLP (with TP, their two all-reduces)."""
+        return self._matmul_s(self.shape.other_flops_per_token, tokens) + 2 * self.allreduce_s(tokens)
 
     def _kernel_s(self, kernel: AttentionCost, queries: float, keys: float, pairs: float) -> float:
         s = self.shape
@@ -129,7 +151,9 @@ class CostModel:
     def decode_linear_s(self, tokens: int) -> float:
         """One layer's projections and MLP for ``tokens`` decoding tokens: the weights read once, or the FLOPs."""
         s = self.shape
-        return max(self.qkv_s(tokens) + self.other_s(tokens), s.layer_params * s.dtype_bytes / self.profile.memory_Bps)
+        reduce = 2 * self.allreduce_s(tokens)
+        return max(self.qkv_s(tokens) + self.other_s(tokens) - reduce,
+                   s.layer_params * s.dtype_bytes / self.profile.memory_Bps) + reduce
 
     def decode_attention_s(self, context: int) -> float:
         """One layer's attention of one new token over ``context`` keys: the profile's decode kernel where it has

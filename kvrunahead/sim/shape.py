@@ -6,6 +6,7 @@ or given by hand for the paper's models (Llama-7B and Falcon-7B in fp16, from th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -65,6 +66,20 @@ class ModelShape:
     def lm_head_bytes(self) -> int:
         return self.hidden * self.vocab * self.dtype_bytes
 
+    def tp_shard(self, tp: int) -> ModelShape:
+        """One rank's shape at tensor-parallel degree ``tp`` (model/tp.py): its query heads, its K,V heads (one
+        where there are fewer than ranks: replicated), 1/tp of the projections and MLP; the LM head whole."""
+        if tp == 1:
+            return self
+        if self.kv_heads >= tp:  # whole K,V groups, the busiest rank's share (model/tp.py's split)
+            kv_heads = -(-self.kv_heads // tp)
+            heads = kv_heads * (self.heads // self.kv_heads)
+        else:
+            heads, kv_heads = -(-self.heads // tp), 1
+        return dataclasses.replace(self, name=f"{self.name} tp{tp}", heads=heads, kv_heads=kv_heads,
+                                   qkv_params=self.hidden * (heads + 2 * kv_heads) * self.head_dim,
+                                   other_params=-(-self.other_params // tp))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -110,6 +125,8 @@ PAPER_SHAPES: dict[str, ModelShape] = {
     "llama-13b": _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000),
     "llama-7b-gqa8": _llama("llama-7b-gqa8", 32, 4096, 32, 8, 11008, 32000),
     "llama-7b-mqa": _llama("llama-7b-mqa", 32, 4096, 32, 1, 11008, 32000),
+    # Llama-2-70B (GQA, 8 K,V heads): about 140 GB in bfloat16, more than one A100 or H100 holds.
+    "llama-70b": _llama("llama-70b", 80, 8192, 64, 8, 28672, 32000),
     # Falcon-7B: multi-query attention (71 query heads of 64, one K,V head), a non-gated 4x MLP run in parallel
     # with attention, one LayerNorm with bias per layer.
     "falcon-7b": ModelShape("falcon-7b", 32, 4544, 71, 1, 64, 4544 * 73 * 64, 4544 * 4544 + 2 * 4544 * 18176
