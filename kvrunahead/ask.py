@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrunahead.runner import check_alone
+from kvrunahead.model.reference import check_alone
 
 
 @dataclass(frozen=True)

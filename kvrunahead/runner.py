@@ -18,10 +18,18 @@ from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.mesh import chain_world
 from kvrunahead.model.compiled import eager
-from kvrunahead.model.device import oversubscribed, peak_memory_bytes, reset_peak_memory, resolve_device, synchronize
+from kvrunahead.model.device import (
+    oversubscribed,
+    peak_memory_bytes,
+    reset_peak_memory,
+    resolve_device,
+    synchronize,
+    weight_bytes,
+)
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
+from kvrunahead.model.reference import default_atol, where_parted
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.modes.spp import spp_decode
@@ -203,11 +211,6 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes of a model's parameters (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-
-
 @dataclass
 class Ran:
     """What a one-shot prefill ran on: its world, plan, model (the prompt's RoPE variant) and threads per rank."""
@@ -314,58 +317,6 @@ def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:
         raise RuntimeError(f"the ranks chose different plans (partition, attention, RoPE, stages): {plans}; their "
                            "hosts' "
                            "partition tables or devices differ: pass --partition and --kvr-attention explicitly")
-
-
-ATOL_ULPS = 32  # logits may differ by this many roundings at the scale of the largest logit
-
-
-def default_atol(dtype: torch.dtype, reference_logits: torch.Tensor) -> float:
-    """The logit tolerance of a run in ``dtype``: 32 units of its rounding (eps) at the scale of the largest
-    reference logit. A chain or gather changes only the order of sums (and, in half precision, where they are
-    rounded), so its logits differ from one full forward by a few roundings: on SmolLM2 at 2k over 2 ranks 2.7 in
-    bfloat16, 1.8 in float16 and 8.1 in float32 (where many more sums differ before one rounding shows)."""
-    scale = max(1.0, float(reference_logits.float().abs().max()))
-    return ATOL_ULPS * torch.finfo(dtype).eps * scale
-
-
-@dataclass
-class AloneCheck:
-    """One prompt's tokens and first-token logits from a chained, packed or shared-context run, against the same
-    prompt prefilled and greedily decoded alone in one process."""
-
-    first_logit_diff: float
-    atol: float
-    matches: bool  # the greedy tokens equal and the first-token logits within ``atol``
-    reference_text: str | None  # what the prompt alone gives, where the tokens differ
-
-
-@torch.no_grad()
-@eager()  # the reference is the eager model, compiled or not
-def check_alone(lm: LoadedModel, ids: list[int], tokens: list[int], first_logits: torch.Tensor, dtype: torch.dtype,
-                max_new_tokens: int) -> AloneCheck:
-    device = next(lm.model.parameters()).device
-    cache = DynamicCache(config=lm.model.config)
-    logits = last_token_logits(lm.model, torch.tensor([ids], device=device), cache=cache)
-    reference = greedy_decode(lm.model, int(logits.argmax()), cache, len(ids), max_new_tokens, lm.eos_token_ids)
-    atol = default_atol(dtype, logits)
-    diff = float((logits.float().cpu() - first_logits).abs().max())
-    return AloneCheck(diff, atol, reference == tokens and diff <= atol,
-                      None if reference == tokens else lm.decode(reference))
-
-
-@torch.no_grad()
-@eager()
-def where_parted(model: torch.nn.Module, ids: list[int], reference: list[int], tokens: list[int]) -> tuple[int, float]:
-    """The first step where two greedy continuations of ``ids`` differ, and the gap between the two tokens'
-    logits there, from one reference forward over the prompt and the tokens both chose before it."""
-    pairs = list(zip(reference, tokens))
-    step = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-    if step == len(pairs):  # one ended (an end token) where the other went on
-        return step, float("inf")
-    device = next(model.parameters()).device
-    logits = last_token_logits(model, torch.tensor([ids + reference[:step]], device=device),
-                               cache=DynamicCache(config=model.config)).float()
-    return step, float((logits[reference[step]] - logits[tokens[step]]).abs())
 
 
 @torch.no_grad()

@@ -197,7 +197,8 @@ def test_a_continuation_that_parts_is_placed_and_weighed_by_the_reference_model(
 
     from kvrunahead.model.forward import greedy_decode, last_token_logits
     from kvrunahead.model.load import load_model
-    from kvrunahead.runner import Verification, where_parted
+    from kvrunahead.model.reference import where_parted
+    from kvrunahead.runner import Verification
 
     lm = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     ids = list(range(40, 80))

@@ -117,3 +117,8 @@ def reset_peak_memory(device: torch.device) -> None:
             f.write("5")  # resets VmHWM to the current resident size
     except OSError:
         pass
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())

@@ -17,14 +17,14 @@ from transformers import DynamicCache
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World
-from kvrunahead.model.device import check_device, oversubscribed, reset_peak_memory
+from kvrunahead.model.device import check_device, oversubscribed, peak_memory_bytes, reset_peak_memory
 from kvrunahead.model.forward import with_cache
 from kvrunahead.model.load import load_tokenizer, resolve_config
+from kvrunahead.model.reference import check_alone
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.modes.attention import why_not_inserted
 from kvrunahead.prompt import chat_prompt
 from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.runner import check_alone, peak_memory_bytes
 from kvrunahead.sim.flops import layer_cost
 
 BATCHINGS = ("packed", "sequential", "padded")

@@ -22,11 +22,11 @@ from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.runner import RankStats
-from kvrunahead.serve import asking, executor, warm
+from kvrunahead.serve import asking, executor, warm, workers
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, PrefillRecord, RankContext, StepOutcome
+from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, RankContext, StepOutcome
 from kvrunahead.serve.placement import Placement, pipeline_run
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
@@ -69,7 +69,7 @@ class Engine:
         if config.pack_tokens and why:
             log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
         self.decoder = VariantDecoders(self._decoder_for, record=world.tp > 1 and self.is_front)
-        self.heartbeat = Heartbeat(self.ctx, config.heartbeat_s)
+        self.heartbeat = workers.Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
                                    self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config))
@@ -342,7 +342,7 @@ class Engine:
         """Tell the workers which requests holding state on them ended (KVP shards, chunked prefills' positions),
         before the next plan that needs every rank."""
         if self._unfreed and self.healthy:
-            executor.send_plan(self.ctx, Drop(tuple(self._unfreed)))
+            workers.send_plan(self.ctx, Drop(tuple(self._unfreed)))
             self.heartbeat.sent()
         self._unfreed = []
 
@@ -387,13 +387,13 @@ class Engine:
 
     def worker_loop(self) -> None:
         """A non-front rank: run the front's plans until it shuts the engine down."""
-        executor.worker_loop(self.ctx, self.decoder)
+        workers.worker_loop(self.ctx, self.decoder)
 
     def shutdown(self) -> None:
         """End the workers' loops (front only; best effort when a rank has already gone)."""
         if self.ctx.has_peers and self.error is None:
             try:
-                executor.send_plan(self.ctx, Shutdown())
+                workers.send_plan(self.ctx, Shutdown())
             except Exception as e:  # noqa: BLE001
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False

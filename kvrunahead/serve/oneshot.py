@@ -21,7 +21,7 @@ from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import prepare
 from kvrunahead.errors import InputError
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.model.device import oversubscribed, peak_memory_bytes, resolve_device
+from kvrunahead.model.device import oversubscribed, peak_memory_bytes, resolve_device, weight_bytes
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
@@ -37,7 +37,7 @@ from kvrunahead.pack.batch import (
     verify_prompts,
 )
 from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, ffd_bins
-from kvrunahead.runner import Ran, RunResult, finish_result, leave_world, weight_bytes
+from kvrunahead.runner import Ran, RunResult, finish_result, leave_world
 from kvrunahead.runner import run_on_world as run_on_runner
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig

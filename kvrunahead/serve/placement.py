@@ -28,10 +28,10 @@ from kvrunahead.kvp import why_not_kvp
 from kvrunahead.modes import check_model
 from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
-from kvrunahead.serve import executor
+from kvrunahead.serve import executor, workers
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreePolicy
-from kvrunahead.serve.executor import Heartbeat, PrefillOutcome, RankContext, StepOutcome
+from kvrunahead.serve.executor import PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Mirrored, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.sim.costmodel import CostModel
@@ -80,7 +80,7 @@ def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
 
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
-                 local_world_size: int, work, prefix_cache_tokens: int, heartbeat: Heartbeat,
+                 local_world_size: int, work, prefix_cache_tokens: int, heartbeat: workers.Heartbeat,
                  edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None) -> None:
         self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
         self.pipeline = pipeline  # --prefill spp: the run as spp (its stages and chunk as asked)
@@ -195,10 +195,10 @@ class Placement:
     def execute(self, plan: StepPlan, held=None, decoder=None) -> StepOutcome:
         """Run a step: told to the workers where any takes part, then this rank's part."""
         if self.ctx.tp > 1:  # the front is a TP group: its peers run every step with it
-            executor.send_plan(self.ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
+            workers.send_plan(self.ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
             self.heartbeat.sent()
         elif plan.needs_workers and self.ctx.world_size > 1:
-            executor.send_plan(self.ctx, plan.workers_plan)
+            workers.send_plan(self.ctx, plan.workers_plan)
             self.heartbeat.sent()
         return executor.run_step(self.ctx, plan, held, decoder)
 

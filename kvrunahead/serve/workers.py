@@ -1,0 +1,83 @@
+"""The front's plans to the other ranks and their life between them: the plan broadcast (from the front to every
+rank, as long as they are alive), the workers' loop (and the front's TP peers', which run every step with it), and
+the heartbeat that keeps an idle world alive."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+
+from kvrunahead.net import liveness
+from kvrunahead.serve.executor import RankContext, run_step
+from kvrunahead.serve.plans import Drop, Mirrored, Ping, Plan, Shutdown, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def send_plan(ctx: RankContext, plan: Plan) -> None:
+    """Broadcast ``plan`` from the front to every rank (as long as they are alive)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
+    _broadcast(torch.tensor([payload.numel()], dtype=torch.int64), ctx, "the workers to take the next plan")
+    _broadcast(payload, ctx, "the workers to take the next plan")
+
+
+def recv_plan(ctx: RankContext) -> Plan:
+    """The front's next plan; waits as long as the front is alive (its heartbeats), then raises PeerTimeout."""
+    size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(size, ctx, "the front's next plan")
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    _broadcast(payload, ctx, "the front's next plan")
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
+    work = dist.broadcast(tensor, src=ctx.front_rank, group=liveness.patient_group(), async_op=True)
+    liveness.wait_for_peers(work, what)
+
+
+def worker_loop(ctx: RankContext, decoder=None) -> None:
+    """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone. A TP
+    peer of the front (``ctx.mirror``) runs every step whole, with its own ``decoder`` (the front's batch, on its
+    shard)."""
+    log.info("rank %d (TP rank %d) serving as a %s of front rank %d", ctx.rank, ctx.tp_rank,
+             "TP peer" if ctx.mirror else "worker", ctx.front)
+    caches: dict = {}  # the caches of the last step's prompts, which the front's next ops add to the batch
+    while True:
+        plan = recv_plan(ctx)
+        if isinstance(plan, Shutdown):
+            log.info("rank %d: shutdown", ctx.rank)
+            return
+        if isinstance(plan, StepPlan):
+            run_step(ctx, plan)
+        elif isinstance(plan, Mirrored) and ctx.mirror:
+            for op in plan.ops:
+                if op[0] == "add":
+                    decoder.add(op[1], caches[op[1]], op[2])
+                else:
+                    decoder.remove(op[1])
+            caches = run_step(ctx, plan.plan, None, decoder).caches
+        elif isinstance(plan, Mirrored) and plan.plan.needs_workers:
+            run_step(ctx, plan.plan.workers_plan)
+        elif isinstance(plan, Drop):
+            for request_id in plan.request_ids:
+                ctx.forget(request_id)
+
+
+class Heartbeat:
+    """The front's Ping schedule: one broadcast every ``heartbeat_s`` while no prefill broadcast happens."""
+
+    def __init__(self, ctx: RankContext, heartbeat_s: float) -> None:
+        self.ctx, self.heartbeat_s = ctx, heartbeat_s
+        self.last_s = time.monotonic()
+
+    def sent(self) -> None:
+        self.last_s = time.monotonic()
+
+    def maybe_ping(self) -> None:
+        if self.ctx.has_peers and time.monotonic() - self.last_s >= self.heartbeat_s:
+            send_plan(self.ctx, Ping())
+            self.sent()
