@@ -176,17 +176,29 @@ def describe(profile) -> str:
                    "only).")
 @click.option("--kvr-attention", "attention", type=click.Choice(["split", "masked"]), default=None,
               help="KV-Runahead's attention (default: masked on the eager paper profiles, else split).")
-@click.option("--link", default=None, help="Which of the profile's links (e.g. loopback, cap=22MB/s).")
+@click.option("--link", default=None, help="Which of the profile's links (e.g. loopback, cap=22MB/s, ib): the "
+              "chain's, between ranks (between TP groups with --tp).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Run every mode over TP groups of this many ranks (Megatron TP inside each, two all-reduces per "
+                   "layer on --tp-link), and add Megatron TP over all the ranks as an option.")
+@click.option("--tp-link", default=None, help="The link of a TP group's all-reduces (e.g. nvlink). Default: the "
+              "profile's default link.")
 @click.option("--noise", default=None, help="Noise on one random adjacent link, e.g. 100MB/s (1 s, duty 0.5).")
 @click.option("--json", "as_json", is_flag=True, help="Every option as JSON on stdout.")
 @click.option("--timeline", type=click.Path(dir_okay=False), help="Plot the recommended option's timeline (PNG).")
-def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link, noise, as_json, timeline) -> None:
+def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link, tp, tp_link, noise, as_json,
+              timeline) -> None:
     """Recommend the rank count, mode and partition for a context length, with every option's predicted TTFT.
 
     \b
     Simulates single and every parallel mode at 2, 4, 8, ... up to --max-ranks ranks on a hardware profile,
     KV-Runahead with the partition the cost model finds for each count. Example:
       kvr-plan --ctx 16k --profile a100-nvlink --max-ranks 8
+
+    \b
+    Llama-70B on one and two nodes of 8 A100s: TP8 within a node, the modes across nodes, against TP16:
+      kvr-plan --model llama-70b --profile a100-nvlink-flash --ctx 16k,128k --tp 8 --tp-link nvlink --link ib \
+        --ranks 8,16
     """
     try:
         ctxs = [parse_tokens(c) for c in contexts.split(",") if c.strip()]
@@ -205,6 +217,9 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
             raise ProfileError("rank counts must be at least 1")
         cost = CostModel(shape, prof, link)
         cost.link  # noqa: B018 - one-line error now if the profile lacks the link
+        if tp < 1:
+            raise ProfileError(f"--tp must be at least 1, got {tp}")
+        prof.link(tp_link)
         noise_model = parse_noise(noise)
     except (PromptError, ProfileError, ValueError) as e:
         common.fail("kvr-plan", str(e))
@@ -215,7 +230,8 @@ def plan_main(contexts, profile, model, max_ranks, ranks, modes, attention, link
     for ctx in ctxs:
         t = time.perf_counter()
         try:
-            options = plan(cost, ctx, max_ranks, chosen, attention, noise_model, counts, record=bool(timeline))
+            options = plan(cost, ctx, max_ranks, chosen, attention, noise_model, counts, record=bool(timeline),
+                           tp=tp, tp_link=tp_link)
         except SimError as e:
             common.fail("kvr-plan", str(e))
         report.append(_report(ctx, options))
@@ -232,9 +248,10 @@ def _report(ctx: int, options: list[Option]) -> dict:
     """One context's options as kvr-plan --json writes them, fastest first."""
     single = next(o for o in options if o.mode == "single").ttft_s
     best = options[0]
-    return {"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode,
+    return {"context_len": ctx, "recommended": {"ranks": best.ranks, "mode": best.mode, "tp": best.tp,
                                                 "boundaries": list(best.boundaries), "ttft_s": best.ttft_s},
-            "options": [{"ranks": o.ranks, "mode": o.mode, "ttft_s": o.ttft_s, "boundaries": list(o.boundaries),
+            "options": [{"ranks": o.ranks, "mode": o.mode, "tp": o.tp, "label": o.label, "ttft_s": o.ttft_s,
+                         "weight_bytes_per_rank": o.weight_bytes, "boundaries": list(o.boundaries),
                          "chunk_tokens": o.chunk_tokens, "speedup_vs_single": single / o.ttft_s} for o in options]}
 
 
@@ -242,14 +259,14 @@ def _print_options(ctx: int, options: list[Option], elapsed_s: float) -> None:
     single = next(o for o in options if o.mode == "single").ttft_s
     best = options[0]
     click.echo(f"\ncontext {ctx}: predicted TTFT of every option ({elapsed_s:.1f} s)")
-    click.echo(f"  {'option':<18} {'TTFT s':>10} {'vs single':>10}  partition")
+    click.echo(f"  {'option':<22} {'TTFT s':>10} {'vs single':>10} {'GB/rank':>8}  partition")
     for o in sorted(options, key=lambda o: (o.ranks, o.mode)):
         part = {"kvr": ",".join(map(str, o.boundaries)),
                 "spp": f"stages {','.join(map(str, o.boundaries))}, chunks of {o.chunk_tokens}"}.get(o.mode,
                                                                                                  "even/zigzag")
         if len(part) > 60:
             part = part[:57] + "..."
-        click.echo(f"  {o.label:<18} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x  {part}")
+        click.echo(f"  {o.label:<22} {o.ttft_s:>10.4f} {single / o.ttft_s:>9.2f}x {o.weight_bytes / 1e9:>8.1f}  {part}")
     click.echo(f"recommended: {best.label}, TTFT {best.ttft_s:.4f} s ({single / best.ttft_s:.2f}x single)"
                + (f", partition {','.join(map(str, best.boundaries))}" if best.mode == "kvr" else ""))
 

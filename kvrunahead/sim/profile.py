@@ -156,8 +156,9 @@ class HardwareProfile:
 
 # Public figures for the built-in GPU profiles. Peak dense fp16/bf16 tensor throughput and HBM bandwidth are
 # NVIDIA's data-sheet numbers; NVLink per direction is half the quoted bidirectional total.
-_A100 = {"peak_flops": 312e12, "hbm_Bps": 2.0e12, "nvlink_Bps": 300e9}
-_H100 = {"peak_flops": 989e12, "hbm_Bps": 3.35e12, "nvlink_Bps": 450e9}
+_A100 = {"peak_flops": 312e12, "hbm_Bps": 2.0e12, "nvlink_Bps": 300e9, "ib_Bps": 25e9}
+_H100 = {"peak_flops": 989e12, "hbm_Bps": 3.35e12, "nvlink_Bps": 450e9, "ib_Bps": 50e9}
+IB_LATENCY_S = 5e-6  # one InfiniBand message between nodes (a few microseconds; NCCL over IB verbs)
 
 # Efficiency factors, set once for every built-in profile (never per model or per cell). The three marked
 # "fitted" are least squares on the paper's single-GPU column (appendix B table 3: Llama-7B, 1k-12k, one A100;
@@ -188,7 +189,9 @@ def _gpu(name: str, fig: dict, link_name: str, link_Bps: float, attention: str, 
     else:  # eager: two GEMMs plus HBM traffic for every score
         kernels = {k: AttentionCost(flops_per_s=matmul, score_bytes=eager_bytes, call_s=20e-6,
                                     skips_masked=False) for k in KERNELS}
-    links = {link_name: LinkProfile(link_Bps * LINK_EFFICIENCY, LINK_LATENCY_S, "native", 1.0)}
+    links = {link_name: LinkProfile(link_Bps * LINK_EFFICIENCY, LINK_LATENCY_S, "native", 1.0),
+             # between nodes: each GPU's own InfiniBand NIC (DGX A100: 8 x HDR 200 Gb/s; DGX H100: 8 x NDR 400 Gb/s)
+             "ib": LinkProfile(fig["ib_Bps"] * LINK_EFFICIENCY, IB_LATENCY_S, "native", 1.0)}
     return HardwareProfile(name=name, device=name.split("-")[0].upper(), matmul_flops_per_s=matmul,
                            matmul_half_tokens=256.0, memory_Bps=memory, layer_s=layer_s, attention=kernels,
                            links=links, default_link=link_name, dtype="float16", device_kind="cuda",
@@ -203,6 +206,8 @@ _SOURCES = {
     "memory_efficiency": f"{MEMORY_EFFICIENCY}: STREAM-like copy on HBM",
     "link_efficiency": f"{LINK_EFFICIENCY}: nccl-tests bus bandwidth over NVLink on DGX systems",
     "link_latency_s": f"{LINK_LATENCY_S}: nccl-tests small messages within a node",
+    "ib": "between nodes, one InfiniBand NIC per GPU (DGX A100 HDR 200 Gb/s, DGX H100 NDR 400 Gb/s data sheets) at "
+          f"the same efficiency, {IB_LATENCY_S} s a message",
 }
 
 
