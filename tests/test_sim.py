@@ -448,3 +448,25 @@ def test_the_masked_kernels_pairs_cost_more_per_key_doubling_and_its_fit_leaves_
     cases = _cases("masked", ATTENTION_SHAPES)
     assert cases and all(q >= MASKED_MIN_QUERIES for q, _ in cases)
     assert len(cases) < len(_cases("full", ATTENTION_SHAPES)) == len(ATTENTION_SHAPES)
+
+
+def test_tp_halves_a_ranks_share_and_adds_two_ring_all_reduces_per_layer():
+    shape = PAPER_SHAPES["llama-7b"]  # 32 heads, 32 K,V heads: an even cut
+    cost = CostModel(shape, unit_profile(latency_s=0.5))
+    tp = cost.over_tp(2, "unit")
+    assert tp.shape.heads == 16 and tp.shape.kv_heads == 16 and tp.shape.qkv_params * 2 == shape.qkv_params
+    # one all-reduce of 3 tokens over 2 ranks: 2 steps of latency and half the bytes at 2 B/s
+    assert tp.allreduce_s(3) == 2 * (0.5 + 3 * 4096 * 2 / 2 / 2.0)
+    assert tp.other_s(3) == pytest.approx(cost.other_s(3) / 2 + 2 * tp.allreduce_s(3), rel=1e-3)
+    smol = dataclasses.replace(shape, heads=9, kv_heads=3)  # whole K,V groups: the busiest rank takes 2 of 3
+    assert smol.tp_shard(2).heads == 6 and smol.tp_shard(2).kv_heads == 2
+    mqa = PAPER_SHAPES["llama-7b-mqa"].tp_shard(8)  # one K,V head, replicated: 4 query heads each
+    assert mqa.heads == 4 and mqa.kv_heads == 1
+
+
+def test_the_plan_over_tp_groups_has_tp_over_every_rank_beside_it():
+    cost = CostModel(PAPER_SHAPES["llama-7b"], builtin_profiles()["a100-nvlink-flash"])
+    options = {o.label: o for o in plan(cost, 4096, 16, ("kvr", "ring"), ranks=[8, 16], tp=8)}
+    assert {"single", "tp x8", "tp x16", "kvr x2 of tp8", "ring x2 of tp8"} <= set(options)
+    assert options["kvr x2 of tp8"].ttft_s < options["tp x8"].ttft_s < options["single"].ttft_s
+    assert options["tp x8"].weight_bytes < options["single"].weight_bytes / 4

@@ -11,11 +11,12 @@ Parts (rows under load/<part>/; a piece whose result file exists is skipped, so 
 - ``vbench``: `vllm bench serve --dataset-name sharegpt` at 0.25 and 0.5 requests/s, 30 prompts, 64 output
   tokens, goodput under ttft:2000 tpot:200 (ms), TTFT/TPOT/ITL/E2EL percentiles 50, 90, 99.
 - ``concurrency``: `vllm bench serve --dataset-name random`, 512 prompt tokens, 64 output tokens (ignore_eos), at
-  1, 2, 4 and 8 concurrent requests (2 x concurrency prompts, at least 4, after as many warm-up requests as the
-  concurrency, at least 2: vLLM compiles its CPU kernels for new batch shapes on first use): decode TPOT at 1 and
-  8 and the Pareto front (output tokens/s per user against output tokens/s).
+  1, 2, 4 and 8 concurrent requests (``--concurrency`` to choose; 2 x concurrency prompts, at least 4, after as
+  many warm-up requests as the concurrency, at least 2: vLLM compiles its CPU kernels for new batch shapes on
+  first use): decode TPOT at 1 and 8 and the Pareto front (output tokens/s per user against output tokens/s).
 
-Usage: python experiments/serve_vs_vllm/load.py [PART ...] [--servers kvr,kvr-lars,vllm,vllm-reserved] [--seed N]
+Usage: python experiments/serve_vs_vllm/load.py [PART ...] [--servers kvr,kvr-lars,kvr-tp2,vllm,vllm-reserved,vllm-tp2]
+       [--seed N] [--concurrency 1,8] [--out DIR]
        (default: every part, kvr and vllm; ``vllm-reserved`` is vLLM's default placement, one core kept for its
        API process)
 """
@@ -83,8 +84,10 @@ def vllm_bench(url: str, server: str, result: Path, args: list[str]) -> None:
 
 # kvr-lars: kvr-serve with its long-context scheduling (Medha's chunked prefill at a 1000 ms step budget, least
 # relative slack first): the short requests' tail traded for the long ones' TTFT (experiments/mixed_steps)
-KVR_OPTIONS = {"kvr-lars": ("--step-budget-ms", "1000", "--schedule", "lars")}
-FAMILIES = ("kvr", "kvr-lars", "vllm", "vllm-reserved")
+# kvr-tp2: kvr-serve's two ranks as one TP group (--tp 2: every decode step on both); vllm-tp2: vLLM's own -tp 2
+KVR_OPTIONS = {"kvr-lars": ("--step-budget-ms", "1000", "--schedule", "lars"), "kvr-tp2": ("--tp", "2")}
+FAMILIES = ("kvr", "kvr-lars", "kvr-tp2", "vllm", "vllm-reserved", "vllm-tp2")
+LEVELS = CONCURRENCY  # --concurrency: the levels the concurrency part runs
 SEED = 0  # --seed: another draw of kvr-serve-bench's prompts, arrivals and long documents (folders <part>-seedN)
 DTYPE = "float32"  # --dtype: both servers'
 
@@ -106,7 +109,7 @@ def pieces(part: str, who: str) -> tuple[list[tuple[Path, Callable[[str], None]]
     server = who.replace("vllm", "vllm-yarn") if part == "mixed" else who
     todo = []
     if part == "concurrency":
-        for c in CONCURRENCY:
+        for c in LEVELS:
             todo.append((OUT / part / f"{who}-c{c}.json", lambda url, c=c: vllm_bench(
                 url, server, OUT / part / f"{who}-c{c}.json",
                 ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
@@ -157,14 +160,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="kvr-serve and vLLM CPU under load (see the module's text).")
     parser.add_argument("parts", nargs="*", help=f"of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--servers", default="kvr,vllm",
-                        help="families: kvr, kvr-lars (chunked prefill and LARS), vllm (both cores), vllm-reserved "
-                             "(vLLM's default placement)")
+                        help="families: kvr, kvr-lars (chunked prefill and LARS), kvr-tp2 (--tp 2), vllm (both "
+                             "cores), vllm-reserved (vLLM's default placement), vllm-tp2 (vLLM's -tp 2)")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                        help="the concurrency part's levels")
     parser.add_argument("--seed", type=int, default=0, help="kvr-serve-bench's seed (sharegpt, mixed); N > 0 writes "
                         "<part>-seedN/")
     parser.add_argument("--dtype", default="float32", help="both servers' dtype")
     parser.add_argument("--out", default=str(OUT), help="the folder of the parts' results (resumed from)")
     args = parser.parse_args()
     SEED, DTYPE, OUT = args.seed, args.dtype, Path(args.out).resolve()  # vllm bench runs from /tmp
+    LEVELS = tuple(int(c) for c in args.concurrency.split(","))
     families = args.servers.split(",")
     if not set(args.parts) <= set(PARTS):
         parser.error(f"parts: {', '.join(PARTS)}")

@@ -68,7 +68,10 @@ def server_command(server: str, port: int, kvr_args: tuple[str, ...] = (), dtype
     # The 8k prompt's 8 new tokens run past the 8192 trained positions, as on kvr-serve (which extends the rotary
     # embedding only for prompts beyond them): vLLM asks for that to be said.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
-    if not server.endswith("-reserved"):  # vLLM's default keeps one core for the API process; this gives it both
+    if server.endswith("-tp2"):  # vLLM's own tensor parallelism: two workers of one core each, its shared-memory
+        args += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]  # all-reduce between them
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    elif not server.endswith("-reserved"):  # vLLM's default keeps one core for the API process; this gives it both
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     return args, env
 
