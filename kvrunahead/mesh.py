@@ -32,16 +32,6 @@ def chain_world(world: World, tp: int) -> World:
                                tp_rank=world.rank % tp)
 
 
-def lanes(groups: int, tp: int) -> list[list[int]]:
-    """Per TP rank, the global ranks of its lane in chain order."""
-    return [[g * tp + t for g in range(groups)] for t in range(tp)]
-
-
-def teams(groups: int, tp: int) -> list[list[int]]:
-    """Per group, the global ranks of its TP ranks."""
-    return [[g * tp + t for t in range(tp)] for g in range(groups)]
-
-
 class TpCollective:
     """The sum of a tensor over this rank's TP group, in place (every member ends with the same values)."""
 

@@ -1,9 +1,11 @@
 """Runs a step on every rank (nano-vllm's model runner): the front sends a plan, every rank executes its part.
 
 The front is the LAST rank (p - 1): the KV chain leaves the full cache and the first token there (section 4.1), so
-decode needs no transfer. A chain prefill goes through exactly the runner's code (``MODES["kvr"]``, the same
-``Step``, ``timed_prefill`` and ``rank_stats``), so a served prompt gets the logits and tokens ``kvr-prefill``
-gives. Non-front ranks run ``worker_loop``: receive a plan, run their part, drop their cache, repeat.
+decode needs no transfer. With ``--tp`` the ranks here are TP groups (mesh.py): the front is the first TP rank of
+the last group, and its TP peers run every step it runs (serve/workers.py). A chain prefill goes through exactly the
+runner's code (``MODES["kvr"]``, the same ``Step``, ``timed_prefill`` and ``rank_stats``), so a served prompt gets
+the logits and tokens ``kvr-prefill`` gives. Non-front ranks run ``workers.worker_loop``: receive a plan, run their
+part, drop their cache, repeat.
 
 Plans travel as pickled bytes broadcast from the front on the patient gloo group, and every wait for one is
 bounded by the peers' heartbeats (net/liveness.py), not by a fixed timeout: a worker may wait minutes while the
