@@ -33,6 +33,7 @@ class World:
     launcher: str  # "single", "torchrun", "mpi" or "spawn"
     tp: int = 1  # tensor-parallel degree: ``rank`` and ``world_size`` count TP groups (the chain's links) when > 1
     tp_rank: int = 0  # this process's place in its TP group
+    tp_local: bool = True  # every TP group's ranks on one host (the hosts' local ranks come in whole groups)
 
     @property
     def host_ranks(self) -> int:

@@ -17,6 +17,7 @@ from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.model.tp import TpSpec
+from kvrunahead.net.spec import parse_net
 from kvrunahead.transport import Transport, make_transport
 
 _MODELS: dict = {}
@@ -60,7 +61,9 @@ def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
     threads = cfg.threads or default_threads(world.host_ranks)
     torch.set_num_threads(threads)
     tp = TpSpec(world.tp_rank, world.tp) if world.tp > 1 else None
-    collective = tp_collective(cfg.transport, world, device) if tp else None
+    # shared memory between TP ranks on one real host (not emulated hosts, whose capped links TP must cross)
+    shared = world.tp_local and not parse_net(cfg.net).emulated
+    collective = tp_collective(cfg.transport, world, device, shared, cfg.timeout_s) if tp else None
     lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile, tp=tp,
                       collective=collective)
     # a compiled peer's first call of a shape family compiles (minutes on a CPU): its successor waits that long

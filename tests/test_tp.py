@@ -137,3 +137,48 @@ def test_the_safetensors_shard_read_equals_the_whole_tensor_cut(tmp_path):
     cuts = {"a": (0, 3, 8), "b": (1, 2, 5)}
     got = dict(safetensors_shard(tmp_path)(lambda k: cuts[k]))
     assert torch.equal(got["a"], a[3:8]) and torch.equal(got["b"], b[:, 2:5])
+
+
+def _shm_rank(rank: int, port: int, out) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from kvrunahead.launcher import World
+    from kvrunahead.mesh import ShmCollective, chain_world
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    ShmCollective.SLOT_BYTES = 1024  # small slots: a larger tensor goes through in pieces
+    collective = ShmCollective(chain_world(World(rank, 2, rank, 2, "spawn"), 2), f"test{port}", 30.0)
+    torch.manual_seed(rank)
+    got = {}
+    for name, t in {"small": torch.randn(7), "pieces": torch.randn(3, 1000),
+                    "bf16": torch.randn(600).to(torch.bfloat16)}.items():
+        mine = t.clone()
+        got[name] = (t, collective.all_reduce(mine).clone())
+    for _ in range(500):  # many calls in a row: the two slot sets alternate while a rank runs ahead
+        collective.all_reduce(torch.ones(3))
+    out.put((rank, got))
+    dist.destroy_process_group()
+
+
+def test_the_shared_memory_all_reduce_sums_in_rank_order_in_pieces_and_half_precision():
+    import torch.multiprocessing as mp
+
+    from kvrunahead.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_shm_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for name in ("small", "pieces", "bf16"):
+        (a, sum0), (b, sum1) = results[0][name], results[1][name]
+        assert torch.equal(sum0, sum1)  # the same bits on both ranks
+        expected = (a.float() + b.float()).to(a.dtype)
+        assert torch.equal(sum0, expected), name
