@@ -76,7 +76,7 @@ def test_bad_tp_shapes_are_one_line_and_exit_2_before_any_rank_starts(args, says
     assert time.monotonic() - t0 < 30
 
 
-@pytest.mark.skipif(bool(COMPILED), reason="--compile does not run with --tp (KVR_TEST_COMPILE=1 compiles every server)")
+@pytest.mark.skipif(bool(COMPILED), reason="--compile does not run with --tp (KVR_TEST_COMPILE=1 compiles servers)")
 def test_kvr_serve_tp_2_streams_kvr_prefill_greedy_text_to_the_openai_client(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
