@@ -183,3 +183,14 @@ def test_the_shared_memory_all_reduce_sums_in_rank_order_in_pieces_and_half_prec
         assert torch.equal(sum0, sum1)  # the same bits on both ranks
         expected = (a.float() + b.float()).to(a.dtype)
         assert torch.equal(sum0, expected), name
+
+
+def test_a_chain_of_tp_groups_is_partitioned_by_the_cost_model_priced_at_its_tp():
+    from kvrunahead.config import RunConfig
+    from kvrunahead.decide.policy import choose_partition
+    from kvrunahead.model.load import resolve_config
+
+    config = resolve_config("tiny-llama")
+    partition, source, _ = choose_partition(RunConfig(model="tiny-llama", tp=2, threads=1), config, 2000, 2,
+                                            "split", 2)
+    assert "searched without tensor parallelism (--tp 2)" in source and partition.boundaries[-1] == 2000

@@ -111,9 +111,11 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     if key.world_size == 1:
         return Partition.even(context_len, 1), "one rank"
     try:
+        if cfg.tp > 1:  # the tables are searched on ranks that hold the whole model
+            raise TableError(f"the partition tables are searched without tensor parallelism (--tp {cfg.tp})")
         path = find_table(key)
-    except TableError:
-        why = f"no partition table for {key.describe()}"
+    except TableError as e:
+        why = str(e) if cfg.tp > 1 else f"no partition table for {key.describe()}"
     else:
         table = Table.load(path)
         lo, hi = (table.entries[0].context_len, table.entries[-1].context_len) if table.entries else (0, -1)
@@ -125,7 +127,7 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     if key.device_kind == "cpu":
         try:
             partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
-                                                     attention, key.bandwidth)
+                                                     attention, key.bandwidth, cfg.tp)
             return partition, f"{source} ({why})"
         except ProfileError as e:
             why = f"{why}; {e}"
@@ -271,7 +273,7 @@ def choose_partition(cfg: RunConfig, config, n: int, world_size: int, attention:
         return lookup.partition, lookup.source, lookup.warning
     if cfg.partition.strip() == "auto":
         check_fits(n, world_size)
-        threads = cfg.threads or default_threads(local_world_size)  # what each rank will run with
+        threads = cfg.threads or default_threads(local_world_size * cfg.tp)  # what each rank will run with
         return (*_auto_partition(cfg, config, key, n, attention, threads), None)
     source = "even" if cfg.partition.strip() == "even" else "explicit"
     return parse_partition(cfg.partition, n, world_size), source, None

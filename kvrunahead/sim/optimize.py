@@ -95,12 +95,15 @@ def search_partition(model: CostModel, context_len: int, world_size: int, attent
 
 
 def predicted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
-                        link: str | None = None):
+                        link: str | None = None, tp: int = 1):
     """``--partition auto`` where no table covers the context: the cost model's partition on this machine's
-    profile (``kvr-calibrate``, else the shipped CPU profile). Returns the partition and a line saying so."""
+    profile (``kvr-calibrate``, else the shipped CPU profile), for a chain of TP groups of ``tp`` ranks where
+    ``tp`` > 1 (their all-reduces on the same link). Returns the partition and a line saying so."""
     profile, which = resolve_profile(None, threads)
     profile, used, link_note = profile.for_network(link)
     cost = CostModel(shape_from_config(config, dtype), profile, used)
+    if tp > 1:
+        cost = cost.over_tp(tp, used)
     stride = max(1, min(64, context_len // (8 * world_size)))
     r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
     return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"
