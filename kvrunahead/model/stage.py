@@ -162,14 +162,13 @@ def _wanted(key: str, spec: StageSpec, tied: bool, cut: Cut) -> bool:
     return cut.layer_of(key) is not None
 
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
            "I32": torch.int32}
 
 
-def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a model folder's safetensors files whose names ``wanted`` accepts, one at a time, read with
-    plain reads (no mapping of the file: a stage's peak memory holds its own weights, not the pages of the others
-    it passed over)."""
+def safetensors_entries(folder: Path) -> Iterator[tuple[object, int, str, dict]]:
+    """Every tensor of a model folder's safetensors files, as (the open file, the offset of its data, its name, its
+    header entry), file after file; the file stays open while its tensors are taken."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} holds no safetensors file")
@@ -178,13 +177,22 @@ def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
             for key, meta in header.items():
-                if key == "__metadata__" or not wanted(key):
-                    continue
-                a, e = meta["data_offsets"]
-                tensor = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
-                f.seek(8 + size + a)
-                f.readinto(memoryview(tensor.view(torch.uint8).numpy()) if e > a else bytearray())
-                yield key, tensor
+                if key != "__metadata__":
+                    yield f, 8 + size + meta["data_offsets"][0], key, meta
+
+
+def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a model folder's safetensors files whose names ``wanted`` accepts, one at a time, read with
+    plain reads (no mapping of the file: a stage's peak memory holds its own weights, not the pages of the others
+    it passed over)."""
+    for f, offset, key, meta in safetensors_entries(folder):
+        if not wanted(key):
+            continue
+        a, e = meta["data_offsets"]
+        tensor = torch.empty(meta["shape"], dtype=DTYPES[meta["dtype"]])
+        f.seek(offset)
+        f.readinto(memoryview(tensor.view(torch.uint8).numpy()) if e > a else bytearray())
+        yield key, tensor
 
 
 def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:

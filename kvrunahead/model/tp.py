@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from kvrunahead.model.stage import _DTYPES
+from kvrunahead.model.stage import DTYPES, safetensors_entries
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 WHOLE = ("replicated_with_grad_allreduce", "embedding_rowwise")  # styles every rank keeps whole here
@@ -238,13 +238,7 @@ def cut_tensors(tensors: Iterator[tuple[str, torch.Tensor]]):
 
 
 def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        shapes.update((k, tuple(m["shape"])) for k, m in header.items() if k != "__metadata__")
-    return shapes
+    return {key: tuple(meta["shape"]) for _, _, key, meta in safetensors_entries(folder)}
 
 
 ROW_BLOCK_BYTES = 1 << 22  # a rowwise tensor's columns are read through blocks of rows of about 4 MB
@@ -253,23 +247,18 @@ ROW_BLOCK_BYTES = 1 << 22  # a rowwise tensor's columns are read through blocks 
 def safetensors_shard(folder: Path):
     """The ``tensors`` argument of ``ShardBuilder.build`` for a model folder: only each tensor's shard is read."""
     def read(cut_of):
-        for path in sorted(folder.glob("*.safetensors")):
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-                for key, meta in header.items():
-                    if key == "__metadata__" or (where := cut_of(key)) == "skip":
-                        continue
-                    yield key, _read(f, 8 + size + meta["data_offsets"][0], meta, where)
+        for f, offset, key, meta in safetensors_entries(folder):
+            if (where := cut_of(key)) != "skip":
+                yield key, _read(f, offset, meta, where)
     return read
 
 
 def _read(f, offset: int, meta: dict, where: tuple[int, int, int] | None) -> torch.Tensor:
-    dtype, shape = _DTYPES[meta["dtype"]], list(meta["shape"])
+    dtype, shape = DTYPES[meta["dtype"]], list(meta["shape"])
     item = torch.empty((), dtype=dtype).element_size()
     if where is None or where[0] == 0:  # whole, or whole rows: one contiguous read
         first, last = (0, shape[0] if shape else 1) if where is None else where[1:]
-        row = item * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+        row = item * math.prod(shape[1:])
         out = torch.empty([last - first, *shape[1:]] if shape else [], dtype=dtype)
         f.seek(offset + first * row)
         f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else bytearray())
