@@ -64,7 +64,10 @@ class CostModel:
 
     def other_s(self, tokens: float) -> float:
         """Output projection and MLP (with TP, their two all-reduces)."""
-        return self._matmul_s(self.shape.other_flops_per_token, tokens) + 2 * self.allreduce_s(tokens)
+        return self._other_matmul_s(tokens) + 2 * self.allreduce_s(tokens)
+
+    def _other_matmul_s(self, tokens: float) -> float:
+        return self._matmul_s(self.shape.other_flops_per_token, tokens)
 
     def _kernel_s(self, kernel: AttentionCost, queries: float, keys: float, pairs: float) -> float:
         s = self.shape
@@ -151,9 +154,8 @@ class CostModel:
     def decode_linear_s(self, tokens: int) -> float:
         """One layer's projections and MLP for ``tokens`` decoding tokens: the weights read once, or the FLOPs."""
         s = self.shape
-        reduce = 2 * self.allreduce_s(tokens)
-        return max(self.qkv_s(tokens) + self.other_s(tokens) - reduce,
-                   s.layer_params * s.dtype_bytes / self.profile.memory_Bps) + reduce
+        return (max(self.qkv_s(tokens) + self._other_matmul_s(tokens),
+                    s.layer_params * s.dtype_bytes / self.profile.memory_Bps) + 2 * self.allreduce_s(tokens))
 
     def decode_attention_s(self, context: int) -> float:
         """One layer's attention of one new token over ``context`` keys: the profile's decode kernel where it has
