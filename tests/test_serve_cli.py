@@ -248,6 +248,25 @@ def test_openai_clients_n_logprobs_echo_and_prompt_batches_on_real_ranks():
         assert lp.tokens[-1] == greedy.choices[0].logprobs.tokens[0]
         batch = api.completions.create(model=MODEL, prompt=[PROMPT, "Hello there"], max_tokens=5, temperature=0)
         assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == greedy.choices[0].text
+        _vllm_names_agree_with_ours(url)
+
+
+def _vllm_names_agree_with_ours(url: str) -> None:
+    """The series vLLM's Grafana dashboard reads, scraped after real requests: labelled with the served model and
+    counting what the server's own series count."""
+    text = httpx.get(f"{url}/metrics").text
+    label = f'{{model_name="{MODEL}"}}'
+    for name in ("num_requests_running", "num_requests_waiting"):
+        assert f"vllm:{name}{label} 0.0" in text.splitlines()
+    pairs = {"vllm:prompt_tokens_total": "kvr_prompt_tokens_total",
+             "vllm:generation_tokens_total": "kvr_generation_tokens_total",
+             "vllm:time_to_first_token_seconds_count": "kvr_ttft_seconds_count",
+             "vllm:e2e_request_latency_seconds_count": "kvr_e2e_request_latency_seconds_count",
+             "vllm:time_to_first_token_seconds_sum": "kvr_ttft_seconds_sum"}
+    for theirs, ours in pairs.items():
+        assert _metric(url, theirs + label) == _metric(url, ours) > 0, (theirs, text)
+    gaps = _metric(url, "vllm:time_per_output_token_seconds_count" + label)  # one per token after a request's first
+    assert 0 < gaps < _metric(url, "kvr_generation_tokens_total")
 
 
 def _metric(url: str, name: str) -> float:

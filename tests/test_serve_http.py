@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -109,7 +110,7 @@ class FakeClient:
 
 
 def _app(client: FakeClient):
-    metrics = Metrics()
+    metrics = Metrics("tiny-llama")
     metrics.track(lambda: client.waiting, lambda: client.running)
     return build_app(client, metrics)
 
@@ -479,6 +480,12 @@ def test_metrics_count_the_requests_and_their_ttft():
     assert "kvr_queue_depth 3.0" in text
     assert 'kvr_rank_bytes_sent_total{rank="0"} 2000.0' in text
     assert "kvr_time_per_output_token_seconds_count 2.0" in text
+    tokens = int(float(re.search(r"^kvr_generation_tokens_total (\S+)$", text, re.M).group(1)))
+    label = '{model_name="tiny-llama"}'
+    assert f"vllm:time_to_first_token_seconds_count{label} 2.0" in text  # vLLM's names, as its dashboard reads them
+    assert f"vllm:num_requests_waiting{label} 3.0" in text
+    assert f"vllm:generation_tokens_total{label} {tokens}.0" in text
+    assert f"vllm:time_per_output_token_seconds_count{label} {tokens - 2}.0" in text  # a gap after each first token
 
 
 # --- a real uvicorn on 127.0.0.1 ---------------------------------------------------------------------------------

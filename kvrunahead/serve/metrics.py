@@ -1,8 +1,11 @@
 """The server's Prometheus metrics, in a registry of its own (two servers in one process never share counts).
 
-Names follow vLLM's where the meaning is the same (``time_to_first_token``, ``time_per_output_token``,
-``e2e_request_latency``), under the ``kvr_`` prefix; TTFT is what the client waits: from the request's arrival at
-the server to its first token, queueing included.
+The ``kvr_`` series are the server's own. Beside them, the names vLLM exports under ``vllm:`` where the meaning is
+the same, labelled ``model_name`` as vLLM's are, so that a dashboard built for vLLM (its Grafana JSON reads these)
+shows this server unchanged: TTFT, time per output token, end-to-end latency, requests running and waiting, prompt
+and generation tokens. TTFT is what the client waits: from the request's arrival at the server to its first token,
+queueing included. vLLM observes every gap between two output tokens; here a request's mean gap is observed once per
+gap, so the histogram's sum and count (the dashboard's mean) are the same and its quantiles are per request.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ OUTCOMES = ("stop", "length", "cancelled", "error", "invalid", "queue_full", "un
 class Metrics:
     """The histograms, gauges and counters of one server, rendered in Prometheus' text format."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name)
         self.ttft = Histogram("kvr_ttft_seconds", "Time from a request's arrival to its first token.",
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.tpot = Histogram("kvr_time_per_output_token_seconds",
@@ -55,6 +59,8 @@ class Metrics:
         """Read the gauges from the engine at each scrape rather than keeping a second count of its state."""
         self.queue_depth.set_function(queue_depth)
         self.running.set_function(running)
+        self.vllm.waiting.set_function(queue_depth)
+        self.vllm.running.set_function(running)
 
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -64,18 +70,22 @@ class Metrics:
                  cached_tokens: int = 0) -> None:
         """One request that was admitted, however it ended."""
         self.requests.labels(outcome=outcome).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        self._tokens(prompt_tokens, completion_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+            self.vllm.ttft.observe(ttft_s)
             self.pack_size.observe(packed_with)
             self.cached_tokens.inc(cached_tokens)
             if packed_with > 1:
                 self.packed.inc()
             if completion_tokens > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (completion_tokens - 1))
+                gap = (e2e_s - ttft_s) / (completion_tokens - 1)
+                self.tpot.observe(gap)
+                for _ in range(completion_tokens - 1):
+                    self.vllm.tpot.observe(gap)
         if outcome in ("stop", "length"):
             self.e2e.observe(e2e_s)
+            self.vllm.e2e.observe(e2e_s)
         for rank, n in rank_bytes.items():
             self.rank_bytes.labels(rank=str(rank)).inc(n)
 
@@ -83,9 +93,35 @@ class Metrics:
         """One shared-context request answered."""
         self.requests.labels(outcome="stop").inc()
         self.ask_questions.inc(questions)
+        self._tokens(prompt_tokens, completion_tokens)
+
+    def _tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
+        self.vllm.generation_tokens.inc(completion_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class VllmMetrics:
+    """The series vLLM exports whose meaning this server shares, under vLLM's names and ``model_name`` label."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        label = {"labelnames": ["model_name"], "registry": r}
+
+        def one(kind, name: str, doc: str, **kw):
+            return kind(f"vllm:{name}", doc, **label, **kw).labels(model_name=model_name)
+
+        self.ttft = one(Histogram, "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                        buckets=TTFT_BUCKETS_S)
+        self.tpot = one(Histogram, "time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                        buckets=TPOT_BUCKETS_S)
+        self.e2e = one(Histogram, "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                       buckets=E2E_BUCKETS_S)
+        self.running = one(Gauge, "num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = one(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.prompt_tokens = one(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = one(Counter, "generation_tokens", "Number of generation tokens processed.")
