@@ -267,6 +267,8 @@ def _vllm_names_agree_with_ours(url: str) -> None:
         assert _metric(url, theirs + label) == _metric(url, ours) > 0, (theirs, text)
     gaps = _metric(url, "vllm:time_per_output_token_seconds_count" + label)  # one per token after a request's first
     assert 0 < gaps < _metric(url, "kvr_generation_tokens_total")
+    # what chose each prefill's degree: this short prompt's chain is priced far behind one rank, so the prior
+    assert _metric(url, 'kvr_layout_choices_total{basis="prior",degree="1"}') > 0
 
 
 def _metric(url: str, name: str) -> float:

@@ -39,7 +39,8 @@ def main(base_url: str, label: str, round_: str, out: str, lengths: str, repeats
                 row = {"label": label, "round": int(round_), "repeat": rep, "length": n,
                        "prompt_tokens": body["usage"]["prompt_tokens"], "ttft_s": ext["ttft_s"],
                        "client_s": time.perf_counter() - t0, "degree": ext["degree"],
-                       "degree_source": ext["degree_source"], "boundaries": ext.get("boundaries"), **env}
+                       "degree_source": ext["degree_source"], "layout_basis": ext.get("layout_basis"),
+                       "boundaries": ext.get("partition", {}).get("boundaries"), **env}
                 rows.write(json.dumps(row) + "\n")
                 rows.flush()
                 print(f"{label} round {round_} {n}: degree {row['degree']}, TTFT {row['ttft_s']:.3f} s", flush=True)

@@ -4,7 +4,12 @@
 # rounds, the order rotating per round, one server at a time; each server takes every length REPEATS times, one
 # request at a time. Resumable: a finished (round, degree) is skipped. Then report.py writes ROWS/summary.md and
 # ROWS/crossover.png: the auto server's own TTFT against the faster forced degree's, length by length.
-# Usage: bash experiments/serve_degree/run.sh   (env: LENGTHS, ROUNDS, REPEATS, ROWS: the rows' folder)
+# Usage: bash experiments/serve_degree/run.sh   (env: LENGTHS, ROUNDS, REPEATS, ROWS: the rows' folder, SERVERS)
+#
+# SERVERS="1 2 learned" (ROWS=rows-learned): the auto server correcting its choice by its own timings (--learn,
+# kept in ROWS/learned.json across its restarts, removed before its first): in round 1 it first takes WARMUP
+# passes over the lengths (label learned-warmup: the cold start), then its measured repeats like the others.
+# Then: python experiments/serve_degree/report_learned.py ROWS
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=experiments/serve_degree
@@ -12,13 +17,20 @@ ROWS=$OUT/${ROWS:-rows-interleaved}
 LENGTHS=${LENGTHS:-512,1024,1536,2048,3072,4096,8192}
 ROUNDS=${ROUNDS:-3}
 REPEATS=${REPEATS:-2}
+SERVERS=${SERVERS:-1 2 auto}
+WARMUP=${WARMUP:-7}
 PORT=8125
 
 serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
   local done="$ROWS/degree$1.round$2.done"
   [ -f "$done" ] && return 0
   mkdir -p "$ROWS"
-  OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 --degree "$1" --port $PORT \
+  local how=(--degree "$1")
+  if [ "$1" = learned ]; then
+    how=(--degree auto --learn "$ROWS/learned.json")
+    [ "$2" = 1 ] && rm -f "$ROWS/learned.json" "$ROWS"/degreelearned-warmup.round1.jsonl
+  fi
+  OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 "${how[@]}" --port $PORT \
     > "$ROWS/server.log" 2>&1 &
   local pid=$!
   trap "kill -TERM -- -$pid 2>/dev/null || true" EXIT
@@ -29,6 +41,11 @@ serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
   done
   local rows="$ROWS/degree$1.round$2.jsonl"
   rm -f "$rows"
+  if [ "$1" = learned ] && [ "$2" = 1 ]; then
+    # round 0: prompts of their own (crossover.py offsets its stretches of text by the round)
+    python3 "$OUT/crossover.py" "http://127.0.0.1:$PORT/v1" "degreelearned-warmup" 0 \
+      "$ROWS/degreelearned-warmup.round1.jsonl" "$LENGTHS" "$WARMUP"
+  fi
   python3 "$OUT/crossover.py" "http://127.0.0.1:$PORT/v1" "degree$1" "$2" "$rows" "$LENGTHS" "$3"
   kill -TERM -- "-$pid" 2>/dev/null || true
   for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
@@ -36,8 +53,10 @@ serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
   touch "$done"
 }
 
+read -r -a servers <<< "$SERVERS"
 for round in $(seq 1 "$ROUNDS"); do
-  case $((round % 3)) in 1) order="1 2 auto" ;; 2) order="2 auto 1" ;; 0) order="auto 1 2" ;; esac
+  s=$(( (round - 1) % 3 ))  # the order rotates: a b c, b c a, c a b
+  order="${servers[@]:$s} ${servers[@]:0:$s}"
   for degree in $order; do serve_and_measure "$degree" "$round" "$REPEATS"; done
 done
-python3 "$OUT/report.py" "$ROWS"
+if [[ " $SERVERS " == *" learned "* ]]; then python3 "$OUT/report_learned.py" "$ROWS"; else python3 "$OUT/report.py" "$ROWS"; fi

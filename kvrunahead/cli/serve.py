@@ -119,7 +119,7 @@ def _engine_config(options: dict):
                     net=options["net"], seed=options["seed"], allow_long_context=options["allow_long_context"],
                     context_len=None, decode=options["decode"], tp=options["tp"])
     return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
-                        degree=options["degree"], pack_tokens=options["pack_tokens"],
+                        degree=options["degree"], learn=options["learn"], pack_tokens=options["pack_tokens"],
                         prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
                         chunk_tokens=options["chunk_tokens"], schedule=options["schedule"],
                         ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"],
@@ -265,6 +265,11 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @click.option("--degree", default="auto", show_default=True,
               help="Ranks per prefill: auto (one rank below the measured or predicted crossover, the chain above), "
                    "1, or the world size.")
+@click.option("--learn", default="auto", show_default=True,
+              help="With --degree auto: correct the choice by the TTFTs this server measures (per layout and "
+                   "length bucket, a bounded share of requests exploring; kvrunahead.degree_source says which). "
+                   "auto: kept across restarts in the cache folder, one file per setting; a path: kept there; "
+                   "off: the tables' or the cost model's choice alone. kvr-learned shows and exports them.")
 @click.option("--partition", default="auto", show_default=True,
               help="The chain's partition, as kvr-prefill's: auto, table, even, boundaries or ratios.")
 @click.option("--table", type=click.Path(exists=True, dir_okay=False), help="Partition table to use.")

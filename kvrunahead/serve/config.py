@@ -17,6 +17,7 @@ class EngineConfig:
     max_queue: int = 64
     max_model_len: int | None = None  # None: the longest context the model takes (RoPE extension included)
     degree: str = "auto"  # auto, 1, or the world size
+    learn: str = "off"  # the auto degree corrected by the server's timings: off, auto (kept in the cache) or a path
     heartbeat_s: float = 1.0
     pack_tokens: int = 8192  # waiting prompts packed into one prefill up to this many tokens; 0: one at a time
     pack_edge_slack: float = EDGE_SLACK  # how much of a part's work a packed cut may give up to sit on a prompt edge

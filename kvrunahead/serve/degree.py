@@ -18,11 +18,15 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from pathlib import Path
 
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_label, table_key
-from kvrunahead.decide.tables import Table, TableError, find_table
+from kvrunahead.decide.tables import Table, TableError, find_table, table_filename
 from kvrunahead.errors import ProfileError
+from kvrunahead.model.load import cache_dir
+from kvrunahead.provenance import cpu_name, machine
+from kvrunahead.serve.learning import LayoutLearner
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import search_partition
 from kvrunahead.sim.profile import resolve_profile
@@ -32,8 +36,15 @@ from kvrunahead.sim.simulate import simulate
 
 @dataclass(frozen=True)
 class DegreeChoice:
+    """``basis``: what decided, in a word (``/metrics`` counts the choices by it): fixed (one rank is all there is or
+    the prompt is shorter than the chain), forced (``--degree``), prior (tables or the cost model), exploring or
+    learned (serve/learning.py). ``prices``: the prior's seconds per degree at ``priced_at`` tokens."""
+
     degree: int
     source: str
+    basis: str = "prior"
+    prices: tuple[tuple[int, float], ...] = ()
+    priced_at: int = 0
 
 
 def parse_degree(spec: str, world_size: int) -> int | None:
@@ -63,6 +74,25 @@ def _measured_ttft(table: Table, n: int) -> float | None:
     return (1 - w) * lo.ttft_s + w * hi.ttft_s
 
 
+def layout_learner(spec: str, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
+                   threads: int, solo_threads: int, pipeline: bool) -> LayoutLearner | None:
+    """``--learn``: off (the prior alone), auto (the timings kept in the cache folder, one file per setting) or a
+    file's path. The key names what the timings are valid for: the table's key, the threads of each degree, TP, the
+    chain or the pipeline, and the machine."""
+    if spec == "off" or world_size == 1:
+        return None
+    key = table_key(cfg, config, world_size, attention, local_world_size)
+    prefill = "spp" if pipeline else "chain"
+    stamp = {**dataclasses.asdict(key), "solo_bandwidth": network_label(cfg, 1, 1), "threads": threads,
+             "solo_threads": solo_threads, "tp": cfg.tp, "prefill": prefill, "device": cpu_name(),
+             "machine": machine()}
+    name = f"{table_filename(key).removesuffix('.json')}_t{threads}_s{solo_threads}_tp{cfg.tp}_{prefill}.json"
+    path = cache_dir() / "learned" / name if spec == "auto" else Path(spec)
+    names = {1: "1 TP group" if cfg.tp > 1 else "1 rank",
+             world_size: f"the {'pipeline' if pipeline else 'chain'} of {world_size}"}
+    return LayoutLearner(stamp, path, names)
+
+
 STEP_TOKENS = 64  # lengths within one step share their choice: pricing a length costs the front milliseconds
 
 
@@ -73,7 +103,9 @@ class DegreePolicy:
 
     def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
                  threads: int, degree: str = "auto", solo_threads: int | None = None,
-                 partition_of: Callable[[int], tuple[int, ...]] | None = None) -> None:
+                 partition_of: Callable[[int], tuple[int, ...]] | None = None,
+                 learner: LayoutLearner | None = None) -> None:
+        self.learner = learner  # the prior corrected by the server's own timings (serve/learning.py); None: not
         self.cfg, self.config, self.p = cfg, config, world_size
         self.partition_of = partition_of  # the chain's boundaries for n tokens; None: the cost model's optimum
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
@@ -82,14 +114,38 @@ class DegreePolicy:
         self._decide = lru_cache(maxsize=4096)(self._measured_or_predicted)
         self._costs: dict[int, tuple[CostModel | None, str]] = {}  # threads -> the cost model and its profile
 
-    def choose(self, n: int) -> DegreeChoice:
+    def choose(self, n: int, explore: bool = True) -> DegreeChoice:
+        """The degree for ``n`` tokens; ``explore``: False where the prefill will not be timed (packed, after a
+        cached prefix), so that it runs what the timings say without trying another layout."""
         if self.p == 1:
-            return DegreeChoice(1, "one rank in the world")
+            return DegreeChoice(1, "one rank in the world", "fixed")
         if n < self.p:  # even under --degree p: a chain needs a token per rank
-            return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks")
+            return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks", "fixed")
         if self.forced is not None:
-            return DegreeChoice(self.forced, f"as asked (--degree {self.forced})")
-        return self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
+            return DegreeChoice(self.forced, f"as asked (--degree {self.forced})", "forced")
+        prior = self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
+        prices = self._prices(prior, n)
+        if self.learner is None or not prices:
+            return prior
+        learned = self.learner.choose(n, prices, explore)
+        if learned is None:
+            return prior
+        return dataclasses.replace(prior, degree=learned.degree, basis=learned.basis,
+                                   source=f"{learned.why}; the prior: {prior.source}")
+
+    def learn(self, n: int, degree: int, seconds: float, boundaries) -> None:
+        """A whole prompt's prefill as the server timed it (no prefix cache, not packed, not chunked)."""
+        if self.learner is None or self.forced is not None or n < self.p or self.p == 1:
+            return
+        price = self._prices(self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS), n).get(degree)
+        if price is not None:
+            self.learner.learn(n, degree, seconds, price, tuple(boundaries))
+
+    @staticmethod
+    def _prices(prior: DegreeChoice, n: int) -> dict[int, float]:
+        """The prior's seconds per degree scaled from the step's length to ``n`` (in proportion: a step is at most
+        64 tokens long)."""
+        return {d: s * n / prior.priced_at for d, s in prior.prices} if prior.priced_at else {}
 
     def _measured_or_predicted(self, n: int) -> DegreeChoice:
         measured, unmeasured = self._from_tables(n)
@@ -98,7 +154,8 @@ class DegreePolicy:
         predicted, why = self._from_cost_model(n)
         if predicted is not None:
             return dataclasses.replace(predicted, source=f"{predicted.source} at {n} tokens; {unmeasured}")
-        return DegreeChoice(self.p, f"the chain: {unmeasured} and no cost model ({why})")
+        return DegreeChoice(self.p, f"the chain: {unmeasured} and no cost model ({why})",
+                            prices=((1, float(n)), (self.p, float(n))), priced_at=n)  # alike until timed
 
     @cached_property
     def _table_pair(self) -> tuple[dict[int, Table] | None, str]:
@@ -132,7 +189,8 @@ class DegreePolicy:
             return None, f"{n} tokens is outside the measured tables"
         degree = 1 if ttft[1] <= ttft[self.p] else self.p
         return DegreeChoice(degree, f"measured: {ttft[1]:.3f} s on 1 rank, {ttft[self.p]:.3f} s on {self.p} "
-                                    f"(partition tables, interpolated at {n} tokens)"), ""
+                                    f"(partition tables, interpolated at {n} tokens)",
+                            prices=tuple(ttft.items()), priced_at=n), ""
 
     def _from_cost_model(self, n: int) -> tuple[DegreeChoice | None, str]:
         cost, which = self.cost_model(self.threads)
@@ -150,7 +208,7 @@ class DegreePolicy:
         degree = 1 if one <= chain else self.p
         return DegreeChoice(degree, f"cost model: predicted {one:.3f} s on 1 rank of {self.solo_threads} "
                                     f"thread(s) ({solo_which}), {chain:.3f} s on {self.p} ranks of {self.threads} "
-                                    f"({which})"), ""
+                                    f"({which})", prices=((1, one), (self.p, chain)), priced_at=n), ""
 
     def cost_model(self, threads: int) -> tuple[CostModel | None, str]:
         """The cost model of this setting at ``threads`` per rank and the profile it stands on, or None and why

@@ -72,7 +72,8 @@ class Engine:
         self.heartbeat = workers.Heartbeat(self.ctx, config.heartbeat_s)
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
-                                   self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config))
+                                   self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config),
+                                   config.learn)
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
@@ -220,9 +221,7 @@ class Engine:
             ids, score = seq.request.prompt_ids, seq.request.params.prompt_logprobs
             seg, placed, held = (self.placement.answered(ids, seq.rope, score)
                                  or self.placement.prompt(seq.request_id, ids, seq.rope, score))
-            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, placed.degree,
-                                         list(placed.boundaries), placed.source, placed.degree_source,
-                                         cached_tokens=placed.cached_tokens, decode=placed.decode)
+            seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
             return seg, held, placed
         done = seq.prefilled
         if not done:
@@ -245,8 +244,7 @@ class Engine:
                                                        tuple(s.request_id for s in seqs))
         for seq in seqs:
             seq.prefill_start_s = start
-            seq.figures = RequestFigures(0.0, start - seq.request.arrival_s, placed.degree, list(placed.boundaries),
-                                         placed.source, placed.degree_source, packed_with=len(seqs))
+            seq.figures = placed.figures(seq.request.arrival_s, start, packed_with=len(seqs))
         return segments, cuts
 
     def _ask(self, ask: AskRequest, rows: list[Segment]) -> tuple[StepOutcome, Answering]:
@@ -306,6 +304,8 @@ class Engine:
                                                           self.ctx.lm.eos_token_ids)
         token = sampler(outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
+        self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
+                             seq.request.params.prompt_logprobs is not None)
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
         if seq.request_id not in self.ctx.shards:  # a KVP request's cache stays spread over the ranks

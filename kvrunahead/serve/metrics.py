@@ -50,6 +50,10 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.cached_tokens = Counter("kvr_prefix_cached_tokens", "Prompt tokens taken from the prefix cache instead of "
                                      "prefilled.", registry=r)
+        self.layouts = Counter("kvr_layout_choices", "Prefills by their degree (1: one rank or TP group; else the "
+                               "chain or pipeline) and what chose it: fixed, forced, prior (tables or the cost "
+                               "model), exploring or learned (the server's own timings).", ["degree", "basis"],
+                               registry=r)
         self.ask_questions = Counter("kvr_ask_questions", "Questions answered by shared-context requests (/v1/ask).",
                                      registry=r)
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
@@ -67,7 +71,7 @@ class Metrics:
 
     def finished(self, outcome: str, *, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
                  completion_tokens: int, rank_bytes: dict[int, int], packed_with: int = 1,
-                 cached_tokens: int = 0) -> None:
+                 cached_tokens: int = 0, layout: tuple[int, str] | None = None) -> None:
         """One request that was admitted, however it ended."""
         self.requests.labels(outcome=outcome).inc()
         self._tokens(prompt_tokens, completion_tokens)
@@ -75,6 +79,8 @@ class Metrics:
             self.ttft.observe(ttft_s)
             self.vllm.ttft.observe(ttft_s)
             self.pack_size.observe(packed_with)
+            if layout is not None:
+                self.layouts.labels(degree=str(layout[0]), basis=layout[1]).inc()
             self.cached_tokens.inc(cached_tokens)
             if packed_with > 1:
                 self.packed.inc()

@@ -30,10 +30,11 @@ from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import PartitionError
 from kvrunahead.serve import executor, workers
 from kvrunahead.serve.config import EngineConfig
-from kvrunahead.serve.degree import DegreePolicy
+from kvrunahead.serve.degree import DegreePolicy, layout_learner
 from kvrunahead.serve.executor import PrefillOutcome, RankContext, StepOutcome
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Mirrored, Segment, StepPlan
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
+from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.sim.costmodel import CostModel
 
 
@@ -48,6 +49,13 @@ class Placed:
     degree_source: str
     cached_tokens: int = 0
     decode: str = "gathered"  # kvp: every rank keeps its own part of the cache and decodes on it
+    basis: str = "prior"  # what chose the degree (DegreeChoice.basis)
+
+    def figures(self, arrival_s: float, start_s: float, **extra) -> RequestFigures:
+        """The response's figures of a prefill placed here that started at ``start_s`` (its TTFT set later)."""
+        return RequestFigures(0.0, start_s - arrival_s, self.degree, list(self.boundaries), self.source,
+                              self.degree_source, cached_tokens=self.cached_tokens, decode=self.decode,
+                              layout_basis=self.basis, **extra)
 
 
 def kvp_predicted_faster(chain: CostModel, solo: CostModel, n: int, world_size: int) -> bool:
@@ -81,14 +89,16 @@ def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
                  local_world_size: int, work, prefix_cache_tokens: int, heartbeat: workers.Heartbeat,
-                 edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None) -> None:
+                 edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None, learn: str = "off") -> None:
         self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
         self.pipeline = pipeline  # --prefill spp: the run as spp (its stages and chunk as asked)
         self._pipelines: dict[int, tuple] = {}  # prompt length -> (stages, chunk, where they come from)
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
+        learner = layout_learner(learn, run, model_config, ctx.world_size, local_world_size, attention, threads,
+                                 ctx.solo_threads, pipeline is not None)
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
-                                    ctx.solo_threads, lambda n: self.partition(n)[0].boundaries)
+                                    ctx.solo_threads, lambda n: self.partition(n)[0].boundaries, learner)
         # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
         self.prefixes = PrefixCache(prefix_cache_tokens if ctx.tp == 1 else 0)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
@@ -128,17 +138,23 @@ class Placement:
         choice = self.degrees.choose(len(ids))
         if choice.degree == 1:
             return (Segment(request_id, tuple(ids), rope=rope, score=score),
-                    Placed(1, (0, len(ids)), "one rank", choice.source), None)
+                    Placed(1, (0, len(ids)), "one rank", choice.source, basis=choice.basis), None)
         if self.pipeline is not None and score is None:
             stages, chunk, source = self.stages(len(ids))
             seg = Segment(request_id, tuple(ids), rope=rope, stages=stages, pipeline_chunk=chunk)
-            return seg, Placed(choice.degree, (0, len(ids)), source, choice.source), None
+            return seg, Placed(choice.degree, (0, len(ids)), source, choice.source, basis=choice.basis), None
         partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
         seg = Segment(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
                       keep=SHARDED if kvp else FRONT, score=score)
         return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
-                           decode="kvp" if kvp else "gathered"), None
+                           decode="kvp" if kvp else "gathered", basis=choice.basis), None
+
+    def timed(self, figures: RequestFigures, n: int, seconds: float, scored: bool) -> None:
+        """A prompt's prefill as the server timed it, taught to the degree policy where it ran whole (no prefix
+        cache, not packed, not chunked, not scored: the pipeline is not asked to score)."""
+        if not (figures.chunks or figures.cached_tokens or figures.packed_with > 1 or scored):
+            self.degrees.learn(n, figures.degree, seconds, figures.boundaries)
 
     def decodes_kvp(self, n: int) -> bool:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
@@ -157,7 +173,7 @@ class Placement:
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
                       ) -> tuple[Segment, Placed, list]:
-        choice = self.degrees.choose(len(ids) - cached)
+        choice = self.degrees.choose(len(ids) - cached, explore=False)
         what = f"prefix cache: {cached} of {len(ids)} tokens cached"
         why = f"prefix cache; the {len(ids) - cached} new tokens: {choice.source}"
         held = self.prefixes.held(entry, cached)
@@ -209,7 +225,7 @@ class Placement:
         on one rank."""
         lengths = [len(x) for x in prompts]
         segments = [Segment(rid, tuple(ids)) for rid, ids in zip(request_ids, prompts)]
-        choice = self.degrees.choose(sum(lengths))
+        choice = self.degrees.choose(sum(lengths), explore=False)
         if choice.degree == 1:
             cuts = (0,) * self.ctx.world_size + (sum(lengths),)
             return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source)

@@ -200,6 +200,7 @@ class KvrFigures(BaseModel):
     queue_s: float
     degree: int
     degree_source: str
+    layout_basis: str = "prior"  # what chose the degree: fixed, forced, prior, exploring or learned
     partition: Partition
     ranks: list[RankFigures]
     packed_with: int = 1  # prompts prefilled in one packed sequence with this one (itself included)

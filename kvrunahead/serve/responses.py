@@ -19,6 +19,7 @@ def figures(done: Finished | None) -> p.KvrFigures | None:
         return None
     return p.KvrFigures(
         ttft_s=f.ttft_s, queue_s=f.queue_s, degree=f.degree, degree_source=f.degree_source,
+        layout_basis=f.layout_basis,
         partition=p.Partition(boundaries=list(f.boundaries), source=f.partition_source),
         ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")}) for r in f.ranks],
         packed_with=f.packed_with, cached_tokens=f.cached_tokens, decode=f.decode,

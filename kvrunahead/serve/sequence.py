@@ -96,6 +96,7 @@ class RequestFigures:
     cached_tokens: int = 0  # the prompt's first tokens taken from the prefix cache, not prefilled
     decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
     chunks: list[dict] = field(default_factory=list)  # a chunked prefill's chunks: start, end, ranks, seconds
+    layout_basis: str = "prior"  # what chose the degree: fixed, forced, prior, exploring or learned
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default max_logprobs)

@@ -88,7 +88,8 @@ class Run:
             prompt_tokens=done.prompt_tokens if done is not None else 0,
             completion_tokens=done.completion_tokens if done is not None else 0,
             rank_bytes={r["rank"]: r["bytes_sent"] for r in figures.ranks} if figures else {},
-            packed_with=figures.packed_with if figures else 1, cached_tokens=figures.cached_tokens if figures else 0)
+            packed_with=figures.packed_with if figures else 1, cached_tokens=figures.cached_tokens if figures else 0,
+            layout=(figures.degree, figures.layout_basis) if figures else None)
 
 
 async def _pull(events: AsyncIterator):

@@ -1,0 +1,202 @@
+"""The layout of a prefill corrected by the server's own timings.
+
+The degree policy (serve/degree.py) prices one rank against the chain from partition tables or the cost model; on a
+host that neither was measured on, that prior misses the crossover (experiments/serve_degree: by 5-11% at 512-2048
+tokens). A server that has answered requests has measured the truth, so every whole-prompt prefill it times is kept
+here, per layout (the degree: one rank or one TP group, else the chain or the pipeline) and per length bucket (two
+per doubling), as the ratio of its seconds to the prior's price at its length. A bucket's choice is then:
+
+- **exploring** while a layout the prior does not rule out (priced under ``RULED_OUT`` times the cheaper) has fewer
+  than ``MIN_TIMINGS`` timings there: the layout with the fewest runs, the prior's at a tie, so that a cold bucket
+  costs at most ``MIN_TIMINGS`` requests on the slower layout;
+- **learned** once each has: the prior's prices scaled by each layout's median ratio (its latest ``KEEP`` timings),
+  the cheaper wins; one request in ``REFRESH_EVERY`` runs the runner-up while it is within ``REFRESH_WITHIN`` of the
+  winner, so a host whose speed drifts is followed. No more than that share of a settled bucket is exploratory.
+
+The timings persist in a small JSON file (``save``, rewritten after each timing) keyed by what they are valid for
+(the model, dtype, world, threads, network, machine): a restart keeps what was learned, a change of any of those
+starts afresh. ``export`` writes them as measured partition tables at degree 1 and p, the pair the degree policy
+reads first (``kvr-serve --export-learned``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrunahead.decide.tables import Table, TableEntry, TableKey, TableMeta, table_filename
+
+log = logging.getLogger(__name__)
+
+BUCKETS_PER_DOUBLING = 2
+MIN_TIMINGS = 3
+KEEP = 12
+REFRESH_EVERY = 10
+REFRESH_WITHIN = 1.10
+RULED_OUT = 1.5
+FORMAT = 1
+
+
+def bucket_of(n: int) -> int:
+    """The first length, in tokens, of ``n``'s bucket: 512, 725, 1024, 1449, 2048, ..."""
+    return _edge(math.floor(math.log2(n) * BUCKETS_PER_DOUBLING))
+
+
+def _edge(k: int) -> int:
+    return math.ceil(2 ** (k / BUCKETS_PER_DOUBLING))
+
+
+def bucket_range(n: int) -> str:
+    k = math.floor(math.log2(n) * BUCKETS_PER_DOUBLING)
+    return f"{_edge(k)}-{_edge(k + 1) - 1}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    tokens: int
+    seconds: float
+    ratio: float  # seconds over the prior's price at ``tokens``
+    boundaries: tuple[int, ...]
+
+
+@dataclass
+class Choice:
+    degree: int
+    basis: str  # exploring or learned
+    why: str
+
+
+@dataclass
+class Bucket:
+    timings: dict[int, deque] = field(default_factory=dict)  # degree -> its latest Timings
+    requests: int = 0  # choices made here since the start
+
+    def of(self, degree: int) -> deque:
+        return self.timings.setdefault(degree, deque(maxlen=KEEP))
+
+
+class LayoutLearner:
+    """``key``: what the timings are valid for (a file made for another key is set aside, not read); ``path``:
+    where they persist (None: this run only); ``names``: each degree's words (``{1: "1 rank", 2: "the chain"}``)."""
+
+    def __init__(self, key: dict, path: Path | None, names: dict[int, str]) -> None:
+        self.key, self.path, self.names = key, path, names
+        self.buckets: dict[int, Bucket] = {}
+        if path is not None and path.exists():
+            self._load(path)
+
+    def choose(self, n: int, prices: dict[int, float], explore: bool = True) -> Choice | None:
+        """The layout for an ``n``-token prompt from what this server measured, the prior's ``prices`` (seconds
+        per degree at ``n``) scaled by each layout's timings; None where there is nothing to correct (one layout
+        left once the prior rules the others out, or a bucket still to explore where ``explore`` is False)."""
+        cheapest = min(prices.values())
+        open_ = [d for d, s in sorted(prices.items()) if s <= RULED_OUT * cheapest]
+        if len(open_) < 2:
+            return None
+        edge = bucket_of(n)
+        b = self.buckets.setdefault(edge, Bucket())
+        b.requests += explore
+        counts = {d: len(b.of(d)) for d in open_}
+        where = f"at {bucket_range(n)} tokens"
+        short = [d for d in open_ if counts[d] < MIN_TIMINGS]
+        if short and not explore:
+            return None
+        if short:
+            prior = min(open_, key=lambda d: prices[d])
+            d = min(short, key=lambda d: (counts[d], d != prior))
+            return Choice(d, "exploring", f"exploring: {self.names[d]} timed {counts[d]} of {MIN_TIMINGS} times "
+                                          f"{where}")
+        est = {d: prices[d] * statistics.median(t.ratio for t in b.of(d)) for d in open_}
+        ranked = sorted(open_, key=lambda d: est[d])
+        best, second = ranked[0], ranked[1]
+        told = ", ".join(f"{self.names[d]} {est[d]:.3f} s ({counts[d]} timings)" for d in ranked)
+        if explore and b.requests % REFRESH_EVERY == 0 and est[second] <= REFRESH_WITHIN * est[best]:
+            return Choice(second, "exploring", f"exploring: the runner-up retimed (learned {told} {where})")
+        return Choice(best, "learned", f"learned: {told} {where}")
+
+    def learn(self, n: int, degree: int, seconds: float, price: float, boundaries: tuple[int, ...]) -> None:
+        """A whole prompt of ``n`` tokens prefilled at ``degree`` in ``seconds``, priced ``price`` by the prior."""
+        if price <= 0 or seconds <= 0:
+            return
+        self.buckets.setdefault(bucket_of(n), Bucket()).of(degree).append(
+            Timing(n, seconds, seconds / price, tuple(boundaries)))
+        if self.path is not None:
+            self.save(self.path)
+
+    def timings(self) -> int:
+        return sum(len(t) for b in self.buckets.values() for t in b.timings.values())
+
+    def save(self, path: Path) -> None:
+        data = {"format": FORMAT, "key": self.key, "buckets": {
+            str(edge): {str(d): [[t.tokens, t.seconds, t.ratio, list(t.boundaries)] for t in ts]
+                        for d, ts in b.timings.items() if ts}
+            for edge, b in sorted(self.buckets.items())}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data) + "\n")
+        tmp.replace(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT or data.get("key") != self.key:
+                log.warning("%s was learned for another setting; starting afresh (it is kept as %s.old)", path,
+                            path.name)
+                path.replace(path.with_suffix(path.suffix + ".old"))
+                return
+            self._read(data)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("cannot read the learned timings %s (%s); starting afresh", path, e)
+            self.buckets = {}
+
+    def _read(self, data: dict) -> None:
+        for edge, per in data["buckets"].items():
+            b = self.buckets.setdefault(int(edge), Bucket())
+            for d, rows in per.items():
+                b.of(int(d)).extend(Timing(int(n), float(s), float(r), tuple(bs)) for n, s, r, bs in rows)
+
+    def per_length(self, degree: int) -> list[tuple[int, float, tuple[int, ...], int]]:
+        """Each length timed at ``degree``: (tokens, median seconds, the boundaries last run, timings)."""
+        by_n: dict[int, list[Timing]] = {}
+        for b in self.buckets.values():
+            for t in b.timings.get(degree, ()):
+                by_n.setdefault(t.tokens, []).append(t)
+        return [(n, statistics.median(t.seconds for t in ts), ts[-1].boundaries, len(ts))
+                for n, ts in sorted(by_n.items())]
+
+
+def load(path: Path) -> LayoutLearner:
+    """A learned-timings file as it is, whatever setting it was made for (``kvr-learned``)."""
+    data = json.loads(Path(path).read_text())
+    learner = LayoutLearner(data["key"], None, {})
+    learner._read(data)
+    return learner
+
+
+def export(learner: LayoutLearner, out: Path) -> list[Path]:
+    """The timings as measured partition tables, one per degree timed (``<table name>_served.json`` in ``out``):
+    each length's median seconds and the partition it ran with. The degree-1 and degree-p pair is what the degree
+    policy reads before its cost model; the chain's table is also what ``kvr-prefill --table`` and the partition
+    policy read."""
+    k = learner.key
+    written = []
+    for degree in sorted({d for b in learner.buckets.values() for d, ts in b.timings.items() if ts}):
+        one = degree == 1
+        key = TableKey(k["model"], k["config_hash"], degree, k["dtype"], k["kvr_attention"], k["device_kind"],
+                       k["solo_bandwidth"] if one else k["bandwidth"])
+        table = Table(TableMeta(key.model, key.config_hash, key.dtype, degree, "served", "served", k["device"],
+                                k["solo_threads"] if one else k["threads"], key.bandwidth,
+                                kvr_attention=key.kvr_attention, device_kind=key.device_kind))
+        for n, seconds, boundaries, count in learner.per_length(degree):
+            bounds = [0, n] if one else list(boundaries)
+            table.add(TableEntry(n, bounds, [(b - a) / n for a, b in zip(bounds, bounds[1:])], seconds, None,
+                                 count, 0.0, criterion="served"))
+        path = Path(out) / f"{table_filename(key).removesuffix('.json')}_served.json"
+        table.save(path)
+        written.append(path)
+    return written

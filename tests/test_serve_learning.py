@@ -1,0 +1,137 @@
+"""The degree corrected by the server's own timings (serve/learning.py): a bucket explores each layout the prior
+leaves open a few times, then runs the one its timings say is faster, with a bounded share retimed; the timings
+persist per setting and export as the measured table pair the degree policy reads first."""
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from kvrunahead.cli.learned import main as learned_main
+from kvrunahead.config import RunConfig
+from kvrunahead.decide.policy import table_key
+from kvrunahead.decide.tables import Table
+from kvrunahead.model.load import resolve_config
+from kvrunahead.serve import learning
+from kvrunahead.serve.degree import DegreePolicy, layout_learner
+from kvrunahead.serve.learning import MIN_TIMINGS, REFRESH_EVERY, LayoutLearner, bucket_of
+
+NAMES = {1: "1 rank", 2: "the chain of 2"}
+
+
+def _serve(learner: LayoutLearner, n: int, prices: dict[int, float], truth: dict[int, float], requests: int,
+           rng: random.Random) -> list:
+    """``requests`` prompts of ``n`` tokens: each layout's true seconds with 5% noise, taught back."""
+    choices = []
+    for _ in range(requests):
+        c = learner.choose(n, prices)
+        choices.append(c)
+        learner.learn(n, c.degree, truth[c.degree] * rng.uniform(0.95, 1.05), prices[c.degree], (0, n))
+    return choices
+
+
+def test_a_prior_the_timings_contradict_is_overruled_after_a_few_explorations():
+    learner = LayoutLearner({"k": 1}, None, NAMES)
+    prices = {1: 1.05, 2: 1.0}  # the prior: the chain 5% ahead
+    truth = {1: 0.9, 2: 1.0}  # the host: one rank 10% ahead
+    choices = _serve(learner, 1024, prices, truth, 60, random.Random(0))
+    explored = choices[:2 * MIN_TIMINGS]
+    assert [c.degree for c in explored].count(1) == MIN_TIMINGS and all(c.basis == "exploring" for c in explored)
+    assert explored[0].degree == 2  # a tie in timings goes to the prior's choice
+    settled = choices[2 * MIN_TIMINGS:]
+    assert all(c.basis in ("learned", "exploring") for c in settled)
+    learned = [c for c in settled if c.basis == "learned"]
+    assert all(c.degree == 1 for c in learned) and "learned: 1 rank" in learned[0].why
+    retimed = [c for c in settled if c.basis == "exploring"]
+    assert 0 < len(retimed) <= len(settled) / REFRESH_EVERY + 1 and all(c.degree == 2 for c in retimed)
+    assert "at 1024-1448 tokens" in learned[0].why
+
+
+def test_a_clear_loser_is_not_retimed_and_a_layout_the_prior_rules_out_is_never_explored():
+    learner = LayoutLearner({}, None, NAMES)
+    choices = _serve(learner, 2048, {1: 1.0, 2: 1.0}, {1: 2.0, 2: 1.0}, 40, random.Random(1))
+    assert [c.degree for c in choices[2 * MIN_TIMINGS:]] == [2] * (40 - 2 * MIN_TIMINGS)  # 2x slower: not retimed
+    assert learner.choose(100, {1: 0.1, 2: 0.2}) is None  # the chain priced 2x one rank: the prior decides
+
+
+def test_an_untimed_bucket_does_not_explore_for_a_prefill_that_will_not_be_timed():
+    learner = LayoutLearner({}, None, NAMES)
+    assert learner.choose(3000, {1: 1.0, 2: 1.1}, explore=False) is None
+    _serve(learner, 3000, {1: 1.0, 2: 1.1}, {1: 2.0, 2: 1.0}, 2 * MIN_TIMINGS, random.Random(2))
+    assert learner.choose(3000, {1: 1.0, 2: 1.1}, explore=False).degree == 2
+
+
+def test_buckets_are_two_per_doubling():
+    assert [bucket_of(n) for n in (512, 724, 725, 1023, 1024, 1448, 1449, 16384)] == [512, 512, 725, 725, 1024,
+                                                                                      1024, 1449, 16384]
+
+
+def test_the_timings_persist_and_another_setting_starts_afresh(tmp_path, caplog):
+    path = tmp_path / "learned.json"
+    first = LayoutLearner({"model": "a"}, path, NAMES)
+    _serve(first, 1024, {1: 1.0, 2: 1.0}, {1: 0.5, 2: 1.0}, 10, random.Random(3))
+    again = LayoutLearner({"model": "a"}, path, NAMES)
+    assert again.timings() == first.timings() == 10
+    assert again.choose(1024, {1: 1.0, 2: 1.0}).basis == "learned"  # no exploration after a restart
+    other = LayoutLearner({"model": "b"}, path, NAMES)
+    assert other.timings() == 0 and "another setting" in caplog.text
+    assert (tmp_path / "learned.json.old").exists() and not path.exists()
+
+
+@pytest.fixture
+def shipped_profiles_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+
+
+def _learning_policy(spec: str) -> DegreePolicy:
+    cfg = RunConfig(threads=1)
+    config = resolve_config(cfg.model)
+    learner = layout_learner(spec, cfg, config, 2, 2, "split", 1, 2, pipeline=False)
+    return DegreePolicy(cfg, config, 2, 2, "split", 1, "auto", 2, learner=learner)
+
+
+def test_the_policy_follows_its_timings_and_exports_them_as_the_table_pair(shipped_profiles_only, tmp_path):
+    policy = _learning_policy("auto")
+    n = 4096
+    prior = policy.choose(n)
+    assert prior.degree == 2 and prior.basis == "exploring"  # the cost model prefers the chain at 4k on this profile
+    for _ in range(3 * MIN_TIMINGS):
+        choice = policy.choose(n)
+        policy.learn(n, choice.degree, {1: 5.0, 2: 6.0}[choice.degree], (0, 2100, n) if choice.degree == 2
+                     else (0, n))
+    choice = policy.choose(n)
+    assert (choice.degree, choice.basis) == (1, "learned")
+    assert "learned: 1 rank 5.000 s" in choice.source and "the prior: cost model" in choice.source
+    files = list((tmp_path / "learned").glob("*.json"))  # --learn auto: in the cache folder, named by setting
+    assert len(files) == 1 and "smollm2-135m_p2_float32_cpu_split" in files[0].name
+
+    r = CliRunner().invoke(learned_main, [str(files[0]), "--export", str(tmp_path / "tables")])
+    assert r.exit_code == 0, r.output
+    assert f"| {bucket_of(n)} | 1 |" in r.output and f"| {bucket_of(n)} | 2 |" in r.output
+    cfg = RunConfig(threads=1)
+    config = resolve_config(cfg.model)
+    for degree, threads, bounds, seconds in ((1, 2, [0, n], 5.0), (2, 1, [0, 2100, n], 6.0)):
+        table = Table.load(tmp_path / "tables" / f"smollm2-135m_p{degree}_float32_cpu_split_served.json")
+        want = table_key(cfg, config, 2, "split", 2)
+        assert table.meta.key.world_size == degree and table.meta.threads_per_rank == threads
+        assert table.meta.key.model == want.model and table.meta.key.config_hash == want.config_hash
+        assert table.meta.source == "measured" and table.entries[0].boundaries == bounds
+        assert table.entries[0].ttft_s == pytest.approx(seconds)
+
+
+def test_kvr_learned_refuses_what_it_cannot_read_in_one_line(tmp_path, shipped_profiles_only):
+    r = CliRunner().invoke(learned_main, [])
+    assert r.exit_code == 2 and "no learned timings" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 1}))
+    r = CliRunner().invoke(learned_main, [str(bad)])
+    assert r.exit_code == 2 and r.output.strip().startswith("kvr-learned: error: cannot read")
+    assert learning.FORMAT == 1
+
+
+def test_off_learns_nothing_and_forced_degrees_are_not_corrected(shipped_profiles_only):
+    assert layout_learner("off", RunConfig(), None, 2, 2, "split", 1, 2, False) is None
+    policy = _learning_policy("auto")
+    policy.forced = 2
+    assert policy.choose(1024).basis == "forced"
