@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -197,3 +197,40 @@ def balanced_cut(costs: list[float], parts: int) -> Partition:
     for k in range(parts, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     return Partition(tuple(reversed(bounds)))
+
+
+Work = Callable[[float, float], float]  # (prefix tokens, own tokens) -> modelled work of one rank
+
+
+def rank_rates(boundaries: Sequence[int], busy: Sequence[float], work: Work) -> list[float]:
+    """Each rank's seconds per unit of modelled work in one run: ``busy[i] / work(prefix_i, tokens_i)``."""
+    rates = []
+    for i in range(len(boundaries) - 1):
+        w = work(float(boundaries[i]), float(boundaries[i + 1] - boundaries[i]))
+        rates.append(busy[i] / w if w > 0 else 0.0)
+    if min(rates) <= 0:
+        raise ValueError(f"a rank reported no busy time: {list(busy)}")
+    return rates
+
+
+def balanced_boundaries(boundaries: Sequence[int], busy: Sequence[float], work: Work, quantum: int = 1,
+                        length: int | None = None) -> tuple[int, ...]:
+    """Where every rank's busy time would be equal, if each kept the rate it showed at ``boundaries``: rank i's
+    predicted busy for a part of n tokens after a prefix of b is ``rate_i * work(b, n)``. Boundaries are rounded
+    to ``quantum`` tokens and every part keeps at least one quantum. ``length``: balance another context than
+    the measured one with the same rates (a search seeded by the rates a shorter length measured)."""
+    return boundaries_at_rates(rank_rates(boundaries, busy, work), work, length or boundaries[-1], quantum)
+
+
+def boundaries_at_rates(rates: Sequence[float], work: Work, n: int, quantum: int = 1) -> tuple[int, ...]:
+    """The boundaries of ``n`` tokens at which ranks of these ``rates`` are equally busy (balanced_boundaries)."""
+    p = len(rates)
+    sizes = equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
+    cuts, prefix = [0], 0.0
+    for s in sizes[:-1]:
+        prefix += s
+        cuts.append(round(prefix / quantum) * quantum)
+    cuts.append(n)
+    for i in range(1, p):  # every part at least one quantum, the last one included
+        cuts[i] = min(max(cuts[i], cuts[i - 1] + quantum), n - (p - i) * quantum)
+    return tuple(cuts)

@@ -5,7 +5,8 @@ Usage: python tests/serve_harness.py SCENARIO.json OUT.json  (with RANK/WORLD_SI
 Scenarios: "match" (the runner's prefill, then the engine's, same prompt and partition), "serve" (the asyncio
 client with long requests in flight; the test kills a rank; exits 3 when the engine is unhealthy at the end),
 "packed" (prompts one at a time, then queued together into one packed prefill), "chunked" (prompts in chunks,
-over the chain or the pipeline), "cached" (a prompt, then one
+over the chain or the pipeline), "learned" (prompts over the chain whose partition learns from
+the ranks' timings), "cached" (a prompt, then one
 that starts the same way and whose new tokens run over the chain after the cached prefix), "kvp" (prompts decoded
 KV-cache parallel, alone and together, one cancelled on the way), "logprobs" and "prompt_logprobs" (against one
 process's scores).
@@ -181,6 +182,28 @@ def packed(scenario: dict, world, out: dict) -> None:
     out["packed_with"] = [f.packed_with for f in figures]
     out["boundaries"] = [f.boundaries for f in figures]
     out["bytes_sent"] = [[r["bytes_sent"] for r in f.ranks] for f in figures]
+
+
+def learned(scenario: dict, world, out: dict) -> None:
+    """Prompts of one length over the chain with ``--learn``: each prefill's partition, where it came from, its
+    greedy tokens, and one process's tokens for the same prompt (transformers alone)."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), degree="2", learn=scenario["learn"],
+                                 prefix_cache_tokens=0), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    model = engine.ctx.lm.model
+    for i, ids in enumerate(scenario["prompts"]):
+        events, figures = engine.run_one(Request(f"r{i}", ids, params))
+        with torch.no_grad():
+            t = torch.tensor([ids])
+            ref = model.generate(t, max_new_tokens=scenario["max_tokens"], do_sample=False)[0, t.shape[1]:]
+        out.setdefault("runs", []).append({
+            "boundaries": figures.boundaries, "source": figures.partition_source, "ref": ref.tolist(),
+            "tokens": [e.token_id for e in events if not isinstance(e, Finished)],
+            "busy": [r["compute_s"] for r in figures.ranks]})
+    engine.shutdown()
 
 
 def cached(scenario: dict, world, out: dict) -> None:
@@ -371,7 +394,8 @@ def main() -> None:
     code = 0
     try:
         scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
-                     "chunked": chunked, "mixed": mixed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                     "chunked": chunked, "mixed": mixed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                     "learned": learned}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

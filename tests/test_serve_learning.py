@@ -135,3 +135,39 @@ def test_off_learns_nothing_and_forced_degrees_are_not_corrected(shipped_profile
     policy = _learning_policy("auto")
     policy.forced = 2
     assert policy.choose(1024).basis == "forced"
+
+
+def test_the_partition_moves_to_the_ranks_measured_balance():
+    learner = LayoutLearner({}, None, NAMES)
+
+    def work(prefix, tokens):
+        return tokens * (1 + (prefix + tokens / 2) / 1000)  # a causal rank's work grows with what it attends to
+
+    bounds = (0, 2000, 4000)
+    busy = (work(0, 2000) * 1.0, work(2000, 2000) * 1.5)  # rank 1 runs 1.5x slower per unit of work
+    for _ in range(3):
+        learner.learn(4000, 2, 1.0, 1.0, bounds, busy)
+    rates, runs = learner.rates(3900, 2, work)  # another length of the same bucket
+    assert runs == 3 and rates == pytest.approx([1.0, 1.5])
+    cut = learning.boundaries_at_rates(rates, work, 4000, learning.QUANTUM)
+    assert cut[1] % learning.QUANTUM == 0 and cut[1] > 2000  # rank 0 takes more
+    assert work(0, cut[1]) == pytest.approx(1.5 * work(cut[1], 4000 - cut[1]), rel=0.01)
+    assert learner.rates(1000, 2, work) is None  # another bucket: nothing learned there
+
+
+@pytest.mark.timeout(300)
+def test_a_served_chain_learns_its_partition_and_stays_exact(tmp_path):
+    from tests.test_serve_engine import ranks_ran
+
+    prompts = [[(7 * i + 13 * k) % 500 + 3 for k in range(600)] for i in range(3)]
+    path = tmp_path / "learned.json"
+    scenario = {"name": "learned", "run": {"model": "tiny-llama", "threads": 1}, "learn": str(path),
+                "prompts": prompts, "max_tokens": 4}
+    runs = ranks_ran(scenario, tmp_path)[1]["runs"]
+    assert "learned" not in runs[0]["source"]
+    for k, run in enumerate(runs[1:], 1):
+        assert run["source"].startswith(f"learned: balanced at the ranks' rates in {k} served prefill(s)")
+    for run in runs:
+        assert run["tokens"] == run["ref"] and len(run["busy"]) == 2
+    saved = json.loads(path.read_text())["buckets"][str(bucket_of(600))]["2"]
+    assert len(saved) == 3 and all(len(row[4]) == 2 for row in saved)

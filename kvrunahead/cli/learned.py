@@ -43,8 +43,17 @@ def main(files: tuple[Path, ...], out: Path | None) -> None:
         if learner.key.get("tp", 1) > 1 or learner.key.get("prefill") != "chain":
             common.fail(PROG, f"{path}: timings over TP groups or the pipeline export no table (the tables are of "
                               "the chain of whole-model ranks)")
-        for written in learning.export(learner, out):
+        for written in learning.export(learner, out, _work(learner.key)):
             click.echo(f"wrote {written}")
+
+
+def _work(key: dict):
+    """The modelled work of a chain rank (partition.Work) of the file's model, which its ranks' rates are against."""
+    from kvrunahead.model.load import resolve_config
+    from kvrunahead.sim.flops import layer_cost
+
+    cost = layer_cost(resolve_config(key["model"]))
+    return lambda prefix, tokens: cost.rank_flops(prefix, tokens, key["kvr_attention"])
 
 
 def _describe(path: Path, learner) -> str:

@@ -29,10 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrunahead.partition import equal_level_sizes
+from kvrunahead.partition import Work, balanced_boundaries
 
 Boundaries = tuple[int, ...]
-Work = Callable[[float, float], float]  # (prefix tokens, own tokens) -> modelled work of one rank
 CONFIRM = ("toward", "both")  # the neighbours confirmed: the one the imbalance points to per boundary, or both
 
 
@@ -62,30 +61,6 @@ class BalanceResult:
 
 def _key(b: Boundaries) -> str:
     return ",".join(map(str, b))
-
-
-def balanced_boundaries(boundaries: Boundaries, busy: Sequence[float], work: Work, quantum: int = 1,
-                        length: int | None = None) -> Boundaries:
-    """Where every rank's busy time would be equal, if each kept the rate it showed at ``boundaries``: rank i's
-    predicted busy for a part of n tokens after a prefix of b is ``rate_i * work(b, n)``. Boundaries are rounded
-    to ``quantum`` tokens and every part keeps at least one quantum. ``length``: balance another context than
-    the measured one with the same rates (a search seeded by the rates a shorter length measured)."""
-    n, p = length or boundaries[-1], len(boundaries) - 1
-    rates = []
-    for i in range(p):
-        w = work(float(boundaries[i]), float(boundaries[i + 1] - boundaries[i]))
-        rates.append(busy[i] / w if w > 0 else 0.0)
-    if min(rates) <= 0:
-        raise ValueError(f"a rank reported no busy time: {list(busy)}")
-    sizes = equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
-    cuts, prefix = [0], 0.0
-    for s in sizes[:-1]:
-        prefix += s
-        cuts.append(round(prefix / quantum) * quantum)
-    cuts.append(n)
-    for i in range(1, p):  # every part at least one quantum, the last one included
-        cuts[i] = min(max(cuts[i], cuts[i - 1] + quantum), n - (p - i) * quantum)
-    return tuple(cuts)
 
 
 def neighbours(b: Boundaries, stride: int) -> list[Boundaries]:

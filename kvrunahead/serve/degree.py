@@ -133,13 +133,14 @@ class DegreePolicy:
         return dataclasses.replace(prior, degree=learned.degree, basis=learned.basis,
                                    source=f"{learned.why}; the prior: {prior.source}")
 
-    def learn(self, n: int, degree: int, seconds: float, boundaries) -> None:
-        """A whole prompt's prefill as the server timed it (no prefix cache, not packed, not chunked)."""
-        if self.learner is None or self.forced is not None or n < self.p or self.p == 1:
+    def learn(self, n: int, degree: int, seconds: float, boundaries, busy: tuple[float, ...] = ()) -> None:
+        """A whole prompt's prefill as the server timed it (no prefix cache, not packed, not chunked); ``busy``: a
+        chain's ranks' compute seconds (what its partition learns from, forced degree or not)."""
+        if self.learner is None or n < self.p or self.p == 1:
             return
         price = self._prices(self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS), n).get(degree)
         if price is not None:
-            self.learner.learn(n, degree, seconds, price, tuple(boundaries))
+            self.learner.learn(n, degree, seconds, price, tuple(boundaries), busy)
 
     @staticmethod
     def _prices(prior: DegreeChoice, n: int) -> dict[int, float]:

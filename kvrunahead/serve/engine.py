@@ -304,10 +304,10 @@ class Engine:
                                                           self.ctx.lm.eos_token_ids)
         token = sampler(outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
-        self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
-                             seq.request.params.prompt_logprobs is not None)
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
+        self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
+                             seq.request.params.prompt_logprobs is not None)
         if seq.request_id not in self.ctx.shards:  # a KVP request's cache stays spread over the ranks
             if self.placement.cacheable(seq.rope):
                 self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrunahead.decide.tables import Table, TableEntry, TableKey, TableMeta, table_filename
+from kvrunahead.partition import Work, boundaries_at_rates, rank_rates
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ REFRESH_EVERY = 10
 REFRESH_WITHIN = 1.10
 RULED_OUT = 1.5
 FORMAT = 1
+QUANTUM = 8  # a learned partition's boundaries, in tokens
 
 
 def bucket_of(n: int) -> int:
@@ -62,6 +64,7 @@ class Timing:
     seconds: float
     ratio: float  # seconds over the prior's price at ``tokens``
     boundaries: tuple[int, ...]
+    busy: tuple[float, ...] = ()  # per rank of a chain: its compute, without its waits
 
 
 @dataclass
@@ -119,12 +122,14 @@ class LayoutLearner:
             return Choice(second, "exploring", f"exploring: the runner-up retimed (learned {told} {where})")
         return Choice(best, "learned", f"learned: {told} {where}")
 
-    def learn(self, n: int, degree: int, seconds: float, price: float, boundaries: tuple[int, ...]) -> None:
-        """A whole prompt of ``n`` tokens prefilled at ``degree`` in ``seconds``, priced ``price`` by the prior."""
+    def learn(self, n: int, degree: int, seconds: float, price: float, boundaries: tuple[int, ...],
+              busy: tuple[float, ...] = ()) -> None:
+        """A whole prompt of ``n`` tokens prefilled at ``degree`` in ``seconds``, priced ``price`` by the prior;
+        ``busy``: a chain's ranks' compute seconds."""
         if price <= 0 or seconds <= 0:
             return
         self.buckets.setdefault(bucket_of(n), Bucket()).of(degree).append(
-            Timing(n, seconds, seconds / price, tuple(boundaries)))
+            Timing(n, seconds, seconds / price, tuple(boundaries), tuple(busy)))
         if self.path is not None:
             self.save(self.path)
 
@@ -133,7 +138,7 @@ class LayoutLearner:
 
     def save(self, path: Path) -> None:
         data = {"format": FORMAT, "key": self.key, "buckets": {
-            str(edge): {str(d): [[t.tokens, t.seconds, t.ratio, list(t.boundaries)] for t in ts]
+            str(edge): {str(d): [[t.tokens, t.seconds, t.ratio, list(t.boundaries), list(t.busy)] for t in ts]
                         for d, ts in b.timings.items() if ts}
             for edge, b in sorted(self.buckets.items())}}
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +163,18 @@ class LayoutLearner:
         for edge, per in data["buckets"].items():
             b = self.buckets.setdefault(int(edge), Bucket())
             for d, rows in per.items():
-                b.of(int(d)).extend(Timing(int(n), float(s), float(r), tuple(bs)) for n, s, r, bs in rows)
+                b.of(int(d)).extend(Timing(int(row[0]), float(row[1]), float(row[2]), tuple(row[3]),
+                                           tuple(row[4]) if len(row) > 4 else ()) for row in rows)
+
+    def rates(self, n: int, degree: int, work: Work) -> tuple[list[float], int] | None:
+        """Each rank's median rate (seconds per unit of modelled work) over the chain prefills timed in ``n``'s
+        bucket at ``degree``, and how many; None where none reported its ranks."""
+        runs = [t for t in self.buckets.get(bucket_of(n), Bucket()).timings.get(degree, ())
+                if len(t.busy) == degree and len(t.boundaries) == degree + 1 and min(t.busy) > 0]
+        if not runs:
+            return None
+        per_run = [rank_rates(t.boundaries, t.busy, work) for t in runs]
+        return [statistics.median(r[i] for r in per_run) for i in range(degree)], len(runs)
 
     def per_length(self, degree: int) -> list[tuple[int, float, tuple[int, ...], int]]:
         """Each length timed at ``degree``: (tokens, median seconds, the boundaries last run, timings)."""
@@ -178,11 +194,12 @@ def load(path: Path) -> LayoutLearner:
     return learner
 
 
-def export(learner: LayoutLearner, out: Path) -> list[Path]:
+def export(learner: LayoutLearner, out: Path, work: Work | None = None) -> list[Path]:
     """The timings as measured partition tables, one per degree timed (``<table name>_served.json`` in ``out``):
-    each length's median seconds and the partition it ran with. The degree-1 and degree-p pair is what the degree
-    policy reads before its cost model; the chain's table is also what ``kvr-prefill --table`` and the partition
-    policy read."""
+    each length's median seconds and its partition: where ``work`` is given, the one the ranks' learned rates
+    balance (what the server would run next), else the one it last ran. The degree-1 and degree-p pair is what the
+    degree policy reads before its cost model; the chain's table is also what ``kvr-prefill --table`` and the
+    partition policy read."""
     k = learner.key
     written = []
     for degree in sorted({d for b in learner.buckets.values() for d, ts in b.timings.items() if ts}):
@@ -193,7 +210,9 @@ def export(learner: LayoutLearner, out: Path) -> list[Path]:
                                 k["solo_threads"] if one else k["threads"], key.bandwidth,
                                 kvr_attention=key.kvr_attention, device_kind=key.device_kind))
         for n, seconds, boundaries, count in learner.per_length(degree):
-            bounds = [0, n] if one else list(boundaries)
+            learned = None if one or work is None else learner.rates(n, degree, work)
+            bounds = [0, n] if one else list(boundaries_at_rates(learned[0], work, n, QUANTUM) if learned
+                                             else boundaries)
             table.add(TableEntry(n, bounds, [(b - a) / n for a, b in zip(bounds, bounds[1:])], seconds, None,
                                  count, 0.0, criterion="served"))
         path = Path(out) / f"{table_filename(key).removesuffix('.json')}_served.json"

@@ -27,8 +27,8 @@ from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
 from kvrunahead.modes import check_model
 from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
-from kvrunahead.partition import PartitionError
-from kvrunahead.serve import executor, workers
+from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
+from kvrunahead.serve import executor, learning, workers
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreePolicy, layout_learner
 from kvrunahead.serve.executor import PrefillOutcome, RankContext, StepOutcome
@@ -36,6 +36,7 @@ from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Mirro
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.flops import layer_cost
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class Placement:
         # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
         self.prefixes = PrefixCache(prefix_cache_tokens if ctx.tp == 1 else 0)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
+        self._learned: dict[int, tuple] = {}  # prompt length -> (timings it was balanced on, (partition, source))
+        cost = layer_cost(model_config)
+        self.rank_work = lambda prefix, tokens: cost.rank_flops(prefix, tokens, attention)  # partition.Work
         self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
         self.kvp_possible = why_not_kvp(model_config) is None
 
@@ -152,9 +156,30 @@ class Placement:
 
     def timed(self, figures: RequestFigures, n: int, seconds: float, scored: bool) -> None:
         """A prompt's prefill as the server timed it, taught to the degree policy where it ran whole (no prefix
-        cache, not packed, not chunked, not scored: the pipeline is not asked to score)."""
-        if not (figures.chunks or figures.cached_tokens or figures.packed_with > 1 or scored):
-            self.degrees.learn(n, figures.degree, seconds, figures.boundaries)
+        cache, not packed, not chunked, not scored: the pipeline is not asked to score), with a chain's ranks'
+        compute seconds for its partition."""
+        if figures.chunks or figures.cached_tokens or figures.packed_with > 1 or scored:
+            return
+        ranks = sorted(figures.ranks, key=lambda r: r["rank"])
+        chain = figures.degree > 1 and self.pipeline is None and len(ranks) == figures.degree
+        self.degrees.learn(n, figures.degree, seconds, figures.boundaries,
+                           tuple(r["compute_s"] for r in ranks) if chain else ())
+
+    def _learned_partition(self, n: int):
+        learner = self.degrees.learner
+        if learner is None or self.run.partition != "auto" or self.run.table or self.ctx.tp > 1:
+            return None
+        found = learner.rates(n, self.ctx.world_size, self.rank_work)
+        if found is None:
+            return None
+        rates, runs = found
+        if self._learned.get(n, (None,))[0] != runs:
+            _, before = self._chosen_partition(n)
+            bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
+            self._learned[n] = runs, (Partition(bounds), f"learned: balanced at the ranks' rates in {runs} served "
+                                                         f"prefill(s) at {learning.bucket_range(n)} tokens "
+                                                         f"(before: {before})")
+        return self._learned[n][1]
 
     def decodes_kvp(self, n: int) -> bool:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
@@ -275,9 +300,14 @@ class Placement:
             else "gathered"
 
     def partition(self, n: int):
-        """The chain's partition for ``n`` tokens, as ``kvr-prefill`` would choose it (policy.choose_partition),
-        decided once per length: the table lookup reads files and the cost model searches, neither belongs in every
-        request's step."""
+        """The chain's partition for ``n`` tokens: where the server learns (``--learn``) and the partition is
+        ``auto``, the one at which the ranks' rates in the chain prefills it timed at this length's bucket balance
+        their compute (search.balance's criterion, online: the rates come from the served prompts); else as
+        ``kvr-prefill`` would choose it (policy.choose_partition), decided once per length: the table lookup reads
+        files and the cost model searches, neither belongs in every request's step."""
+        return self._learned_partition(n) or self._chosen_partition(n)
+
+    def _chosen_partition(self, n: int):
         if n not in self._partitions:
             try:
                 partition, source, _ = choose_partition(self.run, self.model_config, n, self.ctx.world_size,
