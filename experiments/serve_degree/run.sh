@@ -25,7 +25,7 @@ serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
   local done="$ROWS/degree$1.round$2.done"
   [ -f "$done" ] && return 0
   mkdir -p "$ROWS"
-  local how=(--degree "$1")
+  local how=(--degree "$1" --learn off)  # the forced degrees and auto as they were: the prior alone
   if [ "$1" = learned ]; then
     how=(--degree auto --learn "$ROWS/learned.json")
     [ "$2" = 1 ] && rm -f "$ROWS/learned.json" "$ROWS"/degreelearned-warmup.round1.jsonl
