@@ -346,7 +346,7 @@ def mixed(scenario: dict, world, out: dict) -> None:
 
     def counting(now=None):  # the steps that carry decode rows and a prefill
         step = schedule(now)
-        both.append(step is not None and bool(step.decodes) and step.prefill is not None)
+        both.append(step is not None and bool(step.decodes) and bool(step.prefills))
         return step
 
     engine.scheduler.schedule = counting

@@ -22,7 +22,7 @@ from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.replay import Arrival, replay
-from kvrunahead.serve.scheduler import PrefillWork, Scheduler, Slack, relative_slack
+from kvrunahead.serve.scheduler import Scheduler, Slack, relative_slack
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import balanced_boundaries
@@ -213,17 +213,16 @@ def test_no_request_starves_under_lars_a_long_one_among_a_stream_of_urgent_short
         arriving = _seq(f"s{prefill_steps}", 50, now)
         arriving.request.ttft_target_s = 0.1
         scheduler.add(arriving)
-        work = scheduler.schedule(now).prefill
+        [seq] = scheduler.schedule(now).prefills
         now += 0.05
         prefill_steps += 1
-        assert isinstance(work, PrefillWork)
-        if work.seq.request_id == "long":
+        if seq.request_id == "long":
             turns.append(prefill_steps)
-            work.seq.prefilled += 1000
-            scheduler.resume(work.seq)
+            seq.prefilled += 1000
+            scheduler.resume(seq)
         else:
-            scheduler.start_decoding(work.seq)
-            scheduler.finish(work.seq)
+            scheduler.start_decoding(seq)
+            scheduler.finish(seq)
     gaps = [b - a for a, b in zip([0, *turns], turns)]
     assert turns and max(gaps) <= 5, turns
     # and the short ones do not wait behind it: most prefill steps go to them
@@ -235,7 +234,7 @@ def test_fcfs_keeps_a_chunked_prompt_in_line_and_lars_needs_a_slack():
     long, short = _seq("long", 5000, 0.0, 1000), _seq("short", 10, 1.0)
     scheduler.resume(long)
     scheduler.add(short)
-    assert scheduler.schedule(2.0).prefill.seq is long
+    assert scheduler.schedule(2.0).prefills == [long]
     with pytest.raises(ValueError, match="cost model"):
         Scheduler(8, policy="lars")
     with pytest.raises(ValueError, match="unknown schedule"):

@@ -16,7 +16,7 @@ from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.rank_setup import loaded_model
 from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan
 from kvrunahead.serve.rows import Row, mixed_forward
-from kvrunahead.serve.scheduler import PrefillWork, Scheduler
+from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, SamplingParams, Sequence
 from kvrunahead.transport import LocalTransport
 from tests.helpers import wait_all
@@ -157,10 +157,10 @@ def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():
         scheduler.start_decoding(running)
         scheduler.add(seq("w", 9))
     step = mixed.schedule(0.0)
-    assert [s.request_id for s in step.decodes] == ["r"] and isinstance(step.prefill, PrefillWork)
+    assert [s.request_id for s in step.decodes] == ["r"] and len(step.prefills) == 1
     first, second = separate.schedule(0.0), separate.schedule(0.0)
-    assert (first.decodes, second.prefill) == ([], None) or (first.prefill is None) != (second.prefill is None)
-    assert not first.decodes or first.prefill is None
+    assert (first.decodes, second.prefills) == ([], []) or (not first.prefills) != (not second.prefills)
+    assert not first.decodes or not first.prefills
 
 
 def test_prefill_first_holds_the_decodes_until_no_prefill_waits():
@@ -172,7 +172,7 @@ def test_prefill_first_holds_the_decodes_until_no_prefill_waits():
     batch.add(seq("w", 9))
     batch.add(seq("v", 3))
     steps = [batch.schedule(0.0) for _ in range(3)]
-    assert [(bool(s.decodes), s.prefill is not None) for s in steps] == [(False, True), (False, True), (True, False)]
+    assert [(bool(s.decodes), bool(s.prefills)) for s in steps] == [(False, True), (False, True), (True, False)]
 
 
 def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention():

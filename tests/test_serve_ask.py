@@ -17,10 +17,11 @@ from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.prompt import question_prompts
 from kvrunahead.serve.app import build_app
+from kvrunahead.serve.asking import asking
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
-from kvrunahead.serve.sequence import Answered, AskRequest, Finished, Request, SamplingParams, TokenEvent
+from kvrunahead.serve.sequence import Answered, Finished, Request, SamplingParams, TokenEvent
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 6
 QUESTIONS = ["Who jumps?", "What colour is the fox, and what does the dog do all day long?", "Why?"]
@@ -104,7 +105,7 @@ def test_the_questions_decode_as_rows_beside_other_requests_and_every_answer_is_
     context = [rng.randrange(3, 250) for _ in range(90)]
     questions = [[rng.randrange(3, 250) for _ in range(n)] for n in (4, 11, 1)]
     other = [rng.randrange(3, 250) for _ in range(37)]
-    engine.add_ask(AskRequest("ask", context, questions, max_tokens=8))
+    engine.add(asking("ask", context, questions, 8))
     engine.add(Request("other", other, SamplingParams(max_tokens=8)))
     events = _until_done(engine, {"ask", "other"})
     order = [(type(e).__name__, e.request_id) for e in events]
@@ -114,18 +115,18 @@ def test_the_questions_decode_as_rows_beside_other_requests_and_every_answer_is_
     assert answered.error is None and answered.figures.decode_s > 0
     assert answered.answers == [_alone(lm, context + q, 8) for q in questions]
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == _alone(lm, other, 8)
-    assert not engine.decoder.shared and not engine.scheduler.answering  # freed once answered
+    assert not engine.decoder.shared and not engine.scheduler.running  # freed once answered
 
 
 def test_a_cancelled_ask_frees_its_questions():
     engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
-    engine.add_ask(AskRequest("ask", list(range(3, 40)), [[5, 6], [7]], max_tokens=50))
+    engine.add(asking("ask", list(range(3, 40)), [[5, 6], [7]], 50))
     engine.step()  # the context and the questions' prefill
     assert "ask" in engine.decoder.shared
     engine.cancel("ask")
     events = engine.step()
     assert [(type(e).__name__, e.error) for e in events] == [("Answered", "cancelled")]
-    assert not engine.decoder.shared and not engine.scheduler.answering and not engine.has_work()
+    assert not engine.decoder.shared and not engine.scheduler.running and not engine.has_work()
 
 
 def test_a_context_beyond_the_trained_positions_runs_with_its_yarn_extension():
@@ -133,7 +134,7 @@ def test_a_context_beyond_the_trained_positions_runs_with_its_yarn_extension():
     rng = random.Random(5)
     context = [rng.randrange(3, 250) for _ in range(8190)]  # 8192 trained positions; the questions go beyond
     questions = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 6)]
-    engine.add_ask(AskRequest("ask", context, questions, max_tokens=3))
+    engine.add(asking("ask", context, questions, 3))
     answered = next(e for e in _until_done(engine, {"ask"}) if isinstance(e, Answered))
     rope = plan_extension(engine.model_config, len(context) + 6 + 3, False, "tiny-llama")
     assert rope is not None and answered.error is None
@@ -152,3 +153,22 @@ def test_a_sliding_window_model_refuses_the_ask_form():
         assert r.status_code == 400 and "sliding" in r.json()["error"]["message"], r.text
     finally:
         client.shutdown()
+
+
+def test_a_request_carrying_questions_waits_in_the_one_queue_in_arrival_order_and_is_never_packed():
+    from kvrunahead.serve.scheduler import Scheduler
+    from kvrunahead.serve.sequence import Sequence
+
+    scheduler = Scheduler(8, pack_tokens=1000)
+    a, ask, b = (Sequence(Request("a", [5] * 10)), Sequence(asking("ask", [6] * 10, [[7]], 4)),
+                 Sequence(Request("b", [8] * 10)))
+    for seq in (a, ask, b):
+        scheduler.add(seq)
+    assert scheduler.schedule(0.0).prefills == [a]  # the packing stops at the request that cannot pack
+    scheduler.start_decoding(a)
+    step = scheduler.schedule(0.0)
+    assert step.prefills == [ask] and step.decodes == [a]
+    scheduler.start_decoding(ask)
+    step = scheduler.schedule(0.0)
+    assert step.prefills == [b] and step.decodes == [a, ask]  # its questions decode as the running requests do
+    assert scheduler.remove("ask") is ask and scheduler.in_flight == 1

@@ -45,7 +45,7 @@ def test_a_prior_the_timings_contradict_is_overruled_after_a_few_explorations():
     assert all(c.degree == 1 for c in learned) and "learned: 1 rank" in learned[0].why
     retimed = [c for c in settled if c.basis == "exploring"]
     assert 0 < len(retimed) <= len(settled) / REFRESH_EVERY + 1 and all(c.degree == 2 for c in retimed)
-    assert "at 1024-1448 tokens" in learned[0].why
+    assert "at 862-1217 tokens" in learned[0].why
 
 
 def test_a_clear_loser_is_not_retimed_and_a_layout_the_prior_rules_out_is_never_explored():
@@ -62,9 +62,11 @@ def test_an_untimed_bucket_does_not_explore_for_a_prefill_that_will_not_be_timed
     assert learner.choose(3000, {1: 1.0, 2: 1.1}, explore=False).degree == 2
 
 
-def test_buckets_are_two_per_doubling():
-    assert [bucket_of(n) for n in (512, 724, 725, 1023, 1024, 1448, 1449, 16384)] == [512, 512, 725, 725, 1024,
-                                                                                      1024, 1449, 16384]
+def test_buckets_are_two_per_doubling_with_the_round_lengths_inside():
+    assert [bucket_of(n) for n in (430, 431, 608, 609, 1023, 1024, 1025, 1536, 16384)] == [362, 512, 512, 724, 1024,
+                                                                                           1024, 1024, 1448, 16384]
+    assert learning.bucket_range(1024) == "862-1217" and learning.bucket_range(1217) == "862-1217"
+    assert learning.bucket_range(1218) == "1218-1722"
 
 
 def test_the_timings_persist_and_another_setting_starts_afresh(tmp_path, caplog):

@@ -109,10 +109,10 @@ class PartOutput:
 
 @torch.no_grad()
 def packed_prefill(model: torch.nn.Module, step: PackedStep, step_ids: list[int], link: PackedLink,
-                   rank: int, every_cache: bool = False) -> PartOutput:
+                   rank: int, every_cache: bool = False, caches: bool = True) -> PartOutput:
     """Run this rank's part of a packed step (``step_ids``: the step's packed tokens) over the chain.
     ``every_cache`` (the last rank of a relaying chain): cut the cache of every prompt of the step, not only of
-    those ending in this part."""
+    those ending in this part; ``caches`` False: cut none (prompts that end at their first token)."""
     start, end = step.boundaries[rank], step.boundaries[rank + 1]
     if start == end:
         return PartOutput({}, {})
@@ -133,7 +133,7 @@ def packed_prefill(model: torch.nn.Module, step: PackedStep, step_ids: list[int]
         else:
             fill_cache(model, ids, cache, position_ids=positions)
     link.finish()
-    cached = range(len(step.lengths)) if every_cache else ending
+    cached = range(len(step.lengths)) if every_cache else ending if caches else ()
     caches = {k: prompt_cache(model, cache, link.layout, end - step.edges[k + 1], step.lengths[k]) for k in cached}
     return PartOutput({k: logits[i] for i, k in enumerate(ending)}, caches)
 

@@ -13,10 +13,10 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+from kvrunahead.serve.asking import asking
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sequence import (
     Answered,
-    AskRequest,
     EngineDead,
     Event,
     Finished,
@@ -94,13 +94,12 @@ class AsyncEngineClient:
         """Many questions on one context, answered together; raises like ``generate`` before anything is queued.
         Cancelled when the caller stops waiting."""
         self._check_open()
-        ask = AskRequest(request_id or new_request_id(), list(context_ids), [list(q) for q in question_ids],
-                         max_tokens)
+        ask = asking(request_id or new_request_id(), context_ids, question_ids, max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[ask.request_id] = (asyncio.get_running_loop(), queue)
         answered = None
         try:
-            self.engine.add_ask(ask)
+            self.engine.add(ask)
             self._wake.set()
             answered = await queue.get()
             return answered

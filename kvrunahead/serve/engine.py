@@ -30,19 +30,8 @@ from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, RankContext
 from kvrunahead.serve.placement import Placement, pipeline_run
 from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.sampling import Sampler
-from kvrunahead.serve.scheduler import AskWork, PackedPrefillWork, PrefillWork, Scheduler, Step, taken
-from kvrunahead.serve.sequence import (
-    Answered,
-    Answering,
-    AskRequest,
-    EngineDead,
-    Event,
-    Finished,
-    Request,
-    RequestFigures,
-    Sequence,
-    TokenEvent,
-)
+from kvrunahead.serve.scheduler import Scheduler, Step
+from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -111,28 +100,23 @@ class Engine:
         return bool(self.scheduler.in_flight or self._cancelled)
 
     def add(self, request: Request) -> None:
-        """Queue a request; raises QueueFull, EngineDead, or ValueError naming what is wrong with it."""
+        """Queue a request (one carrying questions ends with Answered, any other with Finished); raises QueueFull,
+        EngineDead, or ValueError naming what is wrong with it."""
         if not self.healthy:
             raise EngineDead(f"the engine has failed: {self.error}")
         request.params.check()
-        n = len(request.prompt_ids)
-        if not 0 < n <= self.max_model_len:
+        n, cfg = len(request.prompt_ids), self.config.run
+        if request.questions:
+            asking.check_ask(request, self.model_config, cfg, self.max_model_len)
+        elif not 0 < n <= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this server takes 1 to {self.max_model_len}")
-        cfg = self.config.run
         try:
-            rope = plan_extension(self.model_config, n, cfg.allow_long_context, cfg.model)
+            rope = (asking.ask_rope(request, self.model_config, cfg) if request.questions
+                    else plan_extension(self.model_config, n, cfg.allow_long_context, cfg.model))
         except ContextError as e:
             raise ValueError(str(e)) from None
         with self._lock:
             self.scheduler.add(Sequence(request, rope=rope))
-
-    def add_ask(self, ask: AskRequest) -> None:
-        """Queue a shared-context request; raises QueueFull, EngineDead, or ValueError naming what is wrong."""
-        if not self.healthy:
-            raise EngineDead(f"the engine has failed: {self.error}")
-        asking.check_ask(ask, self.model_config, self.config.run, self.max_model_len)
-        with self._lock:
-            self.scheduler.add_ask(ask)
 
     def cancel(self, request_id: str) -> None:
         """Free the request (waiting or decoding) at the next step; it ends with Finished('cancelled')."""
@@ -151,36 +135,32 @@ class Engine:
                 return events
             outcome, prefilled = self._execute(step)
         except InputError as e:  # this request's own problem, found before any other rank took part
-            if isinstance(step.prefill, AskWork):
-                return events + [Answered(step.prefill.ask.request_id, [], error=str(e), bad_input=True)]
-            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in taken(step)]
+            return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in step.prefills]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, step)
         return events + self._postprocess(step, outcome, prefilled)
 
     def _execute(self, step: Step):
         """Run the step; returns its outcome and what its prefill finished: a prompt's outcome, the packed
-        prompts', a shared-context request's Answering, or None (no prefill, or a chunk that was not the last)."""
+        prompts', a request whose questions now decode, or None (no prefill, or a chunk that was not the last)."""
         self._free_shards()
-        work = step.prefill
-        eos, shared = self.ctx.lm.eos_token_ids, self.decoder.shared
-        rows = [self._row(s) for s in step.decodes] + [
-            row for run in step.answering for row in asking.question_rows(run, shared[run.request_id], eos)]
-        if isinstance(work, AskWork):  # the context's segment with the rows beside it, then its questions
-            return self._ask(work.ask, rows)
-        if isinstance(work, PackedPrefillWork):  # the rows run beside the packed prompts, in their own forward
-            segments, cuts = self._packed(work.seqs)
+        prefills = step.prefills
+        rows = [row for seq in step.decodes for row in self._rows(seq)]
+        if len(prefills) == 1 and prefills[0].request.questions:  # the context, then its questions
+            return self._ask(prefills[0], rows)
+        if len(prefills) > 1:  # the rows run beside the packed prompts, in their own forward
+            segments, cuts = self._packed(prefills)
             outcome = self._run(StepPlan(tuple(rows) + tuple(segments), self.attention, packed=cuts))
-            return outcome, [outcome.prefill(seq.request_id) for seq in work.seqs]
+            return outcome, [outcome.prefill(seq.request_id) for seq in prefills]
         seg, held, placed = None, None, None
-        if isinstance(work, PrefillWork):
-            seg, held, placed = self._segment(work.seq)
+        if prefills:
+            seg, held, placed = self._segment(prefills[0])
         plan = StepPlan(tuple(rows) + ((seg,) if seg else ()), self.attention)
         t0 = time.monotonic()
         outcome = self._run(plan, held if seg is not None else None)
         if seg is None:  # no prefill, or none needed: the outcome the prefix cache kept (Placement.answered)
             return outcome, held
-        seq = work.seq
+        seq = prefills[0]
         seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
         if placed is None:  # a chunk
             n = seq.prompt_len
@@ -199,10 +179,14 @@ class Engine:
             self.heartbeat.maybe_ping()
         return self.placement.execute(plan, held, self.decoder)
 
-    def _row(self, seq: Sequence) -> Segment:
-        """A running request's next token as a segment: on the front, or on every rank's shard (KVP)."""
+    def _rows(self, seq: Sequence) -> list[Segment]:
+        """A running request's next tokens as segments: one per unfinished question, else its next token on the
+        front or on every rank's shard (KVP)."""
+        if seq.answers is not None:
+            return asking.question_rows(seq, self.decoder.shared[seq.request_id], self.ctx.lm.eos_token_ids)
         place = SHARDED if seq.request_id in self.ctx.shards else FRONT
-        return Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place, decode=True)
+        return [Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place,
+                        decode=True)]
 
     def _rows_s(self, decodes: list[Sequence]) -> float:
         """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
@@ -241,58 +225,56 @@ class Engine:
         """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
         start = time.monotonic()
         segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
-                                                       tuple(s.request_id for s in seqs))
+                                                       tuple(s.request_id for s in seqs),
+                                                       all(s.request.params.max_tokens == 1 for s in seqs))
         for seq in seqs:
             seq.prefill_start_s = start
             seq.figures = placed.figures(seq.request.arrival_s, start, packed_with=len(seqs))
         return segments, cuts
 
-    def _ask(self, ask: AskRequest, rows: list[Segment]) -> tuple[StepOutcome, Answering]:
-        """A shared-context request's prefill, one step: its context as a prompt segment (over the chain where the
-        degree policy says so, the running requests' rows beside it) carrying its questions (serve/asking.py)."""
-        start = time.monotonic()
-        rope = asking.ask_rope(ask, self.model_config, self.config.run)
-        seg, placed, held = self.placement.prompt(ask.request_id, ask.context_ids, rope)
+    def _ask(self, seq: Sequence, rows: list[Segment]) -> tuple[StepOutcome, Sequence]:
+        """A request carrying questions, prefilled in one step: its context as a prompt segment (over the chain
+        where the degree policy says so, the running requests' rows beside it) carrying its questions
+        (serve/asking.py)."""
+        start, ask = time.monotonic(), seq.request
+        seg, placed, held = self.placement.prompt(ask.request_id, ask.prompt_ids, seq.rope)
         outcome = self._run(StepPlan((*rows, asking.with_questions(seg, ask)), self.attention), held)
-        run = asking.started(ask, outcome, start, placed.degree, placed.boundaries)
-        if self.placement.cacheable(rope):
-            self.placement.prefixes.put(ask.context_ids, outcome.caches[ask.request_id])
+        asking.started(seq, outcome, start, placed.degree, placed.boundaries)
+        if self.placement.cacheable(seq.rope):
+            self.placement.prefixes.put(ask.prompt_ids, outcome.caches[ask.request_id])
         if self.prefills is not None:
-            self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.context_ids),), tuple(placed.boundaries),
+            self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.prompt_ids),), tuple(placed.boundaries),
                                                outcome.ranks, asking.first_logits(ask, outcome)))
-        return outcome, run
+        return outcome, seq
 
     def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:
         events: list[Event] = []
+        eos = self.ctx.lm.eos_token_ids
         for seq in step.decodes:
-            events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
-        for run in step.answering:
-            events += self._answer(run, outcome)
-        work = step.prefill
-        if isinstance(work, PrefillWork) and prefilled is not None:
-            self._record([work.seq], [prefilled], outcome.ranks)
-            events += self._after_prefill(work.seq, prefilled)
-        elif isinstance(work, PackedPrefillWork):
-            self._record(work.seqs, prefilled, outcome.ranks)
-            events += [e for seq, one in zip(work.seqs, prefilled) for e in self._after_prefill(seq, one)]
-        elif isinstance(work, AskWork):
+            if seq.answers is not None:
+                asking.take_tokens(seq, outcome, eos)
+                events += self._answered(seq)
+            else:
+                events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
+        if prefilled is None:
+            return events
+        seqs = step.prefills
+        outcomes = prefilled if len(seqs) > 1 else [prefilled]
+        if seqs[0].answers is not None:  # its questions' first tokens came with its prefill
             with self._lock:
-                self.scheduler.start_answering(prefilled)
-            events += self._answered(prefilled)
-        return events
+                self.scheduler.start_decoding(seqs[0])
+            return events + self._answered(seqs[0])
+        self._record(seqs, outcomes, outcome.ranks)
+        return events + [e for seq, one in zip(seqs, outcomes) for e in self._after_prefill(seq, one)]
 
-    def _answer(self, run: Answering, outcome: StepOutcome) -> list[Event]:
-        asking.take_tokens(run, outcome, self.ctx.lm.eos_token_ids)
-        return self._answered(run)
-
-    def _answered(self, run: Answering) -> list[Event]:
+    def _answered(self, seq: Sequence) -> list[Event]:
         """The request's Answered once every question has ended (EOS or max_tokens), its questions freed."""
-        if run.going(self.ctx.lm.eos_token_ids):
+        if asking.going(seq, self.ctx.lm.eos_token_ids):
             return []
         with self._lock:
-            self.scheduler.finish_ask(run)
-        self.decoder.remove(run.request_id)
-        return [asking.answered(run)]
+            self.scheduler.finish(seq)
+        self.decoder.remove(seq.request_id)
+        return [asking.answered(seq)]
 
     def _record(self, seqs: list[Sequence], outcomes: list[PrefillOutcome], ranks: list[RankStats]) -> None:
         if self.prefills is not None:
@@ -308,7 +290,7 @@ class Engine:
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
         self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
                              seq.request.params.prompt_logprobs is not None)
-        if seq.request_id not in self.ctx.shards:  # a KVP request's cache stays spread over the ranks
+        if outcome.cache is not None and seq.request_id not in self.ctx.shards:  # none: it ends here; KVP: spread
             if self.placement.cacheable(seq.rope):
                 self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
             self.decoder.add(seq.request_id, outcome.cache, seq.rope)
@@ -329,10 +311,14 @@ class Engine:
             events.append(self._finish(seq, reason))
         return events
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, bad_input: bool = False) -> Finished:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, bad_input: bool = False) -> Event:
+        """The request ended early or as it should: its Finished (Answered for one carrying questions), its state
+        freed here and, with the next plan, on the workers."""
         with self._lock:
             self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
+        if seq.request.questions:
+            return asking.answered(seq, error or reason, bad_input)
         if self.ctx.forget(seq.request_id) and self.ctx.has_peers:
             self._unfreed.append(seq.request_id)  # the workers drop theirs with the next plan they get
         self.samplers.pop(seq.request_id, None)
@@ -350,27 +336,17 @@ class Engine:
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
             seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
-            asks = [a for a in (self.scheduler.remove_ask(rid) for rid in cancelled) if a is not None]
-        for ask in asks:
-            self.decoder.remove(ask.request_id)
-        return ([self._finish(seq, "cancelled") for seq in seqs]
-                + [Answered(ask.request_id, [], error="cancelled") for ask in asks])
+        return [self._finish(seq, "cancelled") for seq in seqs]
 
-    def _fail(self, e: Exception, work: Step | None, level: int = logging.ERROR) -> list[Event]:
+    def _fail(self, e: Exception, step: Step | None, level: int = logging.ERROR) -> list[Event]:
         """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
         self.healthy = False
         self.error = f"{type(e).__name__}: {e}"
         log.log(level, "engine step failed: %s", self.error)
         with self._lock:
             seqs = self.scheduler.drain_all()
-            asks = self.scheduler.drain_asks()
-        for ask in asks:
-            self.decoder.remove(ask.request_id)
-        seqs += [seq for seq in taken(work) if seq not in seqs]
-        prefill = work.prefill if isinstance(work, Step) else None
-        asks += [prefill.ask] if isinstance(prefill, AskWork) else []
-        return ([self._finish(seq, "error", self.error) for seq in seqs]
-                + [Answered(ask.request_id, [], error=self.error) for ask in asks])
+        seqs += [seq for seq in (step.prefills if step is not None else []) if seq not in seqs]
+        return [self._finish(seq, "error", self.error) for seq in seqs]
 
     def fail_all(self, why: str, on_purpose: bool = False) -> list[Event]:
         """End every request in flight with an error (the client's loop broke, or it is stopping: ``on_purpose``,

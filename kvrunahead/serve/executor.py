@@ -339,21 +339,23 @@ def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
 
 def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
     """This rank's part of several prompts packed end to end (kvrunahead/pack): over the chain every rank hands on
-    all it holds (a relaying chain), so the front ends with every prompt's cache; on the front alone a chain of
-    one. Returns the link and this rank's positions of the packed sequence."""
+    all it holds (a relaying chain), so the front ends with every prompt's cache; prompts kept nowhere (each ends at
+    its first token) hand on only the prompt cut at the rank's end, and the ranks their prompts' logits. On the front
+    alone a chain of one. Returns the link and this rank's positions of the packed sequence."""
     lm, layout = ctx.model(None)
     step = plan.packed_step
     prompts = plan.prompts
     front = ctx.rank == ctx.front
+    keep = prompts[0].keep == FRONT
     ids = [t for p in prompts for t in p.tokens]
     if plan.needs_workers:
-        rank, link = ctx.rank, packed_link(step, ctx.rank, ctx.transport, layout, ctx.device, relay=True)
+        rank, link = ctx.rank, packed_link(step, ctx.rank, ctx.transport, layout, ctx.device, relay=keep)
     else:  # on the front alone: the whole packed sequence is its part, nothing to receive or send
         step = PackedStep(step.prompts, step.lengths, (0, step.total))
         rank, link = 0, PackedLink(ctx.transport, 0, layout, ctx.device)
-    part = packed_prefill(lm.model, step, ids, link, rank, every_cache=front)
+    part = packed_prefill(lm.model, step, ids, link, rank, every_cache=front and keep, caches=keep)
     for k, logits in part.logits.items():
         out.logits[prompts[k].request_id] = logits
-    if front:
+    if front and keep:
         out.caches.update((prompts[k].request_id, cache) for k, cache in part.caches.items())
     return link, (step.boundaries[rank], step.boundaries[rank + 1])

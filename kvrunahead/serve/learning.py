@@ -44,18 +44,24 @@ FORMAT = 1
 QUANTUM = 8  # a learned partition's boundaries, in tokens
 
 
+def _index(n: int) -> int:
+    return round(math.log2(n) * BUCKETS_PER_DOUBLING)
+
+
 def bucket_of(n: int) -> int:
-    """The first length, in tokens, of ``n``'s bucket: 512, 725, 1024, 1449, 2048, ..."""
-    return _edge(math.floor(math.log2(n) * BUCKETS_PER_DOUBLING))
-
-
-def _edge(k: int) -> int:
-    return math.ceil(2 ** (k / BUCKETS_PER_DOUBLING))
+    """The length, in tokens, at the middle of ``n``'s bucket: 512, 724, 1024, 1448, 2048, ... Each bucket spans
+    a quarter of a doubling either side, so the round lengths people ask for (and a token either side of them, as
+    a text's tokenisation varies) sit well inside one."""
+    return int(2 ** (_index(n) / BUCKETS_PER_DOUBLING))
 
 
 def bucket_range(n: int) -> str:
-    k = math.floor(math.log2(n) * BUCKETS_PER_DOUBLING)
-    return f"{_edge(k)}-{_edge(k + 1) - 1}"
+    k = _index(n)
+
+    def edge(x: float) -> int:  # the first length whose index is above x
+        return math.floor(2 ** (x / BUCKETS_PER_DOUBLING)) + 1
+
+    return f"{edge(k - 0.5)}-{edge(k + 0.5) - 1}"
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.plans import question_id
 from kvrunahead.serve.sequence import (
     Answered,
-    AskRequest,
     EngineDead,
     Event,
     Finished,
@@ -143,10 +142,10 @@ def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False
     """``kvr-ask``'s job on ranks that have joined: one shared-context request to the engine (the context over the
     chain at the world's degree, the questions after it on the front); the front returns the result."""
 
-    request = AskRequest("kvr-ask", job.context_ids, job.questions, job.max_new_tokens)
+    request = asking.asking("kvr-ask", job.context_ids, job.questions, job.max_new_tokens)
 
     def ask(engine: Engine) -> AskResult:
-        _submit(lambda: engine.add_ask(request))
+        _submit(lambda: engine.add(request))
         answered = until_ended(engine, {request.request_id})[request.request_id][-1]
         engine.shutdown()
         f, record = answered.figures, engine.prefills[-1]

@@ -243,13 +243,15 @@ class Placement:
             self.heartbeat.sent()
         return executor.run_step(self.ctx, plan, held, decoder)
 
-    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...]
+    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...], first_only: bool = False
                ) -> tuple[list[Segment], tuple[int, ...], Placed]:
         """Several prompts packed into one prefill: their segments and the packed sequence's cuts, over the chain
         cut by the packed work at prompt edges, or on the front alone where the degree policy puts that many tokens
-        on one rank."""
+        on one rank. ``first_only``: every one ends at its first token, so none is kept (no K,V relayed to the
+        front, no cache cut)."""
         lengths = [len(x) for x in prompts]
-        segments = [Segment(rid, tuple(ids)) for rid, ids in zip(request_ids, prompts)]
+        segments = [Segment(rid, tuple(ids), keep=NOWHERE if first_only else FRONT)
+                    for rid, ids in zip(request_ids, prompts)]
         choice = self.degrees.choose(sum(lengths), explore=False)
         if choice.degree == 1:
             cuts = (0,) * self.ctx.world_size + (sum(lengths),)

@@ -25,7 +25,8 @@ class Segment:
     one, one decode token. Where its K,V of [0, start) are (``held``) and where its K,V of [0, end) stay after the
     step (``keep``):
 
-    - ``nowhere``: no earlier positions (``start`` 0);
+    - ``nowhere``: no earlier positions (``start`` 0); as ``keep``, only of packed prompts that end at their first
+      token (an offline batch's): their logits come to the front, their K,V stay where they were made;
     - ``front``: on the front alone (the prefix cache's entry; a request decoding there);
     - ``ranks``: on every rank (the chunks before this one of a chunked prefill);
     - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/kvp.py);
@@ -67,7 +68,7 @@ class Segment:
     pipeline_chunk: int = 0  # tokens handed stage to stage at a time; 0: the whole segment
 
     def __post_init__(self) -> None:
-        if self.held not in PLACES or self.keep not in PLACES or self.keep == NOWHERE:
+        if self.held not in PLACES or self.keep not in PLACES:
             raise ValueError(f"a segment is held {self.held!r} and kept {self.keep!r}; places: {PLACES}")
         if (self.held == NOWHERE) != (self.start == 0):
             raise ValueError("a segment holds earlier positions exactly when it does not start at 0")
@@ -142,8 +143,13 @@ class StepPlan:
         prompts = self.prompts
         if len(prompts) > 1 and self.packed is None:
             raise ValueError("a step computes one prompt or chunk, or several prompts packed (with their cuts)")
-        if self.packed is not None and any(p.start or p.cuts is not None or p.keep != FRONT for p in prompts):
-            raise ValueError("packed prompts are whole prompts kept on the front, cut by the packed boundaries")
+        keeps = {p.keep for p in prompts}
+        if self.packed is not None and (any(p.start or p.cuts is not None for p in prompts)
+                                        or keeps not in ({FRONT}, {NOWHERE})):
+            raise ValueError("packed prompts are whole prompts cut by the packed boundaries, all kept on the front or "
+                             "all kept nowhere")
+        if self.packed is None and any(p.keep == NOWHERE for p in prompts):
+            raise ValueError("only packed prompts are kept nowhere")
 
     @property
     def prompts(self) -> tuple[Segment, ...]:

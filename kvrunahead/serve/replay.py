@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, lars_slack
-from kvrunahead.serve.scheduler import PrefillWork, Scheduler
+from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.optimize import balanced_boundaries
@@ -109,10 +109,9 @@ def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callabl
                 if r.output_tokens >= trace[seqs[seq.request_id]].output_tokens:
                     r.e2e_s = now - r.arrival_s
                     scheduler.finish(seq)
-        if step.prefill is None:
+        if not step.prefills:
             continue
-        assert isinstance(step.prefill, PrefillWork)  # packing is off
-        seq = step.prefill.seq
+        [seq] = step.prefills  # packing is off
         n = seq.prompt_len
         if seq.prefilled or planner.chunked(n):
             end = planner.end(n, seq.prefilled, chunk_budget(planner, scheduler, seq, now))

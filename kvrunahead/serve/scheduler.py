@@ -1,5 +1,7 @@
-"""What the next step computes (torch-free): the running requests' next tokens (decode segments) and one prefill (a
-prompt, a chunk of a long one, a packed batch of short ones, a shared-context request).
+"""What the next step computes (torch-free): the running requests' next tokens (decode segments; a request carrying
+questions decodes one row per question) and one prefill (a prompt, a chunk of a long one, a packed batch of short
+ones). A request carrying questions is one request like the others: its context is its prompt, prefilled alone (never
+packed, never chunked), in the queue's order.
 
 Mixed steps (the default; vLLM v1's and Sarathi's stall-free batching): every step carries every running request's
 next token beside the next prefill, so a long prompt's chunks never hold a decode back by more than the step they
@@ -27,49 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.choices import SCHEDULES
-from kvrunahead.serve.sequence import Answering, AskRequest, QueueFull, Sequence
-
-
-@dataclass
-class PrefillWork:
-    seq: Sequence
-
-
-@dataclass
-class PackedPrefillWork:
-    """Several waiting requests prefilled together, packed end to end (kvrunahead/pack)."""
-
-    seqs: list[Sequence]
-
-
-@dataclass
-class AskWork:
-    """A shared-context request's prefill: its context, then its questions packed after it; the questions then
-    decode beside the other running requests (``Step.answering``)."""
-
-    ask: AskRequest
-
-
-Work = PrefillWork | PackedPrefillWork | AskWork
+from kvrunahead.serve.sequence import QueueFull, Sequence
 
 
 @dataclass
 class Step:
-    """One engine step: the running requests whose next token it computes (and the shared-context requests whose
-    questions' next tokens), and at most one prefill."""
+    """One engine step, plain data: the running requests whose next tokens it computes, and the waiting ones it
+    prefills (none; one, whole or its next chunk; or several packed end to end, kvrunahead/pack). The prefilled
+    requests are out of the queue; a decode's are still in ``running``."""
 
     decodes: list[Sequence] = field(default_factory=list)
-    prefill: Work | None = None
-    answering: list[Answering] = field(default_factory=list)
-
-
-def taken(work: Step | Work | None) -> list[Sequence]:
-    """The sequences a prefill took out of the queue (a decode's are still in the scheduler's lists)."""
-    if isinstance(work, Step):
-        work = work.prefill
-    if isinstance(work, PrefillWork):
-        return [work.seq]
-    return list(work.seqs) if isinstance(work, PackedPrefillWork) else []
+    prefills: list[Sequence] = field(default_factory=list)
 
 
 STARVE_AFTER = 8  # prefill steps a request may be passed over in a row before it goes next
@@ -110,44 +80,34 @@ class Scheduler:
         self.cached = cached or (lambda ids, rope: False)  # a prompt whose start is cached prefills alone
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
-        self.asks: deque[AskRequest] = deque()
         self.running: list[Sequence] = []
-        self.answering: list[Answering] = []  # shared-context requests whose questions decode
         self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
-        self._check_room()
-        self.waiting.append(seq)
-
-    def add_ask(self, ask: AskRequest) -> None:
-        self._check_room()
-        self.asks.append(ask)
-
-    def _check_room(self) -> None:
-        queued = len(self.waiting) + len(self.prefilling) + len(self.asks)
+        queued = len(self.waiting) + len(self.prefilling)
         if queued >= self.max_queue:
             raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue})")
+        self.waiting.append(seq)
 
     def schedule(self, now: float | None = None) -> Step | None:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
         chunk's sequence comes back through ``resume``."""
-        decoding = bool(self.running or self.answering)
-        if self.prefill_first and (self.waiting or self.prefilling or self.asks):
-            return Step(prefill=self._prefill(now))
+        decoding = bool(self.running)
+        if self.prefill_first and (self.waiting or self.prefilling):
+            return Step(prefills=self._prefill(now))
         if self.mixed:
-            prefill = self._prefill(now)
-            return Step(list(self.running), prefill, list(self.answering)) if prefill is not None or decoding \
-                else None
-        decode_due = decoding and (self._last_was_prefill or not (self.waiting or self.prefilling or self.asks))
+            prefills = self._prefill(now)
+            return Step(list(self.running), prefills) if prefills or decoding else None
+        decode_due = decoding and (self._last_was_prefill or not (self.waiting or self.prefilling))
         if decode_due:
             self._last_was_prefill = False
-            return Step(list(self.running), answering=list(self.answering))
-        prefill = self._prefill(now)
-        self._last_was_prefill = prefill is not None
-        return Step(prefill=prefill) if prefill is not None else None
+            return Step(list(self.running))
+        prefills = self._prefill(now)
+        self._last_was_prefill = bool(prefills)
+        return Step(prefills=prefills) if prefills else None
 
-    def _prefill(self, now: float | None) -> Work | None:
-        """The next prefill, taken out of the queue, or None."""
+    def _prefill(self, now: float | None) -> list[Sequence]:
+        """The next prefill's requests, taken out of the queue (none when nothing waits)."""
         if self.waiting or self.prefilling:
             order = self.order(time.monotonic() if now is None else now)
             first = order[0]
@@ -156,7 +116,7 @@ class Scheduler:
             first.passed_over = 0
             if first in self.prefilling:
                 self.prefilling.remove(first)
-                return PrefillWork(first)
+                return [first]
             self.waiting.remove(first)
             seqs, total = [first], first.prompt_len
             # A prompt whose length needs the RoPE extended runs on another model variant, one whose start the
@@ -172,13 +132,11 @@ class Scheduler:
                 total += seq.prompt_len
             for seq in seqs[1:]:
                 seq.passed_over = 0
-            return PrefillWork(first) if len(seqs) == 1 else PackedPrefillWork(seqs)
-        if self.asks:
-            return AskWork(self.asks.popleft())
-        return None
+            return seqs
+        return []
 
     def _packable(self, seq: Sequence) -> bool:
-        return (seq.rope is None and seq.request.params.prompt_logprobs is None
+        return (seq.rope is None and seq.request.params.prompt_logprobs is None and not seq.request.questions
                 and not self.cached(seq.request.prompt_ids, seq.rope))
 
     def order(self, now: float) -> list[Sequence]:
@@ -216,44 +174,12 @@ class Scheduler:
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a request out wherever it is (cancel); the caller frees its cache."""
-        for seq in self.prefilling:
-            if seq.request_id == request_id:
-                self.prefilling.remove(seq)
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                return seq
+        for queue in (self.prefilling, self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    return seq
         return None
-
-    def start_answering(self, run: Answering) -> None:
-        self.answering.append(run)
-
-    def finish_ask(self, run: Answering) -> None:
-        if run in self.answering:
-            self.answering.remove(run)
-
-    def remove_ask(self, request_id: str) -> AskRequest | None:
-        """Take a shared-context request out, waiting or answering (cancel); the caller frees its questions."""
-        for ask in self.asks:
-            if ask.request_id == request_id:
-                self.asks.remove(ask)
-                return ask
-        for run in self.answering:
-            if run.request_id == request_id:
-                self.answering.remove(run)
-                return run.ask
-        return None
-
-    def drain_asks(self) -> list[AskRequest]:
-        asks = [*self.asks, *(run.ask for run in self.answering)]
-        self.asks.clear()
-        self.answering.clear()
-        return asks
 
     def drain_all(self) -> list[Sequence]:
         """Every request in flight, removed (the engine failed)."""
@@ -265,4 +191,4 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.asks) + len(self.answering)
+        return len(self.waiting) + len(self.prefilling) + len(self.running)

@@ -75,6 +75,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_s: float = field(default_factory=time.monotonic)  # time.monotonic(): TTFT and queue time count from here
     ttft_target_s: float | None = None  # the TTFT this request asks for (LARS's deadline); None: the default by length
+    # A shared context's questions (IPPD, /v1/ask): each continues ``prompt_ids`` and is answered greedily, as if
+    # alone, up to ``params.max_tokens``; the request decodes them as rows and ends with one Answered
+    questions: list[list[int]] = field(default_factory=list)
 
 
 def new_request_id() -> str:
@@ -134,39 +137,17 @@ class Finished:
 
 
 @dataclass
-class AskRequest:
-    """Many questions on one shared context (IPPD): the context prefilled once, every question answered greedily
-    after it as if it were alone (``question_ids[i]`` continues ``context_ids``)."""
+class Answers:
+    """A request's questions decoding: each question's tokens so far (its first from the questions' packed
+    prefill) and the times its figures need."""
 
-    request_id: str
-    context_ids: list[int]
-    question_ids: list[list[int]]
-    max_tokens: int = 32
-    arrival_s: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class Answering:
-    """A shared-context request whose questions are decoding: each question's tokens so far (its first from the
-    questions' packed prefill) and the times its figures need."""
-
-    ask: AskRequest
-    answers: list[list[int]]
+    tokens: list[list[int]]
     start_s: float  # when its context's prefill began
     context_s: float
     questions_s: float
     first_s: float  # when every question had its first token
     degree: int
     boundaries: list[int]
-
-    @property
-    def request_id(self) -> str:
-        return self.ask.request_id
-
-    def going(self, eos_token_ids: set[int]) -> list[int]:
-        """The questions still answering: below max_tokens and not ended by an EOS."""
-        return [i for i, a in enumerate(self.answers)
-                if len(a) < self.ask.max_tokens and a[-1] not in eos_token_ids]
 
 
 @dataclass
@@ -246,6 +227,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens whose K,V the front holds already (the chunks of a chunked prefill so far)
     passed_over: int = 0  # prefill steps in a row that went to another request (the scheduler's starvation bound)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far, where the request asks
+    answers: Answers | None = None  # a request carrying questions, once its context and questions are prefilled
 
     def __post_init__(self) -> None:
         self.text = StopText(self.request.params.stop)
