@@ -12,23 +12,15 @@ OUT=experiments/learned_partition
 SERVED=${SERVED:-5}
 ROUNDS=${ROUNDS:-3}
 PORT=8126
+source experiments/serve_up.sh
 mkdir -p "$OUT"
 if [ ! -f "$OUT/served.done" ]; then
   rm -f "$OUT/learned.json" "$OUT/served.jsonl"
-  OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 --degree 2 --learn "$OUT/learned.json" --timeout 900 \
-    --port $PORT > "$OUT/server.log" 2>&1 &
-  pid=$!
-  trap "kill -TERM -- -$pid 2>/dev/null || true" EXIT
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "kvr-serve died" >&2; exit 1; }
-    sleep 1
-  done
+  serve_up $PORT "$OUT/server.log" kvr-serve --nproc 2 --threads 1 --degree 2 --learn "$OUT/learned.json" \
+    --timeout 900
   python3 experiments/serve_degree/crossover.py "http://127.0.0.1:$PORT/v1" served16k 1 "$OUT/served.jsonl" 16384 \
     "$SERVED"
-  kill -TERM -- "-$pid" 2>/dev/null || true
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-  trap - EXIT
+  serve_down
   touch "$OUT/served.done"
 fi
 table="$OUT/smollm2-135m_p2_float32_cpu_split_served.json"

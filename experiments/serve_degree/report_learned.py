@@ -35,11 +35,12 @@ def main(rows_dir: Path) -> None:
     med = {k: statistics.median(v) for k, v in ttft.items()}
     lines = ["| prompt tokens | degree 1 | degree 2 | learned chose (basis: requests) | learned | learned / the faster "
              "(per round) | within 3% |", "|---|---|---|---|---|---|---|"]
-    worst = 0.0
+    worst, missing = 0.0, []
     for n in lengths:
         one, two, got = med.get(("degree1", n)), med.get(("degree2", n)), med.get(("degreelearned", n))
         if None in (one, two, got):
             lines.append(f"| {n} | missing rows |  |  |  |  |  |")
+            missing.append(n)
             continue
         ratios = []
         for rd in rounds:
@@ -66,11 +67,12 @@ def main(rows_dir: Path) -> None:
                 f"{COLD_WITHIN}: {'met' if total / forced[best] <= COLD_WITHIN else 'missed'}); {explored} of them "
                 f"explored.\n")
     env = rows[0] if rows else {}
-    text = (f"# The learned server against both forced degrees\n\n{env.get('machine', '')}, torch "
-            f"{env.get('torch', '')}, commit {sorted({r.get('commit') for r in rows} - {None})}\n\n"
+    host = f"{env.get('cores', '')}-vCPU {env.get('cpu', '')}"
+    text = (f"# The learned server against both forced degrees\n\n{host}, torch {env.get('torch', '')}, commit {sorted({r.get('commit') for r in rows} - {None})}\n\n"
             + "\n".join(lines)
-            + f"\n\n**Auto within 3% of the faster forced degree at every length**: worst {worst:.3f} "
-              f"({'met' if worst <= AUTO_WITHIN else 'missed'}).\n" + cold)
+            + (f"\n\n**Auto within 3% of the faster forced degree at every length**: worst {worst:.3f} "
+               f"({'met' if worst <= AUTO_WITHIN else 'missed'}).\n" if not missing else
+               f"\n\nNot every server timed {', '.join(map(str, missing))} tokens: no verdict.\n") + cold)
     (rows_dir / "summary.md").write_text(text)
     print(text)
     plot(rows_dir, lengths, med)

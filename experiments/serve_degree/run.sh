@@ -20,6 +20,7 @@ REPEATS=${REPEATS:-2}
 SERVERS=${SERVERS:-1 2 auto}
 WARMUP=${WARMUP:-7}
 PORT=8125
+source experiments/serve_up.sh
 
 serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
   local done="$ROWS/degree$1.round$2.done"
@@ -30,15 +31,7 @@ serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
     how=(--degree auto --learn "$ROWS/learned.json")
     [ "$2" = 1 ] && rm -f "$ROWS/learned.json" "$ROWS"/degreelearned-warmup.round1.jsonl
   fi
-  OMP_NUM_THREADS=1 setsid kvr-serve --nproc 2 --threads 1 "${how[@]}" --port $PORT \
-    > "$ROWS/server.log" 2>&1 &
-  local pid=$!
-  trap "kill -TERM -- -$pid 2>/dev/null || true" EXIT
-  for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "kvr-serve died" >&2; exit 1; }
-    sleep 1
-  done
+  serve_up $PORT "$ROWS/server.log" kvr-serve --nproc 2 --threads 1 "${how[@]}"
   local rows="$ROWS/degree$1.round$2.jsonl"
   rm -f "$rows"
   if [ "$1" = learned ] && [ "$2" = 1 ]; then
@@ -47,9 +40,7 @@ serve_and_measure() {  # $1 degree (1, 2, auto), $2 round, $3 repeats
       "$ROWS/degreelearned-warmup.round1.jsonl" "$LENGTHS" "$WARMUP"
   fi
   python3 "$OUT/crossover.py" "http://127.0.0.1:$PORT/v1" "degree$1" "$2" "$rows" "$LENGTHS" "$3"
-  kill -TERM -- "-$pid" 2>/dev/null || true
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-  trap - EXIT
+  serve_down
   touch "$done"
 }
 
