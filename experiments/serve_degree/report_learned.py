@@ -68,7 +68,9 @@ def main(rows_dir: Path) -> None:
                 f"explored.\n")
     env = rows[0] if rows else {}
     host = f"{env.get('cores', '')}-vCPU {env.get('cpu', '')}"
-    text = (f"# The learned server against both forced degrees\n\n{host}, torch {env.get('torch', '')}, commit {sorted({r.get('commit') for r in rows} - {None})}\n\n"
+    commits = sorted({r.get("commit") for r in rows} - {None})
+    text = (f"# The learned server against both forced degrees\n\n{host}, torch {env.get('torch', '')}, commit "
+            f"{commits}\n\n"
             + "\n".join(lines)
             + (f"\n\n**Auto within 3% of the faster forced degree at every length**: worst {worst:.3f} "
                f"({'met' if worst <= AUTO_WITHIN else 'missed'}).\n" if not missing else
