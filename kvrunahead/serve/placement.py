@@ -96,8 +96,9 @@ class Placement:
         self._pipelines: dict[int, tuple] = {}  # prompt length -> (stages, chunk, where they come from)
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
-        learner = layout_learner(learn, run, model_config, ctx.world_size, local_world_size, attention, threads,
-                                 ctx.solo_threads, pipeline is not None)
+        front = ctx.rank == ctx.front and ctx.tp_rank == 0  # the one rank that chooses and times
+        learner = layout_learner(learn if front else "off", run, model_config, ctx.world_size, local_world_size,
+                                 attention, threads, ctx.solo_threads, pipeline is not None)
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries, learner)
         # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
