@@ -123,7 +123,7 @@ class DegreePolicy:
             return DegreeChoice(1, f"{n} tokens: fewer than the {self.p} ranks", "fixed")
         if self.forced is not None:
             return DegreeChoice(self.forced, f"as asked (--degree {self.forced})", "forced")
-        prior = self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
+        prior = self._prior(n)
         prices = self._prices(prior, n)
         if self.learner is None or not prices:
             return prior
@@ -138,9 +138,13 @@ class DegreePolicy:
         chain's ranks' compute seconds (what its partition learns from, forced degree or not)."""
         if self.learner is None or n < self.p or self.p == 1:
             return
-        price = self._prices(self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS), n).get(degree)
+        price = self._prices(self._prior(n), n).get(degree)
         if price is not None:
             self.learner.learn(n, degree, seconds, price, tuple(boundaries), busy)
+
+    def _prior(self, n: int) -> DegreeChoice:
+        """The tables' or the cost model's choice for ``n`` tokens, priced at the end of its 64-token step."""
+        return self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
 
     @staticmethod
     def _prices(prior: DegreeChoice, n: int) -> dict[int, float]:

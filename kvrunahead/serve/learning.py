@@ -16,7 +16,7 @@ per doubling), as the ratio of its seconds to the prior's price at its length. A
 The timings persist in a small JSON file (``save``, rewritten after each timing) keyed by what they are valid for
 (the model, dtype, world, threads, network, machine): a restart keeps what was learned, a change of any of those
 starts afresh. ``export`` writes them as measured partition tables at degree 1 and p, the pair the degree policy
-reads first (``kvr-serve --export-learned``).
+reads first (``kvr-learned FILE --export DIR``).
 """
 
 from __future__ import annotations

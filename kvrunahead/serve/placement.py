@@ -104,7 +104,7 @@ class Placement:
         # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
         self.prefixes = PrefixCache(prefix_cache_tokens if ctx.tp == 1 else 0)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
-        self._learned: dict[int, tuple] = {}  # prompt length -> (timings it was balanced on, (partition, source))
+        self._learned: dict[int, tuple] = {}  # prompt length -> (the rates it was balanced at, (partition, source))
         cost = layer_cost(model_config)
         self.rank_work = lambda prefix, tokens: cost.rank_flops(prefix, tokens, attention)  # partition.Work
         self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
@@ -174,12 +174,12 @@ class Placement:
         if found is None:
             return None
         rates, runs = found
-        if self._learned.get(n, (None,))[0] != runs:
+        if self._learned.get(n, (None,))[0] != tuple(rates):  # the latest KEEP timings: their count stops growing
             _, before = self._chosen_partition(n)
             bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
-            self._learned[n] = runs, (Partition(bounds), f"learned: balanced at the ranks' rates in {runs} served "
-                                                         f"prefill(s) at {learning.bucket_range(n)} tokens "
-                                                         f"(before: {before})")
+            source = (f"learned: balanced at the ranks' rates in {runs} served prefill(s) at "
+                      f"{learning.bucket_range(n)} tokens (before: {before})")
+            self._learned[n] = tuple(rates), (Partition(bounds), source)
         return self._learned[n][1]
 
     def decodes_kvp(self, n: int) -> bool:
