@@ -206,10 +206,11 @@ class Placement:
         new = tuple(ids[cached:])
         if choice.degree == 1:
             return (Segment(request_id, new, cached, held=FRONT),
-                    Placed(1, (0, len(ids)), what, why, cached), held)
+                    Placed(1, (0, len(ids)), what, why, cached, basis=choice.basis), held)
         boundaries = cuts_after_cached(cached, len(ids), self.ctx.world_size, self.work)
         return (Segment(request_id, new, cached, held=FRONT, cuts=boundaries),
-                Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached), held)
+                Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached,
+                       basis=choice.basis), held)
 
     def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, score: int | None = None
               ) -> Segment:
@@ -256,10 +257,11 @@ class Placement:
         choice = self.degrees.choose(sum(lengths), explore=False)
         if choice.degree == 1:
             cuts = (0,) * self.ctx.world_size + (sum(lengths),)
-            return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source)
+            return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source, basis=choice.basis)
         boundaries = packed_cuts(lengths, self.ctx.world_size, self.work, self.edge_slack)
         return segments, boundaries, Placed(choice.degree, boundaries,
-                                            "packed work, cut at prompt edges where balanced", choice.source)
+                                            "packed work, cut at prompt edges where balanced", choice.source,
+                                            basis=choice.basis)
 
     def use_partition(self, n: int, partition, source: str) -> None:
         """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare): used as it is,
