@@ -18,7 +18,7 @@ _API = {
     "InputError": "kvrunahead.errors",
     "run_on_world": "kvrunahead.serve.oneshot",  # one prefill on ranks that have joined (torchrun, mpirun)
     "RunResult": "kvrunahead.runner",
-    "RankStats": "kvrunahead.runner",
+    "RankStats": "kvrunahead.stats",
     "World": "kvrunahead.launcher",
     "init_world": "kvrunahead.launcher",
     "Partition": "kvrunahead.partition",

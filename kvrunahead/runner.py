@@ -14,13 +14,11 @@ from kvrunahead import launcher
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import Prepared, network_label, prepare, tp_groups
 from kvrunahead.errors import InputError
-from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
 from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.mesh import chain_world
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.device import (
     oversubscribed,
-    peak_memory_bytes,
     reset_peak_memory,
     resolve_device,
     synchronize,
@@ -32,29 +30,13 @@ from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.reference import default_atol, where_parted
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.modes import MODES, Mode, Step
-from kvrunahead.modes.spp import spp_decode
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
 from kvrunahead.rank_setup import forget_transports, set_up_rank
+from kvrunahead.stats import RankStats, rank_stats
 from kvrunahead.transport import Transport
 
 log = logging.getLogger(__name__)
-
-
-
-
-@dataclass
-class RankStats:
-    rank: int
-    tokens: int
-    total_s: float
-    compute_s: float
-    wait_s: float
-    send_s: float
-    bytes_sent: int
-    bytes_received: int
-    peak_mem_bytes: int
-    bytes_sent_by_kind: dict[str, int] = field(default_factory=dict)  # kvr: K,V handed on, per layer kind
 
 
 @dataclass
@@ -165,6 +147,7 @@ def leave_world() -> None:
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
+    _new_tokens(cfg)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
     rank, p = world.rank, world.world_size
@@ -185,20 +168,12 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     stats = rank_stats(rank, ranges[rank], total_s, transport, state, device)
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")[::world.tp] if p > 1 \
         else [stats]  # with --tp, each group's first rank speaks for it
-    new_tokens = cfg.max_new_tokens if mode.decodes else 1
     t0 = time.perf_counter()
-    if cfg.decode == "kvp":  # every rank decodes on its own part of the cache
-        part = (partition.boundaries[rank], partition.boundaries[rank + 1])
-        shards = shard_cache(cache, layout, part, len(ids), owner=emits)
-        del cache  # the shard is a copy: what this rank received dies here
-        level_shards(shards, partition.boundaries, transport)
-        tokens = kvp_decode(lm.model, shards, transport, first_token if emits else None, new_tokens,
-                            lm.eos_token_ids)
-    elif cfg.mode == "spp":  # the pipeline, one token at a time through every stage
-        tokens = spp_decode(lm.model, cache, transport, first_token if emits else None, len(ids), new_tokens,
-                            lm.eos_token_ids)
-    elif emits:
+    new_tokens = _new_tokens(cfg)
+    if emits and new_tokens > 1:  # the emitting rank (group) holds the whole cache
         tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
+    elif emits:
+        tokens = [first_token]
     if not emits or world.tp_rank:
         return None
     decode_s = time.perf_counter() - t0
@@ -209,6 +184,20 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         layout = probe_kv_layout(lm.model)
     ran = Ran(world, prepared, lm, layout, transport, dtype, threads, weights)
     return finish_result(cfg, ran, total_s, all_stats, logits, tokens, decode_s)
+
+
+def _new_tokens(cfg: RunConfig) -> int:
+    """The tokens the runner gives: the greedy continuation where the emitting rank ends with the whole cache, else
+    the first token alone. The pipeline's last stage holds its own layers' K,V and a KV-parallel rank its own part;
+    their decode runs in the serving engine (``kvrunahead.run_on_world``, serve/oneshot.py), so the runner, which
+    times prefills for kvr-bench and the search, refuses to continue them."""
+    if not MODES[cfg.mode].decodes:
+        return 1
+    if (cfg.mode == "spp" or cfg.decode == "kvp") and cfg.max_new_tokens > 1:
+        raise InputError(f"the runner times the prefill of {'--mode spp' if cfg.mode == 'spp' else '--decode kvp'} "
+                         "and gives its first token only; its decode runs in the serving engine "
+                         "(kvrunahead.run_on_world)")
+    return cfg.max_new_tokens
 
 
 @dataclass
@@ -266,7 +255,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         stages=list(prepared.stages) if prepared.stages else None,
         chunk_tokens=prepared.chunk_tokens,
         pipeline_source=prepared.pipeline_source,
-        decode=cfg.decode if cfg.mode != "spp" else "pipelined",
+        decode=cfg.decode if cfg.mode != "spp" else "gathered",
         decode_s=decode_s,
         logits=logits.float().cpu(),
     )
@@ -288,23 +277,6 @@ def timed_prefill(mode: Mode, step: Step, state: object, device: torch.device, e
     first_token = int(logits.argmax()) if emits else -1
     synchronize(device)
     return logits, cache, first_token, time.perf_counter() - t0
-
-
-def rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport: Transport, state: object,
-                device: torch.device) -> RankStats:
-    st = transport.stats
-    return RankStats(
-        rank=rank,
-        tokens=sum(e - a for a, e in mine),
-        total_s=total_s,
-        compute_s=total_s - st.wait_s - st.send_s,
-        wait_s=st.wait_s,
-        send_s=st.send_s,
-        bytes_sent=st.bytes_sent,
-        bytes_received=st.bytes_received,
-        peak_mem_bytes=peak_memory_bytes(device),
-        bytes_sent_by_kind=dict(getattr(state, "bytes_sent_by_kind", {})),
-    )
 
 
 def _check_same_plan(cfg: RunConfig, prepared: Prepared) -> None:

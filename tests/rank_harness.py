@@ -9,8 +9,7 @@ import sys
 
 from kvrunahead.config import RunConfig
 from kvrunahead.launcher import init_world
-from kvrunahead.runner import run_on_world
-from kvrunahead.serve.oneshot import batch_on_world
+from kvrunahead.serve.oneshot import batch_on_world, run_on_world
 
 
 def main() -> None:

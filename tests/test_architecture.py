@@ -36,3 +36,35 @@ def test_the_paper_nouns_are_rooms():
     rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert {"modes", "search", "bench", "model", "net", "sim", "cli"} <= rooms
     assert {"kvr.py", "tsp.py", "cp_allgather.py", "ring.py"} <= {p.name for p in (PACKAGE / "modes").iterdir()}
+
+
+def test_from_the_engines_step_to_the_models_forward_is_at_most_five_calls():
+    """Engine.step reads schedule, execute, update; the prompt's forward and the decode rows' are at most five of
+    the package's calls below it (torch's and contextlib's wrappers not counted)."""
+    import inspect
+
+    from kvrunahead.config import RunConfig
+    from kvrunahead.launcher import World
+    from kvrunahead.serve.config import EngineConfig
+    from kvrunahead.serve.engine import Engine
+    from kvrunahead.serve.sequence import Request, SamplingParams
+
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), prefix_cache_tokens=0),
+                    World(0, 1, 0, 1, "single"))
+    chains = []
+
+    def calls_below_step(module, args, kwargs):
+        chain = []
+        for frame in inspect.stack()[1:]:
+            if Path(frame.filename).resolve().is_relative_to(PACKAGE):
+                if frame.function == "step" and frame.filename.endswith("serve/engine.py"):
+                    chains.append(chain)
+                    return
+                chain.append(f"{Path(frame.filename).name}:{frame.function}")
+        chains.append(None)  # a forward that did not come from Engine.step
+
+    engine.ctx.lm.model.register_forward_pre_hook(calls_below_step, with_kwargs=True)
+    engine.run_one(Request("r", list(range(5, 60)), SamplingParams(max_tokens=3)))
+    assert len(chains) == 3 and None not in chains  # the prompt, then two decode steps
+    assert chains[0][-1] == "executor.py:run_step" and chains[0][0] == "forward.py:last_token_logits", chains[0]
+    assert max(map(len, chains)) <= 5, chains

@@ -73,11 +73,19 @@ def test_spp_beyond_the_trained_positions_matches_the_same_yarn_extension(world)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_stage_but_the_last_sends_each_chunk_s_hidden_states_once(world, model):
     """Per chunk one message of [chunk, hidden] float32 from stage r to r+1: the whole prompt's hidden states once
-    per stage boundary, whatever the chunk; never K,V. The last stage sends nothing."""
+    per stage boundary, whatever the chunk; then its layers' K,V to the last stage, which decodes (the same K,V
+    whatever the chunk). The last stage sends nothing."""
     p, results = world
     per_stage = CONTEXT * MODELS[model] * 4
+    kv = None
     for cname in CHUNKS:
-        assert results[f"{model}/{cname}/float32"]["bytes_sent"] == [per_stage] * (p - 1) + [0]
+        r = results[f"{model}/{cname}/float32"]
+        kinds = r["bytes_sent_by_kind"]
+        assert [k.get("hidden states", 0) for k in kinds] == [per_stage] * (p - 1) + [0], kinds
+        assert kv in (None, [k.get("K,V to the front", 0) for k in kinds])
+        kv = [k.get("K,V to the front", 0) for k in kinds]
+        assert all(x > 0 for x in kv[:-1]) and kv[-1] == 0
+        assert r["bytes_sent"] == [h + k for h, k in zip([per_stage] * (p - 1) + [0], kv)]
 
 
 def test_stages_as_given_are_run_and_still_exact(worlds):
@@ -151,7 +159,7 @@ def test_kvr_prefill_reports_the_stages_and_the_chunk(tmp_path):
                        "--chunk-tokens", "30", "--verify", "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
-    assert r["chunk_tokens"] == 30 and r["decode"] == "pipelined" and r["verification"]["ok"]
+    assert r["chunk_tokens"] == 30 and r["decode"] == "gathered" and r["verification"]["ok"]
     assert r["pipeline_source"].startswith("chunk as given; cost model")
 
 

@@ -12,8 +12,8 @@ the whole prompt's cache of its layers and emits the first token.
 Per chunk a stage sends one message, ``[1, chunk, hidden]``: hidden states, never K,V. The receive of chunk c+1 is
 posted before chunk c is computed, and each send is an ``isend`` that completes while the next chunk runs.
 
-Decoding after the prefill runs the same pipeline one token at a time (``spp_decode``): the last stage chooses each
-token and tells every rank (one small all-gather), stage 0 embeds it, each stage appends its layers' K,V.
+After the prompt's last chunk every stage sends its layers' K,V to the last rank (serve/segments.py), which then
+holds the whole cache and decodes as after any prefill: the engine's decode, served or one-shot.
 """
 
 from __future__ import annotations
@@ -139,30 +139,3 @@ def _pipeline(model, input_ids, transport, chunk_tokens, cache, start):
             logits = head_logits(model, hidden[:, -1:, :])[0, -1]
     transport.drain()
     return logits, cache
-
-
-@torch.no_grad()
-def spp_decode(model: torch.nn.Module, cache: DynamicCache, transport: Transport, first_token: int | None,
-               position: int, max_new_tokens: int, eos_token_ids: set[int]) -> list[int] | None:
-    """Greedy tokens after a pipelined prefill, one token at a time through every stage. The last stage passes
-    ``first_token`` (at ``position``) and gets the tokens, first included; the others pass None and get None."""
-    pipe = Pipe.of(model, transport)
-    tokens = [first_token] if pipe.last else []
-    grow_in_place(cache)
-    step = 0
-    while True:
-        go = pipe.last and len(tokens) < max_new_tokens and tokens[-1] not in eos_token_ids
-        said = torch.tensor([tokens[-1] if pipe.last else -1, int(go)], dtype=torch.int64)
-        token, go = transport.all_gather(said)[-1].tolist()  # the last stage's word
-        if not go:
-            transport.drain()
-            return tokens if pipe.last else None
-        if pipe.first:
-            hidden = stage_forward(model, cache, position + step, ids=torch.tensor([[token]], device=pipe.device))
-        else:
-            pipe.post(step, 1)
-            hidden = stage_forward(model, cache, position + step, hidden=pipe.take(step))
-        pipe.send(step, hidden)
-        if pipe.last:
-            tokens.append(int(head_logits(model, hidden[:, -1:, :])[0, -1].argmax()))
-        step += 1

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrunahead.serve.protocol import Usage
+from kvrunahead.serve.protocol import Reply, Usage
 
 MAX_QUESTIONS = 256
 
@@ -48,11 +47,8 @@ class AskFiguresModel(BaseModel):
     boundaries: list[int]
 
 
-class AskResponse(BaseModel):
-    id: str
+class AskResponse(Reply):
     object: Literal["kvrunahead.ask"] = "kvrunahead.ask"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     answers: list[Answer]
     usage: Usage  # the context and every question once (prompt), every answer's tokens (completion)
     kvrunahead: AskFiguresModel

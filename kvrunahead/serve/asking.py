@@ -13,7 +13,7 @@ from kvrunahead.config import RunConfig
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.questions import SharedContext, require_full_attention
 from kvrunahead.serve.executor import StepOutcome
-from kvrunahead.serve.plans import FRONT, Segment, question_id
+from kvrunahead.serve.plans import FRONT, ROW, Segment, question_id
 from kvrunahead.serve.sequence import Answered, Answers, AskFigures, Request, SamplingParams, Sequence
 
 
@@ -82,7 +82,7 @@ def question_rows(seq: Sequence, shared: SharedContext, eos_token_ids: set[int])
     """The unfinished questions' next tokens, as decode rows on the front."""
     tokens = seq.answers.tokens
     return [Segment(question_id(seq.request_id, i), (tokens[i][-1],), shared.position(i, len(tokens[i]) - 1),
-                    held=FRONT, keep=FRONT, decode=True)
+                    ROW, held=FRONT, keep=FRONT)
             for i in going(seq, eos_token_ids)]
 
 

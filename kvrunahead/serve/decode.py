@@ -147,7 +147,7 @@ class BatchDecoder:
 
 
 class VariantDecoders:
-    """One ``BatchDecoder`` per RoPE variant (see ``executor.RankContext``): requests whose prompts run different
+    """One ``BatchDecoder`` per RoPE variant (see ``rank.RankContext``): requests whose prompts run different
     rotary embeddings advance in separate forwards, one per variant in use, each batched. Beside them, the
     shared-context requests' questions (kvrunahead/questions.py): one forward per request for all its questions
     still answering, its context read once."""

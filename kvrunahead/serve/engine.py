@@ -21,17 +21,18 @@ from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.runner import RankStats
 from kvrunahead.serve import asking, executor, warm, workers
 from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, RankContext, StepOutcome
-from kvrunahead.serve.placement import Placement, pipeline_run
-from kvrunahead.serve.plans import FRONT, SHARDED, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, StepOutcome
+from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
+from kvrunahead.serve.plans import FRONT, PEERS, ROW, SHARDED, SHARDED_ROW, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.rank import RankContext, solo_threads
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
 from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
+from kvrunahead.stats import RankStats
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Engine:
         check_model("kvr", model_config, self.attention)
         rs = self.rank_setup = set_up_rank(cfg, world)
         threads = rs.threads
-        solo = executor.solo_threads(threads, world.local_world_size) if rs.device.type == "cpu" else threads
+        solo = solo_threads(threads, world.local_world_size) if rs.device.type == "cpu" else threads
         self.ctx = RankContext(rs.lm, rs.layout, rs.transport, rs.device, world.rank, world.world_size,
                                load=lambda rope: rs.load(cfg, rope), threads=threads, solo_threads=solo,
                                tp=world.tp, tp_rank=world.tp_rank)
@@ -62,7 +63,7 @@ class Engine:
         self.placement = Placement(self.ctx, cfg, model_config, self.attention, config.degree, threads,
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
                                    self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config),
-                                   config.learn)
+                                   config.learn, config.prefill if config.prefill in PEERS else None)
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
@@ -110,6 +111,8 @@ class Engine:
             asking.check_ask(request, self.model_config, cfg, self.max_model_len)
         elif not 0 < n <= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this server takes 1 to {self.max_model_len}")
+        if self.placement.peer is not None:
+            peer_request(self.placement.peer, request)
         try:
             rope = (asking.ask_rope(request, self.model_config, cfg) if request.questions
                     else plan_extension(self.model_config, n, cfg.allow_long_context, cfg.model))
@@ -124,69 +127,85 @@ class Engine:
             self._cancelled.add(request_id)
 
     def step(self) -> list[Event]:
-        """schedule -> execute -> postprocess. An idle step only keeps the workers' heartbeat."""
+        """schedule -> execute -> update: the scheduler's pick, its segments run on every rank that takes part
+        (the workers told first), the outcome taken into the requests. An idle step keeps the workers' heartbeat."""
         events = self._reap_cancelled()
         with self._lock:
             step = self.scheduler.schedule() if self.healthy else None
         try:
+            self._free_shards()
             if step is None:
-                self._free_shards()
                 self.heartbeat.maybe_ping()
                 return events
-            outcome, prefilled = self._execute(step)
+            plan, held, ready = self._plan(step)
+            t0 = time.monotonic()
+            workers.tell(self.ctx, plan, self.decoder, self.heartbeat)
+            outcome = executor.run_step(self.ctx, plan, held, self.decoder)
+            outcome.seconds = time.monotonic() - t0
         except InputError as e:  # this request's own problem, found before any other rank took part
             return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in step.prefills]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             return events + self._fail(e, step)
-        return events + self._postprocess(step, outcome, prefilled)
+        return events + self.update_from_output(step, plan, outcome, ready)
 
-    def _execute(self, step: Step):
-        """Run the step; returns its outcome and what its prefill finished: a prompt's outcome, the packed
-        prompts', a request whose questions now decode, or None (no prefill, or a chunk that was not the last)."""
-        self._free_shards()
-        prefills = step.prefills
-        rows = [row for seq in step.decodes for row in self._rows(seq)]
-        if len(prefills) == 1 and prefills[0].request.questions:  # the context, then its questions
-            return self._ask(prefills[0], rows)
-        if len(prefills) > 1:  # the rows run beside the packed prompts, in their own forward
-            segments, cuts = self._packed(prefills)
-            outcome = self._run(StepPlan(tuple(rows) + tuple(segments), self.attention, packed=cuts))
-            return outcome, [outcome.prefill(seq.request_id) for seq in prefills]
-        seg, held, placed = None, None, None
-        if prefills:
-            seg, held, placed = self._segment(prefills[0])
-        plan = StepPlan(tuple(rows) + ((seg,) if seg else ()), self.attention)
-        t0 = time.monotonic()
-        outcome = self._run(plan, held if seg is not None else None)
-        if seg is None:  # no prefill, or none needed: the outcome the prefix cache kept (Placement.answered)
-            return outcome, held
-        seq = prefills[0]
-        seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
-        if placed is None:  # a chunk
-            n = seq.prompt_len
-            seq.figures.chunks.append(self.chunks.record(seg.bounds, time.monotonic() - t0, self._budget_s,
-                                                         learn=0 < seg.start and seg.end < n,
-                                                         beside_s=self._rows_s(step.decodes)))
-            seq.prefilled = seg.end
-            if seg.end < n:  # the rest of the prompt waits for its turn; every rank holds its positions so far
-                with self._lock:
-                    self.scheduler.resume(seq)
-                return outcome, None
-        return outcome, outcome.prefill(seq.request_id)
+    def _plan(self, step: Step) -> tuple[StepPlan, list | None, PrefillOutcome | None]:
+        """The step's segments: every running request's next tokens (decode rows) and the prefill's (several
+        prompts packed, a whole prompt, its next chunk, a context carrying its questions); the K,V the front holds
+        for it (the prefix cache's), and the outcome of a prompt that needs no prefill (Placement.answered)."""
+        rows = tuple(row for seq in step.decodes for row in self._rows(seq))
+        if len(step.prefills) > 1:  # the rows run beside the packed prompts, in their own forward
+            segments, cuts = self._packed(step.prefills)
+            return StepPlan(rows + tuple(segments), self.attention, packed=cuts), None, None
+        seg, held, ready = self._segment(step.prefills[0]) if step.prefills else (None, None, None)
+        return StepPlan(rows + ((seg,) if seg else ()), self.attention), held, ready
 
-    def _run(self, plan: StepPlan, held=None) -> StepOutcome:
-        if not plan.needs_workers:
-            self.heartbeat.maybe_ping()
-        return self.placement.execute(plan, held, self.decoder)
+    def update_from_output(self, step: Step, plan: StepPlan, outcome: StepOutcome,
+                           ready: PrefillOutcome | None = None) -> list[Event]:
+        """The step's outcome into its requests: every decode row's token; a chunk's progress (the rest of its
+        prompt back in the queue); a prompt's first token, after which it decodes; a context's questions' first
+        tokens. ``ready``: the outcome of a prompt that needed no prefill."""
+        events: list[Event] = []
+        for seq in step.decodes:
+            if seq.answers is not None:
+                asking.take_tokens(seq, outcome, self.ctx.lm.eos_token_ids)
+                events += self._answered(seq)
+            else:
+                events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
+        seqs = step.prefills
+        if not seqs:
+            return events
+        if len(seqs) == 1 and seqs[0].request.questions:
+            return events + self._asked(seqs[0], outcome)
+        if len(seqs) == 1 and ready is None:
+            seq = seqs[0]
+            seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
+            if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step.decodes):
+                return events
+        outcomes = [ready] if ready is not None else [outcome.prefill(seq.request_id) for seq in seqs]
+        self._record(seqs, outcomes, outcome.ranks)
+        return events + [e for seq, one in zip(seqs, outcomes) for e in self._after_prefill(seq, one)]
+
+    def _chunk_done(self, seq: Sequence, seg: Segment, seconds: float, decodes: list[Sequence]) -> bool:
+        """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
+        (else the rest waits for its turn, every rank holding its positions so far)."""
+        n = seq.prompt_len
+        seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, self._budget_s,
+                                                     learn=0 < seg.start and seg.end < n,
+                                                     beside_s=self._rows_s(decodes)))
+        seq.prefilled = seg.end
+        if seg.end < n:
+            with self._lock:
+                self.scheduler.resume(seq)
+            return False
+        return True
 
     def _rows(self, seq: Sequence) -> list[Segment]:
         """A running request's next tokens as segments: one per unfinished question, else its next token on the
         front or on every rank's shard (KVP)."""
         if seq.answers is not None:
             return asking.question_rows(seq, self.decoder.shared[seq.request_id], self.ctx.lm.eos_token_ids)
-        place = SHARDED if seq.request_id in self.ctx.shards else FRONT
-        return [Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, held=place, keep=place,
-                        decode=True)]
+        way, place = (SHARDED_ROW, SHARDED) if seq.request_id in self.ctx.shards else (ROW, FRONT)
+        return [Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, way, held=place, keep=place)]
 
     def _rows_s(self, decodes: list[Sequence]) -> float:
         """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
@@ -195,30 +214,33 @@ class Engine:
             return 0.0
         return self.chunks.cost.decode_step_s([s.next_position + 1 for s in decodes])
 
-    def _segment(self, seq: Sequence):
+    def _segment(self, seq: Sequence) -> tuple[Segment | None, list | None, PrefillOutcome | None]:
         """The prefill's segment: the whole prompt where it is not chunked (placed by the prefix cache and the
-        degree policy), else its next chunk, sized to the step's budget (the decode rows beside it add their own
-        time: a step takes its chunk's budget plus one decode token of every running request)."""
-        n = seq.prompt_len
-        if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n)):
+        degree policy; a context carries its questions), else its next chunk, sized to the step's budget (the
+        decode rows beside it add their own time: a step takes its chunk's budget plus one decode token of every
+        running request)."""
+        n, request = seq.prompt_len, seq.request
+        if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n) and not request.questions):
             seq.prefill_start_s = time.monotonic()
-            ids, score = seq.request.prompt_ids, seq.request.params.prompt_logprobs
-            seg, placed, held = (self.placement.answered(ids, seq.rope, score)
-                                 or self.placement.prompt(seq.request_id, ids, seq.rope, score))
-            seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
-            return seg, held, placed
+            score = request.params.prompt_logprobs
+            seg, placed, held = (not request.questions and self.placement.answered(request.prompt_ids, seq.rope, score)
+                                 or self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope, score))
+            seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
+            if seg is None:  # the prefix cache kept its first-token logits: ``held`` is the outcome
+                return None, None, held
+            return (asking.with_questions(seg, request) if request.questions else seg), held, None
         done = seq.prefilled
         if not done:
-            seq.prefill_start_s = time.monotonic()
-            seq.figures = RequestFigures(0.0, seq.prefill_start_s - seq.request.arrival_s, self.ctx.world_size,
+            seq.prefill_start_s, seq.chunked = time.monotonic(), True
+            seq.figures = RequestFigures(0.0, seq.prefill_start_s - request.arrival_s, self.ctx.world_size,
                                          [0, n], self.placement.chunked_source(seq), self.chunks.describe(),
                                          decode=self.placement.chunked_decode(seq))
         with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
             budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
         self._budget_s = budget
         end = self.chunks.end(n, done, budget)
-        seg = self.placement.chunk(seq.request_id, seq.request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
-                                   seq.request.params.prompt_logprobs)
+        seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
+                                   request.params.prompt_logprobs)
         return seg, None, None
 
     def _packed(self, seqs: list) -> tuple[list[Segment], tuple[int, ...]]:
@@ -232,40 +254,20 @@ class Engine:
             seq.figures = placed.figures(seq.request.arrival_s, start, packed_with=len(seqs))
         return segments, cuts
 
-    def _ask(self, seq: Sequence, rows: list[Segment]) -> tuple[StepOutcome, Sequence]:
-        """A request carrying questions, prefilled in one step: its context as a prompt segment (over the chain
-        where the degree policy says so, the running requests' rows beside it) carrying its questions
-        (serve/asking.py)."""
-        start, ask = time.monotonic(), seq.request
-        seg, placed, held = self.placement.prompt(ask.request_id, ask.prompt_ids, seq.rope)
-        outcome = self._run(StepPlan((*rows, asking.with_questions(seg, ask)), self.attention), held)
-        asking.started(seq, outcome, start, placed.degree, placed.boundaries)
+    def _asked(self, seq: Sequence, outcome: StepOutcome) -> list[Event]:
+        """A request carrying questions after its step: its context cached, its questions' first tokens taken
+        (serve/asking.py); it decodes them from the next step."""
+        ask = seq.request
+        asking.started(seq, outcome, seq.prefill_start_s, seq.figures.degree, seq.figures.boundaries)
         if self.placement.cacheable(seq.rope):
             self.placement.prefixes.put(ask.prompt_ids, outcome.caches[ask.request_id])
         if self.prefills is not None:
-            self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.prompt_ids),), tuple(placed.boundaries),
-                                               outcome.ranks, asking.first_logits(ask, outcome)))
-        return outcome, seq
-
-    def _postprocess(self, step: Step, outcome: StepOutcome, prefilled) -> list[Event]:
-        events: list[Event] = []
-        eos = self.ctx.lm.eos_token_ids
-        for seq in step.decodes:
-            if seq.answers is not None:
-                asking.take_tokens(seq, outcome, eos)
-                events += self._answered(seq)
-            else:
-                events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
-        if prefilled is None:
-            return events
-        seqs = step.prefills
-        outcomes = prefilled if len(seqs) > 1 else [prefilled]
-        if seqs[0].answers is not None:  # its questions' first tokens came with its prefill
-            with self._lock:
-                self.scheduler.start_decoding(seqs[0])
-            return events + self._answered(seqs[0])
-        self._record(seqs, outcomes, outcome.ranks)
-        return events + [e for seq, one in zip(seqs, outcomes) for e in self._after_prefill(seq, one)]
+            self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.prompt_ids),),
+                                               tuple(seq.figures.boundaries), outcome.ranks,
+                                               asking.first_logits(ask, outcome)))
+        with self._lock:
+            self.scheduler.start_decoding(seq)
+        return self._answered(seq)
 
     def _answered(self, seq: Sequence) -> list[Event]:
         """The request's Answered once every question has ended (EOS or max_tokens), its questions freed."""

@@ -2,10 +2,12 @@
 
 The front is the LAST rank (p - 1): the KV chain leaves the full cache and the first token there (section 4.1), so
 decode needs no transfer. With ``--tp`` the ranks here are TP groups (mesh.py): the front is the first TP rank of
-the last group, and its TP peers run every step it runs (serve/workers.py). A chain prefill goes through exactly the
-runner's code (``MODES["kvr"]``, the same ``Step``, ``timed_prefill`` and ``rank_stats``), so a served prompt gets
-the logits and tokens ``kvr-prefill`` gives. Non-front ranks run ``workers.worker_loop``: receive a plan, run their
-part, drop their cache, repeat.
+the last group, and its TP peers run every step it runs (serve/workers.py). A step's prompt runs the way its
+segment says (plans.Segment.way), through this module's ``WAYS``: alone or over the chain (modes/kvr.py), through
+the pipeline or KV-parallel (serve/segments.py), packed (kvrunahead/pack), or as one of the peers (tsp, ring,
+cp-allgather: their ``modes.MODES`` entries). ``kvr-prefill`` runs its prompt as a request to the engine
+(serve/oneshot.py), so a served prompt and a one-shot one take the same step. Non-front ranks run
+``workers.worker_loop``: receive a plan, run their part, drop their cache, repeat.
 
 Plans travel as pickled bytes broadcast from the front on the patient gloo group, and every wait for one is
 bounded by the peers' heartbeats (net/liveness.py), not by a fixed timeout: a worker may wait minutes while the
@@ -21,9 +23,7 @@ its node, and goes back to its own share for a chain prefill.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,110 +33,36 @@ from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
 from kvrunahead.model.device import reset_peak_memory, synchronize
 from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
-from kvrunahead.model.layout import KVLayout, probe_kv_layout
-from kvrunahead.model.load import LoadedModel
-from kvrunahead.model.rope import RopeExtension
-from kvrunahead.model.stage import StageSpec, stage_view
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.modes import MODES, Step
 from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
-from kvrunahead.runner import RankStats, rank_stats
+from kvrunahead.partition import Partition
 from kvrunahead.serve.links import SegmentLink
 from kvrunahead.serve.plans import (
+    ALONE,
+    CHAIN,
     FRONT,
+    KV_PARALLEL,
     NOWHERE,
+    PACKED,
+    PEERS,
+    PIPELINE,
     RANKS,
     SHARDED,
     Segment,
     StepPlan,
     question_id,
 )
+from kvrunahead.serve.rank import RankContext
 from kvrunahead.serve.rows import can_mix, mixed_forward
 from kvrunahead.serve.segments import kv_parallel, pipelined
 from kvrunahead.serve.sequence import TokenLogprob
-from kvrunahead.transport import Transport
+from kvrunahead.stats import RankStats, rank_stats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RankContext:
-    """What a rank keeps across steps: the model (loaded once per RoPE variant), its KV layout, the transport and
-    where it runs.
-
-    A prompt beyond the trained positions runs, as in ``kvr-prefill``, with the rotary embedding extended by the
-    smallest YaRN factor that covers it, and a shorter one without: YaRN changes every position's rotation, so one
-    model for both would not give what ``kvr-prefill`` gives. The weights are loaded once per factor in use.
-    """
-
-    lm: LoadedModel  # the unextended model: tokenizer, EOS, the prompts within the trained positions
-    layout: KVLayout
-    transport: Transport
-    device: torch.device
-    rank: int
-    world_size: int
-    load: Callable[[RopeExtension | None], LoadedModel] | None = None
-    variants: dict = field(default_factory=dict)  # RopeExtension -> (LoadedModel, KVLayout)
-    threads: int = 1  # intra-op threads in a chain prefill (every rank computes)
-    solo_threads: int = 1  # intra-op threads while the front works alone (the node's other ranks idle)
-    shards: dict = field(default_factory=dict)  # request id -> (ShardCache, RopeExtension): KVP decodes in flight
-    partial: dict = field(default_factory=dict)  # request id -> per layer GrowingKV: a chunked prefill so far
-    staged: dict = field(default_factory=dict)  # request id -> this stage's DynamicCache: a pipelined prefill so far
-    views: dict = field(default_factory=dict)  # (RopeExtension, stages) -> this rank's stage of the model
-    tp: int = 1  # ranks per TP group: ``rank`` and ``world_size`` count groups (mesh.py)
-    tp_rank: int = 0
-
-    def use_threads(self, solo: bool) -> None:
-        n = self.solo_threads if solo else self.threads
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
-
-    @property
-    def front(self) -> int:
-        return self.world_size - 1
-
-    @property
-    def front_rank(self) -> int:
-        """The front's global rank: the first TP rank of the last group."""
-        return self.front * self.tp
-
-    @property
-    def mirror(self) -> bool:
-        """Whether this rank is one of the front's TP peers, which run every step the front runs."""
-        return self.rank == self.front and self.tp_rank > 0
-
-    @property
-    def has_peers(self) -> bool:
-        return self.world_size * self.tp > 1
-
-    def forget(self, request_id: str) -> bool:
-        """Drop what this rank holds of a request (KVP shards, a chunked prefill's positions or stages); whether it
-        held any."""
-        held = [d.pop(request_id, None) for d in (self.shards, self.partial, self.staged)]
-        return any(x is not None for x in held)
-
-    def stage(self, rope: RopeExtension | None, stages: tuple[int, ...]) -> torch.nn.Module:
-        """This rank's pipeline stage of the model (a view sharing its weights, model/stage.py)."""
-        key = (rope, stages)
-        if key not in self.views:
-            self.views[key] = stage_view(self.model(rope)[0].model, StageSpec.of(stages, self.rank))
-        return self.views[key]
-
-    def model(self, rope: RopeExtension | None) -> tuple[LoadedModel, KVLayout]:
-        if rope is None:
-            return self.lm, self.layout
-        if rope not in self.variants:
-            log.info("rank %d: loading the model with %s", self.rank, rope.describe())
-            lm = self.load(rope)
-            self.variants[rope] = (lm, probe_kv_layout(lm.model))
-        return self.variants[rope]
-
-
-def solo_threads(threads: int, local_world_size: int) -> int:
-    """The front's threads while it works alone: every local rank's share, within the cores this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(threads, min(threads * local_world_size, cores))
 
 
 @dataclass
@@ -176,30 +102,47 @@ class StepOutcome:
     ranks: list[RankStats] = field(default_factory=list)
     questions_s: float = 0.0  # the front's seconds prefilling a shared context's questions
     scores: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # a scored segment's, in position order
+    seconds: float = 0.0  # the step on the front, the workers told included (the engine's clock)
 
     def prefill(self, request_id: str) -> PrefillOutcome:
         return PrefillOutcome(self.logits[request_id], self.caches.get(request_id), self.ranks)
 
 
+@dataclass
+class Sent:
+    """The bytes a way sent, by kind (stats.rank_stats reads ``bytes_sent_by_kind`` off a link)."""
+
+    bytes_sent_by_kind: dict[str, int]
+
+
+@dataclass
+class Part:
+    """What a way leaves of this rank's part of a step: the link it ran (its bytes by layer kind), its positions,
+    the decode rows that rode along in its forward (front)."""
+
+    link: object = None
+    ranges: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+    riders: dict = field(default_factory=dict)
+
+
 def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None = None, decoder=None
              ) -> StepOutcome | None:
     """This rank's part of a step (every rank where ``plan.needs_workers``, else the front alone): the KV-parallel
-    rows on every rank's shard, then the prompt segment over the chain (or on the front alone) with the front's
-    decode rows in the same forward where they can share it (serve/rows.py), then a shared context's questions
-    packed behind it on the front, then the rows that cannot share the prompt's forward (another RoPE variant, a
-    sliding-window model, a question's, no prompt in the step) in the decoder's own batch. The front gets the
-    outcome.
+    rows on every rank's shard, then the prompt, chunk or packed prompts the way they run (``WAYS``), with the
+    front's decode rows in the same forward where they can share it (serve/rows.py), then a shared context's
+    questions packed behind it on the front, then the rows that cannot share the prompt's forward (another RoPE
+    variant, a sliding-window model, a question's, no prompt in the step) in the decoder's own batch. The front
+    gets the outcome.
 
     ``held`` (front): the K,V of a prompt's positions held on the front (the prefix cache's, per layer, stacked);
     ``decoder`` (front): the decode batch (serve/decode.py) whose requests the rows are."""
-    front = ctx.rank == ctx.front
-    seg = plan.prompt
+    front, way, seg = ctx.rank == ctx.front, plan.way, plan.prompt
     together = plan.needs_workers and ctx.world_size > 1
-    ctx.use_threads(solo=not plan.sharded and (seg is None or seg.alone) and (plan.packed is None or not together))
+    ctx.use_threads(solo=not plan.sharded and (way in (None, ALONE) or (way == PACKED and not together)))
     ctx.transport.reset_stats()
-    for rope in {s.rope for s in plan.segments if not s.is_row}:  # a model variant first used here loads untimed
+    for rope in {s.rope for s in plan.prompts}:  # a model variant first used here loads untimed
         ctx.model(rope)
-    if seg is not None and seg.stages is not None:
+    if way == PIPELINE:
         ctx.stage(seg.rope, seg.stages)
     if together:
         liveness.patient_barrier("the other ranks to start the step")
@@ -212,29 +155,23 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         logits = kvp_forward(ctx.model(rope)[0].model, shard, ctx.transport, [row.tokens[0]], owner=front)
         if front:
             out.logits[row.request_id] = logits
-    rows = plan.rows if front else ()
-    link, mine = None, (0, 0)
-    if seg is not None:
-        link, mine, riders = _prompt(ctx, plan, seg, held, decoder if front else None, out)
-        rows = tuple(r for r in rows if r.request_id not in riders)
-    elif plan.packed is not None:
-        link, mine = _packed(ctx, plan, out)
+    part = WAYS[way](ctx, plan, held, decoder if front else None, out) if way is not None else Part()
     synchronize(ctx.device)
     total_s = time.perf_counter() - t0
-    if together:  # every rank's figures and scores, the first-token logits of packed prompts ending off the front
+    if together:  # every rank's figures and scores, the first-token logits of prompts emitted off the front
         sent = {k: v.float().cpu() for k, v in out.logits.items()} if not front else {}
-        stats = rank_stats(ctx.rank, [mine], total_s, ctx.transport, link, ctx.device)
+        stats = rank_stats(ctx.rank, part.ranges, total_s, ctx.transport, part.link, ctx.device)
         everyone = liveness.gather_objects((stats, sent, out.scores), "the other ranks to finish the step")
         everyone = everyone[::ctx.tp]  # with --tp, each group's first rank speaks for it
         out.ranks = [s for s, _, _ in everyone]
         out.scores = {}
         for _, theirs, scores in everyone:  # in rank order: the parts' positions in order
             out.logits.update(theirs)
-            for request_id, part in scores.items():
-                out.scores.setdefault(request_id, []).extend(part)
+            for request_id, positions in scores.items():
+                out.scores.setdefault(request_id, []).extend(positions)
     else:
-        out.ranks = [_solo_stats(ctx, mine[1] - mine[0], total_s)]
-    if seg is not None and seg.keep == SHARDED and seg.cuts:  # after the prefill's figures: an even share each
+        out.ranks = [RankStats.alone(ctx.rank, sum(e - a for a, e in part.ranges), total_s)]
+    if way == CHAIN and seg.keep == SHARDED:  # after the prefill's figures: an even share each
         level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
     if front and seg is not None and seg.questions:  # behind the whole cache, they join the decode
         ctx.use_threads(solo=True)
@@ -244,6 +181,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
         out.logits.update((question_id(seg.request_id, i), row) for i, row in enumerate(logits))
         synchronize(ctx.device)
         out.questions_s = time.perf_counter() - t1
+    rows = tuple(r for r in plan.rows if r.request_id not in part.riders) if front else ()
     if rows:
         ctx.use_threads(solo=True)
         out.logits.update(decoder.step({r.request_id: r.tokens[0] for r in rows},
@@ -251,28 +189,25 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     return out if front else None
 
 
-def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: StepOutcome):
-    """The prompt segment's part on this rank: its link, its positions and the rows that rode along (front)."""
-    if seg.stages is not None or seg.owner is not None:  # every rank all the positions (serve/segments.py)
-        logits, cache = (pipelined if seg.stages is not None else kv_parallel)(ctx, seg, plan.attention)
-        if ctx.rank == ctx.front:
-            out.logits[seg.request_id], out.caches[seg.request_id] = logits, cache
-        return None, (seg.start, seg.end), {}
-    front = ctx.rank == ctx.front
+def _chain(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
+    """A prompt or chunk alone on the front or over the chain (KV-Runahead, modes/kvr.py): this rank's cut after
+    the K,V its predecessor hands on (or held: the prefix cache's on the front, a chunked prefill's earlier
+    positions on every rank), the front's decode rows riding in the same forward where they can."""
+    seg, front, alone = plan.prompt, ctx.rank == ctx.front, plan.way == ALONE
     lm, layout = ctx.model(seg.rope)
     start, end = seg.part(ctx.rank, ctx.world_size)
     base = None
     if seg.held == RANKS:
         base = ctx.partial.pop(seg.request_id, None)
-    elif seg.held == FRONT and seg.alone and front:
+    elif seg.held == FRONT and alone and front:
         base = [GrowingKV.stacked(kv) for kv in held]
-    holder = ctx.front if seg.held == FRONT and not seg.alone and ctx.rank == 0 else None
+    holder = ctx.front if seg.held == FRONT and not alone and ctx.rank == 0 else None
     link = SegmentLink(ctx.transport, start, layout, ctx.device, holder=holder, base=base,
                        keep_whole=seg.keep == RANKS, own_part=seg.keep == SHARDED)
-    if front and holder is None and seg.held == FRONT and not seg.alone:
+    if front and holder is None and seg.held == FRONT and not alone:
         send_held_prefix(ctx.transport, held, layout)
     # The front alone on a whole prompt computes what one process computes (the model's own attention).
-    attention = "masked" if seg.alone and seg.held == NOWHERE else plan.attention
+    attention = "masked" if alone and seg.held == NOWHERE else plan.attention
     mixes = decoder is not None and end > start and seg.score is None and can_mix(lm.model)
     riders = decoder.riders(plan.rows, seg.rope) if mixes else {}
     logits, cache = None, None
@@ -294,7 +229,37 @@ def _prompt(ctx: RankContext, plan: StepPlan, seg: Segment, held, decoder, out: 
     if front:
         out.logits[seg.request_id] = logits
         out.caches[seg.request_id] = cache
-    return link, (start, end), riders
+    return Part(link, [(start, end)], riders)
+
+
+def _every_rank(run):
+    """A way in which every rank runs all the segment's positions (serve/segments.py: the pipeline, KV-parallel)."""
+    def way(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
+        seg = plan.prompt
+        logits, cache, kinds = run(ctx, seg, plan.attention)
+        if ctx.rank == ctx.front:
+            out.logits[seg.request_id], out.caches[seg.request_id] = logits, cache
+        return Part(Sent(kinds), [(seg.start, seg.end)])
+    return way
+
+
+def _peer(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
+    """A peer's prefill of a whole prompt (tsp, ring, cp-allgather: modes/), every rank its mode's token ranges of
+    the partition at ``cuts``, through the same ``MODES`` entry as the one-shot runner's. The emitting rank's
+    logits come to the front (run_step gathers them); the front keeps the whole K,V where the mode leaves it there
+    (not ring)."""
+    seg = plan.prompt
+    mode = MODES[seg.way]
+    lm, layout = ctx.model(seg.rope)
+    ranges = mode.token_ranges(Partition(seg.cuts))
+    mine = torch.tensor([[t for a, e in ranges[ctx.rank] for t in seg.tokens[a:e]]], device=ctx.device)
+    step = Step(lm.model, mine, list(seg.tokens), ranges, ctx.transport, layout, len(seg.tokens), plan.attention)
+    logits, cache = mode.prefill(step, mode.setup(step))
+    if ctx.rank == mode.emitter(ctx.world_size):
+        out.logits[seg.request_id] = logits
+    if ctx.rank == ctx.front and seg.keep == FRONT:
+        out.caches[seg.request_id] = cache
+    return Part(None, list(ranges[ctx.rank]))
 
 
 def scored(score: Scoring) -> list[TokenLogprob]:
@@ -331,17 +296,11 @@ def _catch_up(ctx: RankContext, seg: Segment, layout: KVLayout, whole: list[Grow
     return out
 
 
-def _solo_stats(ctx: RankContext, tokens: int, total_s: float) -> RankStats:
-    """The figures of a step the front ran alone: all compute, nothing sent or waited for."""
-    return RankStats(rank=ctx.rank, tokens=tokens, total_s=total_s, compute_s=total_s, wait_s=0.0, send_s=0.0,
-                     bytes_sent=0, bytes_received=0, peak_mem_bytes=0)
-
-
-def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
+def _packed(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
     """This rank's part of several prompts packed end to end (kvrunahead/pack): over the chain every rank hands on
     all it holds (a relaying chain), so the front ends with every prompt's cache; prompts kept nowhere (each ends at
     its first token) hand on only the prompt cut at the rank's end, and the ranks their prompts' logits. On the front
-    alone a chain of one. Returns the link and this rank's positions of the packed sequence."""
+    alone a chain of one."""
     lm, layout = ctx.model(None)
     step = plan.packed_step
     prompts = plan.prompts
@@ -358,4 +317,9 @@ def _packed(ctx: RankContext, plan: StepPlan, out: StepOutcome):
         out.logits[prompts[k].request_id] = logits
     if front and keep:
         out.caches.update((prompts[k].request_id, cache) for k, cache in part.caches.items())
-    return link, (step.boundaries[rank], step.boundaries[rank + 1])
+    return Part(link, [(step.boundaries[rank], step.boundaries[rank + 1])])
+
+
+WAYS = {ALONE: _chain, CHAIN: _chain, KV_PARALLEL: _every_rank(kv_parallel), PIPELINE: _every_rank(pipelined),
+        PACKED: _packed, **dict.fromkeys(PEERS, _peer)}
+"""How each way of a segment (serve/plans.py) runs on a rank: a prompt's, a chunk's, packed prompts'."""

@@ -4,9 +4,11 @@ requests, step it until every one has ended and report what the engine recorded.
 run share their planning (policy.choose_partition: a one-shot prompt's plan is made once by ``prepare`` and handed
 to the engine), their steps (serve/executor.py) and their decode (serve/decode.py); only the report differs.
 
-The peers (tsp, ring, cp-allgather), the single process and the no-communication bound keep the runner's own path
-(``runner.run_on_world``), which kvr-bench and the search use to time every mode alike; transformers' padded batch
-(``--batching padded``) is the one-process baseline of a batch and runs in that process (pack/batch.py).
+``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/executor.py
+``WAYS``); the single process, the no-communication bound and TP (``--mode tp``) keep the runner's path
+(``runner.run_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
+padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
+(pack/batch.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvrunahead.model.device import oversubscribed, peak_memory_bytes, resolve_d
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
+from kvrunahead.modes import MODES
 from kvrunahead.net import liveness
 from kvrunahead.pack.batch import (
     DEFAULT_STEP_TOKENS,
@@ -42,16 +45,8 @@ from kvrunahead.runner import run_on_world as run_on_runner
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
-from kvrunahead.serve.plans import question_id
-from kvrunahead.serve.sequence import (
-    Answered,
-    EngineDead,
-    Event,
-    Finished,
-    Request,
-    SamplingParams,
-    TokenEvent,
-)
+from kvrunahead.serve.plans import PEERS, question_id
+from kvrunahead.serve.sequence import Answered, EngineDead, Event, Finished, Request, SamplingParams, TokenEvent
 
 T = TypeVar("T")
 
@@ -103,19 +98,25 @@ def _submit(add: Callable[[], None]) -> None:
         raise InputError(str(e)) from None
 
 
+ENGINE_MODES = {"kvr": "chain", "spp": "spp", **{peer: peer for peer in PEERS}}
+"""The modes ``kvr-prefill`` runs as a request to the engine, and the engine's way over the ranks for each."""
+
+
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
-    """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result."""
-    if cfg.mode != "kvr":
+    """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result.
+    KV-Runahead, the pipeline and the peers run as one request to the engine, through the step a served prompt
+    takes (serve/executor.py); the single process, the no-communication bound and TP keep the runner's path."""
+    if cfg.mode not in ENGINE_MODES:
         return run_on_runner(cfg, world)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     if world.world_size == 1:  # a whole prompt on one rank runs the model's own forward: nothing to split
         prepared = dataclasses.replace(prepared, kvr_attention="masked",
                                        attention_source="one rank: the model's own attention")
+    new_tokens = cfg.max_new_tokens if MODES[cfg.mode].decodes else 1
 
     def job(engine: Engine) -> RunResult:
         start = time.monotonic()
-        request = Request("kvr-prefill", prepared.ids, SamplingParams(max_tokens=cfg.max_new_tokens),
-                          arrival_s=start)
+        request = Request("kvr-prefill", prepared.ids, SamplingParams(max_tokens=new_tokens), arrival_s=start)
         _submit(lambda: engine.add(request))
         events = until_ended(engine, {request.request_id})[request.request_id]
         done = next(e for e in events if isinstance(e, Finished))
@@ -133,9 +134,14 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         return finish_result(cfg, ran, record.ranks[-1].total_s, record.ranks, record.first_logits[request.request_id],
                              tokens, decode_s)
 
-    return on_engine(_one_shot(cfg, world, len(prepared.ids) + cfg.max_new_tokens), world, job,
-                     before=lambda e: e.placement.use_partition(len(prepared.ids), prepared.partition,
-                                                                prepared.partition_source))
+    def plan(engine: Engine) -> None:  # the plan ``prepare`` made, used as it is: not chosen a second time
+        engine.placement.use_partition(len(prepared.ids), prepared.partition, prepared.partition_source)
+        if prepared.stages is not None:
+            engine.placement.use_stages(len(prepared.ids), prepared.stages, prepared.chunk_tokens or 0,
+                                        prepared.pipeline_source)
+
+    config = _one_shot(cfg, world, len(prepared.ids) + new_tokens, prefill=ENGINE_MODES[cfg.mode])
+    return on_engine(config, world, job, before=plan)
 
 
 def ask_on_world(cfg: RunConfig, world: World, job: AskJob, verify: bool = False) -> AskResult | None:

@@ -25,15 +25,29 @@ from kvrunahead.decide.policy import choose_partition, plan_stages
 from kvrunahead.decide.tables import TableError
 from kvrunahead.errors import InputError
 from kvrunahead.kvp import why_not_kvp
-from kvrunahead.modes import check_model
+from kvrunahead.modes import MODES, check_model
 from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
-from kvrunahead.serve import executor, learning, workers
+from kvrunahead.serve import learning, workers
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreePolicy, layout_learner
-from kvrunahead.serve.executor import PrefillOutcome, RankContext, StepOutcome
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, STAGED, Mirrored, Segment, StepPlan
+from kvrunahead.serve.executor import PrefillOutcome
+from kvrunahead.serve.plans import (
+    CHAIN,
+    FRONT,
+    KV_PARALLEL,
+    NOWHERE,
+    PACKED,
+    PEERS,
+    PIPELINE,
+    RANKS,
+    SHARDED,
+    STAGED,
+    Segment,
+    cut_at,
+)
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
+from kvrunahead.serve.rank import RankContext
 from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import layer_cost
@@ -73,10 +87,10 @@ def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
     """With ``--prefill spp``, the run as ``kvr-prefill --mode spp`` would make it (its stages and chunk as asked),
     which the placement plans each prompt's pipeline with; else None. Raises InputError where the model cannot be
     cut into stages or the pipeline cannot decode as asked."""
-    if config.prefill == "chain":
+    if config.prefill == "chain" or config.prefill in PEERS:
         return None
     if config.prefill != "spp":
-        raise InputError(f"unknown prefill {config.prefill!r}: chain or spp")
+        raise InputError(f"unknown prefill {config.prefill!r}: chain, spp or a peer ({', '.join(PEERS)})")
     if config.run.decode == "kvp":
         raise InputError("--prefill spp gathers every stage's K,V on the front: --decode kvp needs the chain")
     try:
@@ -87,12 +101,23 @@ def pipeline_run(config: EngineConfig, model_config) -> RunConfig | None:
                                chunk_tokens=config.spp_chunk_tokens or None)
 
 
+def peer_request(peer: str, request) -> None:
+    """Raise ValueError for a request a peer's engine cannot serve: the peers prefill whole prompts and score none;
+    ring attention leaves no rank the whole cache, so it answers the first token only."""
+    if request.questions or request.params.prompt_logprobs is not None:
+        raise ValueError(f"{peer} prefills a whole prompt: no questions, no prompt log-probabilities")
+    if not MODES[peer].decodes and request.params.max_tokens > 1:
+        raise ValueError(f"{peer} leaves no rank the whole K,V cache: it gives the first token only (max_tokens 1)")
+
+
 class Placement:
     def __init__(self, ctx: RankContext, run: RunConfig, model_config, attention: str, degree: str, threads: int,
                  local_world_size: int, work, prefix_cache_tokens: int, heartbeat: workers.Heartbeat,
-                 edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None, learn: str = "off") -> None:
+                 edge_slack: float = EDGE_SLACK, pipeline: RunConfig | None = None, learn: str = "off",
+                 peer: str | None = None) -> None:
         self.ctx, self.run, self.model_config, self.attention = ctx, run, model_config, attention
         self.pipeline = pipeline  # --prefill spp: the run as spp (its stages and chunk as asked)
+        self.peer = peer  # a one-shot peer's prompt over the ranks (tsp, ring, cp-allgather), else None
         self._pipelines: dict[int, tuple] = {}  # prompt length -> (stages, chunk, where they come from)
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
@@ -144,13 +169,18 @@ class Placement:
         if choice.degree == 1:
             return (Segment(request_id, tuple(ids), rope=rope, score=score),
                     Placed(1, (0, len(ids)), "one rank", choice.source, basis=choice.basis), None)
+        if self.peer is not None:  # the partition of the peer's own (policy.prepare: even)
+            partition, source = self.partition(len(ids))
+            seg = Segment(request_id, tuple(ids), way=self.peer, cuts=tuple(partition.boundaries), rope=rope,
+                          keep=NOWHERE if not MODES[self.peer].decodes else FRONT)
+            return seg, Placed(choice.degree, partition.boundaries, source, choice.source, basis=choice.basis), None
         if self.pipeline is not None and score is None:
             stages, chunk, source = self.stages(len(ids))
-            seg = Segment(request_id, tuple(ids), rope=rope, stages=stages, pipeline_chunk=chunk)
+            seg = Segment(request_id, tuple(ids), way=PIPELINE, rope=rope, stages=stages, pipeline_chunk=chunk)
             return seg, Placed(choice.degree, (0, len(ids)), source, choice.source, basis=choice.basis), None
         partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
-        seg = Segment(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
+        seg = Segment(request_id, tuple(ids), way=CHAIN, cuts=tuple(partition.boundaries), rope=rope,
                       keep=SHARDED if kvp else FRONT, score=score)
         return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
                            decode="kvp" if kvp else "gathered", basis=choice.basis), None
@@ -208,7 +238,7 @@ class Placement:
             return (Segment(request_id, new, cached, held=FRONT),
                     Placed(1, (0, len(ids)), what, why, cached, basis=choice.basis), held)
         boundaries = cuts_after_cached(cached, len(ids), self.ctx.world_size, self.work)
-        return (Segment(request_id, new, cached, held=FRONT, cuts=boundaries),
+        return (Segment(request_id, new, cached, held=FRONT, **cut_at(boundaries)),
                 Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached,
                        basis=choice.basis), held)
 
@@ -224,26 +254,16 @@ class Placement:
             # KVP for prefill chunks: the prompt's K,V fill rank 0's shard first, then the next rank's, an even
             # share each (Medha's progressive scaling), so no rank holds every earlier position
             share = -(-len(ids) // self.ctx.world_size)
-            return Segment(request_id, tuple(ids[start:end]), start, held=SHARDED if start else NOWHERE,
+            return Segment(request_id, tuple(ids[start:end]), start, KV_PARALLEL, held=SHARDED if start else NOWHERE,
                            keep=SHARDED, rope=rope, owner=min(start // share, self.ctx.world_size - 1))
         if path == "spp":
             stages, chunk, _ = self.stages(len(ids))
-            return Segment(request_id, tuple(ids[start:end]), start, held=STAGED if start else NOWHERE,
+            return Segment(request_id, tuple(ids[start:end]), start, PIPELINE, held=STAGED if start else NOWHERE,
                            keep=FRONT if end == len(ids) else STAGED, rope=rope, stages=stages,
                            pipeline_chunk=min(chunk, end - start))
         return Segment(request_id, tuple(ids[start:end]), start, held=RANKS if start else NOWHERE,
-                       keep=FRONT if end == len(ids) else RANKS, cuts=cuts, rope=rope, score=score,
+                       keep=FRONT if end == len(ids) else RANKS, **cut_at(cuts), rope=rope, score=score,
                        follows=ids[end] if score is not None and end < len(ids) else None)
-
-    def execute(self, plan: StepPlan, held=None, decoder=None) -> StepOutcome:
-        """Run a step: told to the workers where any takes part, then this rank's part."""
-        if self.ctx.tp > 1:  # the front is a TP group: its peers run every step with it
-            workers.send_plan(self.ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
-            self.heartbeat.sent()
-        elif plan.needs_workers and self.ctx.world_size > 1:
-            workers.send_plan(self.ctx, plan.workers_plan)
-            self.heartbeat.sent()
-        return executor.run_step(self.ctx, plan, held, decoder)
 
     def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...], first_only: bool = False
                ) -> tuple[list[Segment], tuple[int, ...], Placed]:
@@ -252,7 +272,7 @@ class Placement:
         on one rank. ``first_only``: every one ends at its first token, so none is kept (no K,V relayed to the
         front, no cache cut)."""
         lengths = [len(x) for x in prompts]
-        segments = [Segment(rid, tuple(ids), keep=NOWHERE if first_only else FRONT)
+        segments = [Segment(rid, tuple(ids), way=PACKED, keep=NOWHERE if first_only else FRONT)
                     for rid, ids in zip(request_ids, prompts)]
         choice = self.degrees.choose(sum(lengths), explore=False)
         if choice.degree == 1:
@@ -267,6 +287,10 @@ class Placement:
         """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare): used as it is,
         not chosen a second time."""
         self._partitions[n] = partition, source
+
+    def use_stages(self, n: int, stages: tuple[int, ...], chunk: int, source: str) -> None:
+        """The pipeline already planned for ``n`` tokens (a one-shot run's, policy.prepare)."""
+        self._pipelines[n] = tuple(stages), chunk, source
 
     def stages(self, n: int) -> tuple[tuple[int, ...], int, str]:
         """The pipeline's stages and chunk for an ``n``-token prompt (policy.plan_stages, as ``kvr-prefill --mode

@@ -240,11 +240,16 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobEntry] | None = None
 
 
-class CompletionResponse(BaseModel):
+class Reply(BaseModel):
+    """What every response body of this server opens with: its id, when it was made, the model that made it."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(Reply):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kvrunahead: KvrFigures | None = None
@@ -262,11 +267,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(Reply):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
     kvrunahead: KvrFigures | None = None
@@ -284,11 +286,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     kvrunahead: KvrFigures | None = None

@@ -21,19 +21,22 @@ from kvrunahead.modes.spp import spp_prefill
 from kvrunahead.serve.plans import STAGED, Segment
 
 
-def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None]:
-    """A pipelined segment on this rank (``ctx``: its executor.RankContext): its positions through this rank's
+def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None, dict]:
+    """A pipelined segment on this rank (``ctx``: its rank.RankContext): its positions through this rank's
     stage in chunks (modes/spp.py), after the stage's K,V of the earlier chunks; kept staged for the next chunk, or
-    sent to the front. Returns, on the front, the first token's logits and (kept there) the whole cache."""
+    sent to the front. Returns, on the front, the first token's logits and (kept there) the whole cache; on every
+    rank, the bytes it sent by kind (the hidden states down the pipeline, its layers' K,V to the front)."""
     view = ctx.stage(seg.rope, seg.stages)
     cache = ctx.staged.pop(seg.request_id, None) if seg.held == STAGED else None
     ids = torch.tensor([seg.tokens], device=ctx.device)
     logits, cache = spp_prefill(view, ids, ctx.transport, seg.pipeline_chunk or len(seg.tokens), cache, seg.start,
                                 attention)
+    hidden = ctx.transport.stats.bytes_sent
     if seg.keep == STAGED:
         ctx.staged[seg.request_id] = cache
-        return logits, None
-    return logits, gather_stages(ctx, seg, cache)
+        return logits, None, {"hidden states": hidden}
+    whole = gather_stages(ctx, seg, cache)
+    return logits, whole, {"hidden states": hidden, "K,V to the front": ctx.transport.stats.bytes_sent - hidden}
 
 
 def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None:
@@ -63,14 +66,15 @@ def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None
     return whole
 
 
-def kv_parallel(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, object]:
-    """A KV-parallel chunk on this rank (``ctx``: its executor.RankContext; the chunk's attention is KVP's whatever
+def kv_parallel(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, object, dict]:
+    """A KV-parallel chunk on this rank (``ctx``: its rank.RankContext; the chunk's attention is KVP's whatever
     ``attention``): its shard of the request, made empty by the first chunk, kept in ``ctx.shards`` for the next
-    chunk and the decode. Returns, on the front, the last token's logits and the front's shard."""
+    chunk and the decode. Returns, on the front, the last token's logits and the front's shard (no bytes by kind:
+    the all-gathers of partial outputs are all it sends)."""
     model, layout = ctx.model(seg.rope)
     shard, _ = ctx.shards.get(seg.request_id) or (empty_shards(layout, ctx.device), seg.rope)
     ctx.shards[seg.request_id] = shard, seg.rope
     logits = kvp_forward(model.model, shard, ctx.transport, list(seg.tokens), owner=ctx.rank == seg.owner,
                          emit=ctx.rank == ctx.front)
-    return logits, shard
+    return logits, shard, {}
 

@@ -225,6 +225,7 @@ class Sequence:
     prefill_start_s: float | None = None
     rope: object = None  # the RoPE extension its prompt's length needs (a model.rope.RopeExtension), or None
     prefilled: int = 0  # prompt tokens whose K,V the front holds already (the chunks of a chunked prefill so far)
+    chunked: bool = False  # its prompt prefills in chunks (serve/chunking.py), one per step
     passed_over: int = 0  # prefill steps in a row that went to another request (the scheduler's starvation bound)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far, where the request asks
     answers: Answers | None = None  # a request carrying questions, once its context and questions are prefilled

@@ -2,10 +2,10 @@
 first requests would otherwise compile on (model/compiled.py), so no client waits minutes on its first prompt.
 
 Two prompts on the front alone and two over the chain, each pair of different lengths (the second checks that a new
-length does not compile again), through the engine's own step (``Placement.execute``): every rank compiles its part
-of a chain prefill, the first rank's without a prefix and the others' behind one. Decode steps run eager
-(``BatchDecoder.step``); a chunk behind the earlier ones, packed prompts and KV-parallel steps compile on first
-use. Nothing for an eager model.
+length does not compile again), through the engine's own step (``workers.tell``, then ``executor.run_step``):
+every rank compiles its part of a chain prefill, the first rank's without a prefix and the others' behind one.
+Decode steps run eager (``BatchDecoder.step``); a chunk behind the earlier ones, packed prompts and KV-parallel
+steps compile on first use. Nothing for an eager model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from kvrunahead.model.compiled import is_compiled
 from kvrunahead.partition import Partition
-from kvrunahead.serve.plans import Segment, StepPlan
+from kvrunahead.serve import executor, workers
+from kvrunahead.serve.plans import CHAIN, Segment, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def warm_up(placement, attention: str) -> None:
         t0 = time.perf_counter()
         for extra in (0, 5):
             n = WARM_UP_TOKENS * degree + extra
-            cuts = tuple(Partition.even(n, degree).boundaries) if degree > 1 else None
-            seg = Segment("warm-up", (0,) * n, cuts=cuts)
-            placement.execute(StepPlan((seg,), attention))
+            over = {"way": CHAIN, "cuts": tuple(Partition.even(n, degree).boundaries)} if degree > 1 else {}
+            seg = Segment("warm-up", (0,) * n, **over)
+            plan = StepPlan((seg,), attention)
+            workers.tell(ctx, plan, None, placement.heartbeat)
+            executor.run_step(ctx, plan)
         log.warning("compiled a prompt's forward %s in %.1f s", where, time.perf_counter() - t0)

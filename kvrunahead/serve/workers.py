@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from kvrunahead.net import liveness
-from kvrunahead.serve.executor import RankContext, run_step
+from kvrunahead.serve.executor import run_step
 from kvrunahead.serve.plans import Drop, Mirrored, Ping, Plan, Shutdown, StepPlan
+from kvrunahead.serve.rank import RankContext
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,20 @@ def send_plan(ctx: RankContext, plan: Plan) -> None:
     payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
     _broadcast(torch.tensor([payload.numel()], dtype=torch.int64), ctx, "the workers to take the next plan")
     _broadcast(payload, ctx, "the workers to take the next plan")
+
+
+def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat) -> None:
+    """Tell the other ranks the step the front is about to run: a TP front's peers every step (``Mirrored``, with
+    the changes to the front's decode batch, ``decoder``), the workers where any takes part; a step the front runs
+    alone keeps the heartbeat."""
+    if not plan.needs_workers:
+        heartbeat.maybe_ping()
+    if ctx.tp > 1:
+        send_plan(ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
+        heartbeat.sent()
+    elif plan.needs_workers and ctx.world_size > 1:
+        send_plan(ctx, plan.workers_plan)
+        heartbeat.sent()
 
 
 def recv_plan(ctx: RankContext) -> Plan:
