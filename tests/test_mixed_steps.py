@@ -225,3 +225,44 @@ def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention()
 
     assert can_mix(loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model)
     assert not can_mix(loaded_model("tiny-falcon", torch.float32, torch.device("cpu"), 0).model)
+
+
+def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_and_copies_nothing():
+    """``n`` choices of a prompt: the prefix cache's entry is shared (views, never written), each choice's tokens
+    grow after it, the choices attend it in one product; alone and riding a prompt's forward, their logits are
+    those of a request decoding on a copy of its own."""
+    from transformers import DynamicCache
+
+    from kvrunahead.serve.decode import BatchDecoder
+    from kvrunahead.serve.prefix_cache import PrefixCache
+    from kvrunahead.serve.rows import ForkedKV
+
+    model = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
+    layout = probe_kv_layout(model)
+    ids = LONGS[0]
+    cache = DynamicCache(config=model.config)
+    prefixes = PrefixCache(10_000)
+    prefixes.put(ids, cache, last_token_logits(model, torch.tensor([ids]), cache=cache))
+    entry = prefixes.whole(ids)
+    shared = prefixes.cache_of(entry, len(ids), model.config)
+    assert shared.layers[0].keys.data_ptr() == entry.kv[0][0].data_ptr()  # a view of the entry, not a copy
+    decoder = BatchDecoder(model, batched=True, layout=layout)
+    decoder.add("copy", prefixes.cache_of(entry, len(ids), model.config))
+    for rid in ("fork-1", "fork-2"):
+        decoder.add(rid, prefixes.cache_of(entry, len(ids), model.config), fork=True)
+    before = [kv.clone() for kv in entry.kv[0]]
+    tokens = {"copy": 5, "fork-1": 5, "fork-2": 9}
+    for step in range(4):
+        logits = decoder.step(tokens, {rid: len(ids) + step for rid in tokens})
+        assert torch.allclose(logits["copy"], logits["fork-1"], atol=1e-5)
+        assert not torch.allclose(logits["fork-1"], logits["fork-2"], atol=1e-3)  # its own token, its own tokens
+        tokens = {rid: int(row.argmax()) for rid, row in logits.items()}
+    forked = decoder.own["fork-1"][0]
+    assert isinstance(forked, ForkedKV) and forked.prefix[0].data_ptr() == entry.kv[0][0].data_ptr()
+    assert forked.own.n == 4 and all(torch.equal(a, b) for a, b in zip(before, entry.kv[0]))
+    # riding a prompt's forward: the forked rows attend the shared prompt the same way
+    rows = decoder.riders([Segment(rid, (tokens[rid],), len(ids) + 4, ROW, held=FRONT, keep=FRONT)
+                           for rid in ("copy", "fork-1")])
+    link = ChainLink(LocalTransport(), 0, layout, torch.device("cpu"))
+    _, row_logits, _ = mixed_forward(model, SHORTS[0], link, list(rows.values()), emit=True)
+    assert torch.allclose(row_logits[0], row_logits[1], atol=1e-5)

@@ -2,17 +2,19 @@
 kinds on a 4k-token prompt, interleaved (the order alternating by round):
 
 - ``--pair n``: ``n = 4`` against ``n = 1`` (``temperature: 1``); rows.jsonl, summary.md.
+- ``--pair n32``: the same with 32 tokens per choice (``max_tokens: 32, ignore_eos: true``): the other choices
+  decode beside the first, forked from its prompt's K,V; rows_n32.jsonl, summary_n32.md.
 - ``--pair echo``: lm-eval's loglikelihood request (``echo: true, logprobs: 1``: the prompt's log-probabilities,
   every position scored) against the same request without them; rows_echo.jsonl, summary_echo.md.
 
-Each request is answered whole with ``max_tokens: 1``, so its time is that of every choice's first token; every
-prompt is new to the server (a different 4k-token window of the shipped text per request), so each request's first
-choice prefills the whole prompt and only the other choices of ``n`` can find it in the prefix cache. Rows: the
-request's wall time, its first choice's TTFT (the server's figure), the prompt tokens the prefix cache gave (from
-/metrics, before and after).
+Each request but n32's is answered whole with ``max_tokens: 1``, so its time is that of every choice's first
+token; every prompt is new to the server (a different 4k-token window of the shipped text per request), so each
+request's first choice prefills the whole prompt and only the other choices of ``n`` can find it in the prefix
+cache. Rows: the request's wall time, its first choice's TTFT (the server's figure), the prompt tokens the prefix
+cache gave (from /metrics, before and after).
 
 Resumable: a (round, arm) already in the rows is skipped. Then the summary (medians, the ratio per round).
-Usage: python experiments/vllm_clients/run.py [--pair n|echo] [--rounds 5] [--summary]
+Usage: python experiments/vllm_clients/run.py [--pair n|n32|echo] [--rounds 5] [--summary]
 """
 
 from __future__ import annotations
@@ -71,15 +73,17 @@ def cached_tokens(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-PAIRS = {  # pair -> (base arm, arm, rows, summary, what the arm asks beside the base's body)
-    "n": ("n1", "n4", "rows.jsonl", "summary.md", {"n": 4}),
-    "echo": ("plain", "scored", "rows_echo.jsonl", "summary_echo.md", {"echo": True, "logprobs": 1}),
+PAIRS = {  # pair -> (base arm, arm, rows, summary, what the arm asks beside the base's body, the base's tokens)
+    "n": ("n1", "n4", "rows.jsonl", "summary.md", {"n": 4}, {"max_tokens": 1}),
+    "n32": ("n1", "n4", "rows_n32.jsonl", "summary_n32.md", {"n": 4}, {"max_tokens": 32, "ignore_eos": True}),
+    "echo": ("plain", "scored", "rows_echo.jsonl", "summary_echo.md", {"echo": True, "logprobs": 1},
+             {"max_tokens": 1}),
 }
 
 
 def one(url: str, ids: list[int], extra: dict, seed: int) -> dict:
     before = cached_tokens(url)
-    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "seed": seed, **extra}
+    body = {"model": MODEL, "prompt": ids, "temperature": 1.0, "seed": seed, **extra}
     t0 = time.perf_counter()
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
     wall = time.perf_counter() - t0
@@ -101,18 +105,18 @@ def rows_of(pair: str) -> list[dict]:
 
 
 def run(pair: str, rounds: int) -> None:
-    base, arm, rows_name, _, extra = PAIRS[pair]
+    base, arm, rows_name, _, extra, tokens = PAIRS[pair]
     done = {(r["round"], arm_of(r)) for r in rows_of(pair)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     proc, url, _ = start_server()
     try:
-        one(url, prompt_ids(url, 999), {}, 0)  # warm-up: the first request pays the weights' first touch
+        one(url, prompt_ids(url, 999), tokens, 0)  # warm-up: the first request pays the weights' first touch
         for rnd in range(1, rounds + 1):
             for name in (base, arm) if rnd % 2 else (arm, base):
                 if (rnd, name) in done:
                     continue
-                asks = extra if name == arm else {}
+                asks = {**tokens, **(extra if name == arm else {})}
                 row = {"round": rnd, "arm": name, **asks, **one(url, prompt_ids(url, 2 * rnd + (name == arm)), asks,
                                                                   rnd),
                        "context": CONTEXT, "model": MODEL, "machine": platform.processor() or platform.machine(),
@@ -128,7 +132,7 @@ def run(pair: str, rounds: int) -> None:
 
 
 def summary(pair: str) -> None:
-    base, arm, _, summary_name, extra = PAIRS[pair]
+    base, arm, _, summary_name, extra, tokens = PAIRS[pair]
     rows = rows_of(pair)
     by = {(r["round"], arm_of(r)): r for r in rows}
     rounds = sorted({r for r, _ in by if (r, base) in by and (r, arm) in by})
@@ -137,7 +141,8 @@ def summary(pair: str) -> None:
     med = {(name, key): statistics.median(by[(r, name)][key] for r in rounds)
            for name in (base, arm) for key in keys}
     commits = sorted({by[(r, name)]["commit"] for r in rounds for name in (base, arm)})
-    lines = [f"# {arm} ({json.dumps(extra)}) against {base} on a 4k prompt (kvr-serve --nproc 2, SmolLM2-135M, "
+    lines = [f"# {arm} ({json.dumps(extra)}) against {base} on a 4k prompt, {json.dumps(tokens)} (kvr-serve "
+             "--nproc 2, SmolLM2-135M, "
              "1 thread per rank)", "",
              f"Rounds: {len(rounds)}, interleaved. Commits {', '.join(commits)}; {rows[-1]['date']}.", "",
              f"| round | {base} wall s | {arm} wall s | wall ratio | {base} TTFT s | {arm} TTFT s | TTFT ratio |",

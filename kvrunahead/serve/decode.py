@@ -31,7 +31,7 @@ from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.questions import SharedContext
 from kvrunahead.serve.plans import question_id
-from kvrunahead.serve.rows import Row, can_mix, mixed_forward
+from kvrunahead.serve.rows import ForkedKV, Row, can_mix, mixed_forward
 from kvrunahead.transport import LocalTransport
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,16 @@ class BatchDecoder:
         self.mask: torch.Tensor | None = None  # [batch, tokens]: 0 on the pads
         self._keep = forward_takes(model, "logits_to_keep")
 
-    def add(self, request_id: str, cache: DynamicCache) -> None:
-        self.own[request_id] = cache_kv(cache) if self.batched else grow_in_place(cache)
+    def add(self, request_id: str, cache: DynamicCache, fork: bool = False) -> None:
+        """A request joins the decode with its prompt's ``cache``. ``fork``: the cache is shared (the prefix
+        cache's entry, another request's prompt): unpadded, the request's own tokens grow after it and it is never
+        copied (rows.ForkedKV); otherwise a copy of its own is made."""
+        if fork and self.unpadded:
+            self.own[request_id] = [ForkedKV(k, v) for k, v in cache_kv(cache)]
+        elif self.batched:
+            self.own[request_id] = cache_kv(cache)
+        else:
+            self.own[request_id] = grow_in_place(cache)
 
     def remove(self, request_id: str) -> None:
         """Free a request's cache (finished or cancelled); the batch drops its row at the next step."""
@@ -83,7 +91,7 @@ class BatchDecoder:
         out = {}
         for seg in segments:
             kv = self.own[seg.request_id]
-            if not isinstance(kv[0], GrowingKV):
+            if isinstance(kv[0], tuple):  # the first step after its prefill: room to grow into
                 kv = self.own[seg.request_id] = [GrowingKV(k, v) for k, v in kv]
             out[seg.request_id] = Row(seg.tokens[0], seg.start, kv)
         return out
@@ -108,7 +116,7 @@ class BatchDecoder:
         rows = []
         for rid in tokens:
             kv = self.own[rid]
-            if not isinstance(kv[0], GrowingKV):  # the first step after its prefill: room to grow into
+            if isinstance(kv[0], tuple):  # the first step after its prefill: room to grow into
                 kv = self.own[rid] = [GrowingKV(k, v) for k, v in kv]
             rows.append(Row(tokens[rid], positions[rid], kv))
         self.members = list(tokens)
@@ -175,12 +183,12 @@ class VariantDecoders:
         ops, self.ops = tuple(self.ops or ()), [] if self.ops is not None else None
         return ops
 
-    def add(self, request_id: str, cache: DynamicCache, variant: object = None) -> None:
+    def add(self, request_id: str, cache: DynamicCache, variant: object = None, fork: bool = False) -> None:
         if self.ops is not None:
             self.ops.append(("add", request_id, variant))
         if variant not in self.by_variant:
             self.by_variant[variant] = self.decoder_for(variant)
-        self.by_variant[variant].add(request_id, cache)
+        self.by_variant[variant].add(request_id, cache, fork)
         self.variant_of[request_id] = variant
 
     def remove(self, request_id: str) -> None:

@@ -295,7 +295,7 @@ class Engine:
         if outcome.cache is not None and seq.request_id not in self.ctx.shards:  # none: it ends here; KVP: spread
             if self.placement.cacheable(seq.rope):
                 self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
-            self.decoder.add(seq.request_id, outcome.cache, seq.rope)
+            self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
         with self._lock:
             self.scheduler.start_decoding(seq)
         return self._advance(seq, token)

@@ -70,6 +70,7 @@ class PrefillOutcome:
     logits: torch.Tensor  # [vocab], on the model's device
     cache: DynamicCache
     ranks: list[RankStats] = field(default_factory=list)
+    shared: bool = False  # the cache is the prefix cache's K,V (read, never written): the decode forks it
 
 
 @dataclass

@@ -147,15 +147,15 @@ class Placement:
 
     def answered(self, ids: list[int], rope, score: int | None = None) -> tuple[None, Placed, PrefillOutcome] | None:
         """A prompt the prefix cache holds whole with its first-token logits (another choice of ``n``, a prompt
-        asked again): no prefill, the logits as they were and a cache of its own over the entry's K,V (a decode
-        grows it by concatenation, never in place). None where it must prefill."""
+        asked again): no prefill, the logits as they were and a cache over the entry's K,V, which the decode forks
+        (its own tokens after them, the entry never copied). None where it must prefill."""
         entry = self.prefixes.whole(ids) if self.cacheable(rope) and score is None else None
         if entry is None:
             return None
         cache = self.prefixes.cache_of(entry, len(ids), self.model_config)
         placed = Placed(1, (0, len(ids)), "prefix cache: the whole prompt",
                         "no prefill: the prefix cache kept its first-token logits", len(ids))
-        return None, placed, PrefillOutcome(entry.logits, cache)
+        return None, placed, PrefillOutcome(entry.logits, cache, shared=True)
 
     def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
                ) -> tuple[Segment, Placed, list | None]:

@@ -81,10 +81,12 @@ class PrefixCache:
         return entry
 
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:
-        """A request's own cache holding the first ``tokens`` positions of ``entry`` (a copy it may grow)."""
+        """A cache over the first ``tokens`` positions of ``entry``: views of its K,V, not a copy. Whoever holds it
+        reads it and never writes it: the decode forks it (serve/rows.ForkedKV), a transformers append copies it."""
         cache = DynamicCache(config=config)
         for layer, (k, v) in zip(cache.layers, entry.kv):
-            layer.update(k[:, :, :tokens], v[:, :, :tokens])
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k[:, :, :tokens], v[:, :, :tokens]
         return cache
 
     def held(self, entry: CachedPrompt, tokens: int) -> list[torch.Tensor]:

@@ -30,24 +30,41 @@ from kvrunahead.model.attention import (
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV
-from kvrunahead.modes.attention import refuse_softcap
+from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
 from kvrunahead.modes.kvr import ChainLink, RunaheadCache, split_block
+
+
+class ForkedKV:
+    """One layer's K,V of a request decoding after a prompt it shares (the prefix cache's entry: ``prefix``, read
+    and never copied or written) and its own tokens after it (``own``, grown in place). The requests forked from
+    one entry (``n`` choices of a prompt) attend it in one product per step, their queries stacked (PAT's decode
+    attention, kvrunahead/questions.py), each its own tokens apart, the two merged by their log-sum-exp."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.prefix = keys, values
+        self.own: GrowingKV | None = None
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.own is None:
+            self.own = GrowingKV(keys, values)
+        else:
+            self.own.append(keys, values)
 
 
 @dataclass
 class Row:
     """A request decoding on the front: the token to compute now, its position, its K,V per layer (grown in
-    place by this step)."""
+    place by this step; forked: after the prompt it shares)."""
 
     token: int
     position: int
-    kv: list[GrowingKV]
+    kv: list[GrowingKV | ForkedKV]
 
 
 @dataclass
 class _State:
     part_tokens: int
-    blocks: list = field(default_factory=list)  # the layer being run: (q_lo, q_hi, keys, values) per segment
+    blocks: list = field(default_factory=list)  # the layer being run: (q_lo, q_hi, (keys, values) or ForkedKV)
 
 
 class _RowsLayer(DynamicLayer):
@@ -67,11 +84,11 @@ class _RowsLayer(DynamicLayer):
         n = self.state.part_tokens
         blocks = []
         if n:
-            keys, values = self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs)
-            blocks.append((0, n, keys, values))
+            blocks.append((0, n, self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs)))
         for j, row in enumerate(self.rows):
-            k, v = row.kv[self.index].append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
-            blocks.append((n + j, n + j + 1, k, v))
+            kv = row.kv[self.index]
+            held = kv.append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
+            blocks.append((n + j, n + j + 1, kv if isinstance(kv, ForkedKV) else held))
         self.state.blocks = blocks
         return key_states, value_states  # the attention reads the blocks, not these
 
@@ -94,10 +111,34 @@ MIXED = "kvrunahead_mixed_rows"
 
 
 def mixed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Each block's queries (the part's, then one per row) against that segment's keys, causally at their end."""
+    """Each block's queries (the part's, then one per row) against that segment's keys, causally at their end; the
+    rows forked from one shared prompt against it together (``forked_attention``)."""
     refuse_softcap(kwargs, "a mixed step")
-    outs = [split_block(query[:, :, lo:hi], k, v, scaling) for lo, hi, k, v in current_state().blocks]
+    blocks = current_state().blocks
+    outs, forks = [None] * len(blocks), {}
+    for b, (lo, hi, kv) in enumerate(blocks):
+        if isinstance(kv, ForkedKV):
+            forks.setdefault(id(kv.prefix[0]), []).append(b)
+        else:
+            outs[b] = split_block(query[:, :, lo:hi], *kv, scaling)
+    for members in forks.values():
+        for b, out in zip(members, forked_attention(query, [blocks[b] for b in members], scaling)):
+            outs[b] = out
     return torch.cat(outs, dim=1), None
+
+
+def forked_attention(query, rows, scale) -> list[torch.Tensor]:
+    """One query per row (``(q, q + 1, ForkedKV)`` each, the same prefix): every query against the shared prefix in
+    one product, each against its own tokens, merged by log-sum-exp. Each row's ``[1, 1, heads, head_dim]``."""
+    keys, values = rows[0][2].prefix
+    stacked = torch.cat([query[:, :, lo:hi] for lo, hi, _ in rows], dim=2)
+    out, lse = attend_with_lse(stacked, keys, values, causal=False, scale=scale)
+    outs = []
+    for i, (lo, hi, kv) in enumerate(rows):
+        own_out, own_lse = attend_with_lse(query[:, :, lo:hi], kv.own.keys, kv.own.values, causal=False, scale=scale)
+        merged, _ = merge_lse(out[:, :, i:i + 1], lse[:, :, i:i + 1], own_out, own_lse)
+        outs.append(merged.to(query.dtype).transpose(1, 2).contiguous())
+    return outs
 
 
 register(MIXED, mixed_attention)
