@@ -266,3 +266,34 @@ def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_an
     link = ChainLink(LocalTransport(), 0, layout, torch.device("cpu"))
     _, row_logits, _ = mixed_forward(model, SHORTS[0], link, list(rows.values()), emit=True)
     assert torch.allclose(row_logits[0], row_logits[1], atol=1e-5)
+
+
+def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_the_first():
+    """The prompt's later requests (``n``'s other choices) need no prefill: the prefix cache answers every one of
+    them in the same step, each forks the prompt's K,V, and greedy they give the first choice's tokens."""
+    from kvrunahead.config import RunConfig
+    from kvrunahead.launcher import World
+    from kvrunahead.serve.config import EngineConfig
+    from kvrunahead.serve.engine import Engine
+    from kvrunahead.serve.rows import ForkedKV
+    from kvrunahead.serve.sequence import TokenEvent
+
+    engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> set[str]:
+        got = [e for e in engine.step() if isinstance(e, TokenEvent)]
+        for e in got:
+            tokens.setdefault(e.request_id, []).append(e.token_id)
+        return {e.request_id for e in got}
+
+    engine.add(Request("c0", LONGS[0], SamplingParams(max_tokens=6)))
+    assert step() == {"c0"}
+    for j in (1, 2, 3):
+        engine.add(Request(f"c{j}", LONGS[0], SamplingParams(max_tokens=6)))
+    assert step() == {"c0", "c1", "c2", "c3"}  # the three answered together, beside c0's next token
+    decoder = engine.decoder.by_variant[None]
+    assert all(isinstance(decoder.own[f"c{j}"][0], ForkedKV) for j in (1, 2, 3))
+    while engine.has_work():
+        step()
+    assert tokens["c1"] == tokens["c2"] == tokens["c3"] == tokens["c0"] and len(tokens["c0"]) == 6

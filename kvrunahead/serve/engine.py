@@ -69,7 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
                                    lars_slack(self.chunks, config) if config.schedule == "lars" else None,
                                    mixed=config.mixed_steps, prefill_first=config.prefill_first,
-                                   cached=self.placement.holds_start)
+                                   cached=self.placement.holds_start, answered=self.placement.answers)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
@@ -148,22 +148,34 @@ class Engine:
             return events + self._fail(e, step)
         return events + self.update_from_output(step, plan, outcome, ready)
 
-    def _plan(self, step: Step) -> tuple[StepPlan, list | None, PrefillOutcome | None]:
+    def _plan(self, step: Step) -> tuple[StepPlan, list | None, dict[str, PrefillOutcome]]:
         """The step's segments: every running request's next tokens (decode rows) and the prefill's (several
         prompts packed, a whole prompt, its next chunk, a context carrying its questions); the K,V the front holds
-        for it (the prefix cache's), and the outcome of a prompt that needs no prefill (Placement.answered)."""
+        for it (the prefix cache's), and the outcomes of the prompts that need no prefill (Placement.answered)."""
         rows = tuple(row for seq in step.decodes for row in self._rows(seq))
-        if len(step.prefills) > 1:  # the rows run beside the packed prompts, in their own forward
-            segments, cuts = self._packed(step.prefills)
-            return StepPlan(rows + tuple(segments), self.attention, packed=cuts), None, None
-        seg, held, ready = self._segment(step.prefills[0]) if step.prefills else (None, None, None)
+        ready = {seq.request_id: got for seq in step.prefills if (got := self._ready(seq)) is not None}
+        prompts = [seq for seq in step.prefills if seq.request_id not in ready]
+        if len(prompts) > 1:  # the rows run beside the packed prompts, in their own forward
+            segments, cuts = self._packed(prompts)
+            return StepPlan(rows + tuple(segments), self.attention, packed=cuts), None, ready
+        seg, held = self._segment(prompts[0]) if prompts else (None, None)
         return StepPlan(rows + ((seg,) if seg else ()), self.attention), held, ready
 
+    def _ready(self, seq: Sequence) -> PrefillOutcome | None:
+        """The outcome of a prompt the prefix cache answers whole (its first-token logits kept), else None."""
+        if seq.prefilled or not self.placement.answers(seq):
+            return None
+        seq.prefill_start_s = time.monotonic()
+        _, placed, outcome = self.placement.answered(seq.request.prompt_ids, seq.rope)
+        seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
+        return outcome
+
     def update_from_output(self, step: Step, plan: StepPlan, outcome: StepOutcome,
-                           ready: PrefillOutcome | None = None) -> list[Event]:
+                           ready: dict[str, PrefillOutcome] | None = None) -> list[Event]:
         """The step's outcome into its requests: every decode row's token; a chunk's progress (the rest of its
         prompt back in the queue); a prompt's first token, after which it decodes; a context's questions' first
-        tokens. ``ready``: the outcome of a prompt that needed no prefill."""
+        tokens. ``ready``: the outcomes of the prompts that needed no prefill."""
+        ready = ready or {}
         events: list[Event] = []
         for seq in step.decodes:
             if seq.answers is not None:
@@ -176,14 +188,18 @@ class Engine:
             return events
         if len(seqs) == 1 and seqs[0].request.questions:
             return events + self._asked(seqs[0], outcome)
-        if len(seqs) == 1 and ready is None:
-            seq = seqs[0]
+        prompts = [seq for seq in seqs if seq.request_id not in ready]
+        if len(prompts) == 1:
+            seq = prompts[0]
             seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
             if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step.decodes):
-                return events
-        outcomes = [ready] if ready is not None else [outcome.prefill(seq.request_id) for seq in seqs]
-        self._record(seqs, outcomes, outcome.ranks)
-        return events + [e for seq, one in zip(seqs, outcomes) for e in self._after_prefill(seq, one)]
+                prompts = []
+        outcomes = {seq.request_id: outcome.prefill(seq.request_id) for seq in prompts}
+        if prompts:
+            self._record(prompts, list(outcomes.values()), outcome.ranks)
+        outcomes.update(ready)
+        return events + [e for seq in seqs if seq.request_id in outcomes
+                         for e in self._after_prefill(seq, outcomes[seq.request_id])]
 
     def _chunk_done(self, seq: Sequence, seg: Segment, seconds: float, decodes: list[Sequence]) -> bool:
         """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
@@ -214,7 +230,7 @@ class Engine:
             return 0.0
         return self.chunks.cost.decode_step_s([s.next_position + 1 for s in decodes])
 
-    def _segment(self, seq: Sequence) -> tuple[Segment | None, list | None, PrefillOutcome | None]:
+    def _segment(self, seq: Sequence) -> tuple[Segment, list | None]:
         """The prefill's segment: the whole prompt where it is not chunked (placed by the prefix cache and the
         degree policy; a context carries its questions), else its next chunk, sized to the step's budget (the
         decode rows beside it add their own time: a step takes its chunk's budget plus one decode token of every
@@ -222,13 +238,10 @@ class Engine:
         n, request = seq.prompt_len, seq.request
         if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n) and not request.questions):
             seq.prefill_start_s = time.monotonic()
-            score = request.params.prompt_logprobs
-            seg, placed, held = (not request.questions and self.placement.answered(request.prompt_ids, seq.rope, score)
-                                 or self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope, score))
+            seg, placed, held = self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope,
+                                                      request.params.prompt_logprobs)
             seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
-            if seg is None:  # the prefix cache kept its first-token logits: ``held`` is the outcome
-                return None, None, held
-            return (asking.with_questions(seg, request) if request.questions else seg), held, None
+            return (asking.with_questions(seg, request) if request.questions else seg), held
         done = seq.prefilled
         if not done:
             seq.prefill_start_s, seq.chunked = time.monotonic(), True
@@ -241,7 +254,7 @@ class Engine:
         end = self.chunks.end(n, done, budget)
         seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
                                    request.params.prompt_logprobs)
-        return seg, None, None
+        return seg, None
 
     def _packed(self, seqs: list) -> tuple[list[Segment], tuple[int, ...]]:
         """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""

@@ -145,6 +145,12 @@ class Placement:
         packed with others, which would prefill it whole)."""
         return self.cacheable(rope) and self.prefixes.holds(ids)
 
+    def answers(self, seq) -> bool:
+        """Whether the prefix cache answers ``seq`` (a serve.sequence.Sequence) whole, with no prefill."""
+        request = seq.request
+        return (self.cacheable(seq.rope) and request.params.prompt_logprobs is None and not request.questions
+                and self.prefixes.answers(request.prompt_ids))
+
     def answered(self, ids: list[int], rope, score: int | None = None) -> tuple[None, Placed, PrefillOutcome] | None:
         """A prompt the prefix cache holds whole with its first-token logits (another choice of ``n``, a prompt
         asked again): no prefill, the logits as they were and a cache over the entry's K,V, which the decode forks

@@ -71,6 +71,11 @@ class PrefixCache:
             self.entries.move_to_end(found.ids)
         return best, found
 
+    def answers(self, ids: list[int]) -> bool:
+        """Whether ``whole`` would find the prompt with its first-token logits (the entries' order untouched)."""
+        entry = self.entries.get(tuple(ids))
+        return entry is not None and entry.logits is not None
+
     def whole(self, ids: list[int]) -> CachedPrompt | None:
         """The entry of exactly this prompt with its first-token logits (nothing left to compute), marked as the
         most recently used."""

@@ -35,8 +35,9 @@ from kvrunahead.serve.sequence import QueueFull, Sequence
 @dataclass
 class Step:
     """One engine step, plain data: the running requests whose next tokens it computes, and the waiting ones it
-    prefills (none; one, whole or its next chunk; or several packed end to end, kvrunahead/pack). The prefilled
-    requests are out of the queue; a decode's are still in ``running``."""
+    prefills (none; one, whole or its next chunk; several packed end to end, kvrunahead/pack; or those the prefix
+    cache answers whole, which need no prefill: the other choices of ``n``). The prefilled requests are out of the
+    queue; a decode's are still in ``running``."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[Sequence] = field(default_factory=list)
@@ -68,7 +69,8 @@ class Slack:
 class Scheduler:
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
                  starve_after: int = STARVE_AFTER, mixed: bool = True, prefill_first: bool = False,
-                 cached: Callable[[list[int], object], bool] | None = None) -> None:
+                 cached: Callable[[list[int], object], bool] | None = None,
+                 answered: Callable[[Sequence], bool] | None = None) -> None:
         if policy not in SCHEDULES:
             raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
@@ -78,6 +80,7 @@ class Scheduler:
         self.policy, self.slack, self.starve_after = policy, slack, starve_after
         self.mixed, self.prefill_first = mixed, prefill_first
         self.cached = cached or (lambda ids, rope: False)  # a prompt whose start is cached prefills alone
+        self.answered = answered or (lambda seq: False)  # one the prefix cache holds whole: nothing to compute
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.running: list[Sequence] = []
@@ -118,6 +121,12 @@ class Scheduler:
                 self.prefilling.remove(first)
                 return [first]
             self.waiting.remove(first)
+            if self.answered(first):  # nothing to compute: every other such request goes in the same step (n)
+                seqs = [first] + [s for s in order[1:] if s in self.waiting and self.answered(s)]
+                for seq in seqs[1:]:
+                    self.waiting.remove(seq)
+                    seq.passed_over = 0
+                return seqs
             seqs, total = [first], first.prompt_len
             # A prompt whose length needs the RoPE extended runs on another model variant, one whose start the
             # prefix cache holds prefills its new tokens alone, one scored keeps each position's logits: never
