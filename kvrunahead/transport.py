@@ -221,11 +221,14 @@ class TorchTransport(Transport):
         self._pairs: dict[frozenset[int], object] = {}
         self._lane_group = None
         if world_size > 1:
-            # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around, per lane.
+            # Every rank creates every group, in the same order: (i, i+1) and the ring's wrap-around, then every
+            # rank with the last (the serving engine's front gathers pipeline stages from and hands chunks to every
+            # rank), per lane.
             for index, ranks in enumerate(lanes):
                 pairs = {}
-                for i in range(world_size):
-                    key = frozenset((ranks[i], ranks[(i + 1) % world_size]))
+                for a, b in [(i, (i + 1) % world_size) for i in range(world_size)] + [
+                        (i, world_size - 1) for i in range(world_size - 1)]:
+                    key = frozenset((ranks[a], ranks[b]))
                     if key not in pairs:
                         pairs[key] = dist.new_group(sorted(key), backend=backend)
                 whole = dist.new_group(ranks, backend=backend) if len(lanes) > 1 else None
