@@ -29,12 +29,13 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self.tokens = 0
 
-    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> None:
+    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> CachedPrompt | None:
         """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``) and its first-token
-        ``logits``, where given."""
+        ``logits``, where given; the entry, or None where the prompt is not kept (too short, or longer than the
+        cache)."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
-            return
+            return None
         entry = self.entries.get(key)
         if entry is None:
             n = len(key)
@@ -48,6 +49,7 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)
+        return entry
 
     def _best(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and

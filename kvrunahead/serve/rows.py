@@ -118,7 +118,7 @@ def mixed_attention(module, query, key, value, attention_mask, scaling=None, dro
     outs, forks = [None] * len(blocks), {}
     for b, (lo, hi, kv) in enumerate(blocks):
         if isinstance(kv, ForkedKV):
-            forks.setdefault(id(kv.prefix[0]), []).append(b)
+            forks.setdefault((kv.prefix[0].data_ptr(), kv.prefix[0].shape), []).append(b)  # one prompt's forks
         else:
             outs[b] = split_block(query[:, :, lo:hi], *kv, scaling)
     for members in forks.values():
