@@ -14,22 +14,8 @@ from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.rank_setup import loaded_model
-from kvrunahead.serve.plans import (
-    ALONE,
-    CHAIN,
-    FRONT,
-    KV_PARALLEL,
-    NOWHERE,
-    PACKED,
-    PIPELINE,
-    RANKS,
-    ROW,
-    SHARDED,
-    SHARDED_ROW,
-    Segment,
-    StepPlan,
-    cut_at,
-)
+from kvrunahead.serve import plans
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, ROW, SHARDED, Segment, StepPlan, cut_at
 from kvrunahead.serve.rows import Row, mixed_forward
 from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, SamplingParams, Sequence
@@ -125,11 +111,11 @@ def test_rows_in_a_prompts_forward_get_the_logits_they_get_alone():
 
 
 def test_a_shared_contexts_questions_ride_on_its_segment_and_stay_on_the_front():
-    context = Segment("c", tuple(range(10)), way=CHAIN, cuts=(0, 6, 10), questions=((1, 2), (3,)))
+    context = Segment("c", tuple(range(10)), way=plans.CHAIN, cuts=(0, 6, 10), questions=((1, 2), (3,)))
     plan = StepPlan((context,))
     assert plan.workers_plan.segments[0].questions == () and plan.prompt.questions == ((1, 2), (3,))
     with pytest.raises(ValueError, match="questions follow a prompt kept whole on the front"):
-        Segment("c", tuple(range(10)), way=CHAIN, cuts=(0, 6, 10), keep=SHARDED, questions=((1,),))
+        Segment("c", tuple(range(10)), way=plans.CHAIN, cuts=(0, 6, 10), keep=SHARDED, questions=((1,),))
     with pytest.raises(ValueError, match="at least one token"):
         Segment("c", (1, 2), questions=((),))
 
@@ -137,32 +123,32 @@ def test_a_shared_contexts_questions_ride_on_its_segment_and_stay_on_the_front()
 def test_a_step_is_one_prompt_or_chunk_with_decode_rows_and_tells_the_workers_only_what_they_run():
     chunk = Segment("long", tuple(range(10)), 20, held=RANKS, keep=RANKS, **cut_at((20, 25, 30)))
     row = Segment("a", (5,), 7, ROW, held=FRONT, keep=FRONT)
-    kvp = Segment("b", (6,), 9, SHARDED_ROW, held=SHARDED, keep=SHARDED)
+    kvp = Segment("b", (6,), 9, plans.SHARDED_ROW, held=SHARDED, keep=SHARDED)
     plan = StepPlan((row, kvp, chunk))
-    assert chunk.way == CHAIN and plan.way == CHAIN
+    assert chunk.way == plans.CHAIN and plan.way == plans.CHAIN
     assert plan.prompt is chunk and plan.rows == (row,) and plan.sharded == (kvp,)
     assert plan.needs_workers and plan.workers_plan.segments == (kvp, chunk)
     assert chunk.part(0, 2) == (20, 25) and chunk.part(1, 2) == (25, 30)
     alone = Segment("x", (1, 2, 3), **cut_at((0, 0, 3)))
-    assert alone.way == ALONE and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
+    assert alone.way == plans.ALONE and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
     assert not StepPlan((row, alone)).needs_workers  # a whole prompt on the front: the workers are not told
     assert StepPlan((row,)).way is None and not StepPlan((row,)).needs_workers
     after_cache = Segment("x", (1,), 3, held=FRONT, **cut_at((3, 3, 4)))
-    assert StepPlan((after_cache,)).prompt.way == ALONE and not StepPlan((after_cache,)).needs_workers
+    assert StepPlan((after_cache,)).prompt.way == plans.ALONE and not StepPlan((after_cache,)).needs_workers
     # a chunk alone on the front after every rank held the positions before it: the workers catch up
     assert StepPlan((Segment("y", (1,), 3, held=RANKS, keep=RANKS),)).needs_workers
     with pytest.raises(ValueError, match="one prompt or chunk, or several prompts packed"):
         StepPlan((chunk, alone))
     with pytest.raises(ValueError, match="packed prompts \\(way packed\\)"):
         StepPlan((chunk, alone), packed=(0, 5, 13))
-    packed = StepPlan((row, Segment("p", (1, 2, 3), way=PACKED), Segment("q", (4, 5), way=PACKED)),
+    packed = StepPlan((row, Segment("p", (1, 2, 3), way=plans.PACKED), Segment("q", (4, 5), way=plans.PACKED)),
                       packed=(0, 3, 5))
     assert packed.prompt is None and [s.request_id for s in packed.prompts] == ["p", "q"]
-    assert packed.packed_step.lengths == (3, 2) and packed.needs_workers and packed.way == PACKED
+    assert packed.packed_step.lengths == (3, 2) and packed.needs_workers and packed.way == plans.PACKED
     assert packed.workers_plan.packed == (0, 3, 5) and packed.workers_plan.rows == ()
     assert not StepPlan(packed.segments, packed=(0, 0, 5)).needs_workers  # packed on the front alone
     with pytest.raises(ValueError, match="packed prompts \\(way packed\\)"):
-        StepPlan((Segment("p", (1, 2, 3), way=PACKED),))
+        StepPlan((Segment("p", (1, 2, 3), way=plans.PACKED),))
     with pytest.raises(ValueError, match="exactly when"):
         Segment("x", (1,), 0, held=FRONT)
     with pytest.raises(ValueError, match="decode row"):
@@ -174,21 +160,21 @@ def test_a_segment_says_how_it_runs_and_carries_only_that_ways_fields():
     with pytest.raises(ValueError, match="ways"):
         Segment("x", (1, 2), way="sideways")
     with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=CHAIN)  # the chain without its cuts
+        Segment("x", (1, 2), way=plans.CHAIN)  # the chain without its cuts
     with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=ALONE, cuts=(0, 1, 2))  # alone, yet cut
+        Segment("x", (1, 2), way=plans.ALONE, cuts=(0, 1, 2))  # alone, yet cut
     with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=CHAIN, cuts=(0, 1, 3))  # cuts past its end
+        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 3))  # cuts past its end
     with pytest.raises(ValueError, match="its stages"):
-        Segment("x", (1, 2), way=CHAIN, cuts=(0, 1, 2), stages=(0, 10, 30))
+        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 2), stages=(0, 10, 30))
     with pytest.raises(ValueError, match="its owner"):
-        Segment("x", (1, 2), way=KV_PARALLEL, keep=SHARDED)
+        Segment("x", (1, 2), way=plans.KV_PARALLEL, keep=SHARDED)
     with pytest.raises(ValueError, match="keep nothing"):
-        Segment("x", (1, 2), way=CHAIN, cuts=(0, 1, 2), keep=NOWHERE)
+        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 2), keep=NOWHERE)
     with pytest.raises(ValueError, match="scored"):
-        Segment("x", (1, 2), way=PIPELINE, stages=(0, 10, 30), score=1)
+        Segment("x", (1, 2), way=plans.PIPELINE, stages=(0, 10, 30), score=1)
     assert Segment("x", (1, 2), way="ring", cuts=(0, 1, 2), keep=NOWHERE).part(1, 2) == (1, 2)
-    assert Segment("x", (1, 2), way=PIPELINE, stages=(0, 10, 30)).part(0, 2) == (0, 2)
+    assert Segment("x", (1, 2), way=plans.PIPELINE, stages=(0, 10, 30)).part(0, 2) == (0, 2)
 
 
 def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():

@@ -40,22 +40,9 @@ from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
 from kvrunahead.pack.plan import PackedStep
 from kvrunahead.partition import Partition
+from kvrunahead.serve import plans
 from kvrunahead.serve.links import SegmentLink
-from kvrunahead.serve.plans import (
-    ALONE,
-    CHAIN,
-    FRONT,
-    KV_PARALLEL,
-    NOWHERE,
-    PACKED,
-    PEERS,
-    PIPELINE,
-    RANKS,
-    SHARDED,
-    Segment,
-    StepPlan,
-    question_id,
-)
+from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan, question_id
 from kvrunahead.serve.rank import RankContext
 from kvrunahead.serve.rows import can_mix, mixed_forward
 from kvrunahead.serve.segments import kv_parallel, pipelined
@@ -139,11 +126,11 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     ``decoder`` (front): the decode batch (serve/decode.py) whose requests the rows are."""
     front, way, seg = ctx.rank == ctx.front, plan.way, plan.prompt
     together = plan.needs_workers and ctx.world_size > 1
-    ctx.use_threads(solo=not plan.sharded and (way in (None, ALONE) or (way == PACKED and not together)))
+    ctx.use_threads(solo=not plan.sharded and (way in (None, plans.ALONE) or (way == plans.PACKED and not together)))
     ctx.transport.reset_stats()
     for rope in {s.rope for s in plan.prompts}:  # a model variant first used here loads untimed
         ctx.model(rope)
-    if way == PIPELINE:
+    if way == plans.PIPELINE:
         ctx.stage(seg.rope, seg.stages)
     if together:
         liveness.patient_barrier("the other ranks to start the step")
@@ -172,7 +159,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
                 out.scores.setdefault(request_id, []).extend(positions)
     else:
         out.ranks = [RankStats.alone(ctx.rank, sum(e - a for a, e in part.ranges), total_s)]
-    if way == CHAIN and seg.keep == SHARDED:  # after the prefill's figures: an even share each
+    if way == plans.CHAIN and seg.keep == SHARDED:  # after the prefill's figures: an even share each
         level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
     if front and seg is not None and seg.questions:  # behind the whole cache, they join the decode
         ctx.use_threads(solo=True)
@@ -194,7 +181,7 @@ def _chain(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) ->
     """A prompt or chunk alone on the front or over the chain (KV-Runahead, modes/kvr.py): this rank's cut after
     the K,V its predecessor hands on (or held: the prefix cache's on the front, a chunked prefill's earlier
     positions on every rank), the front's decode rows riding in the same forward where they can."""
-    seg, front, alone = plan.prompt, ctx.rank == ctx.front, plan.way == ALONE
+    seg, front, alone = plan.prompt, ctx.rank == ctx.front, plan.way == plans.ALONE
     lm, layout = ctx.model(seg.rope)
     start, end = seg.part(ctx.rank, ctx.world_size)
     base = None
@@ -321,6 +308,6 @@ def _packed(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -
     return Part(link, [(step.boundaries[rank], step.boundaries[rank + 1])])
 
 
-WAYS = {ALONE: _chain, CHAIN: _chain, KV_PARALLEL: _every_rank(kv_parallel), PIPELINE: _every_rank(pipelined),
-        PACKED: _packed, **dict.fromkeys(PEERS, _peer)}
+WAYS = {plans.ALONE: _chain, plans.CHAIN: _chain, plans.KV_PARALLEL: _every_rank(kv_parallel),
+        plans.PIPELINE: _every_rank(pipelined), plans.PACKED: _packed, **dict.fromkeys(plans.PEERS, _peer)}
 """How each way of a segment (serve/plans.py) runs on a rank: a prompt's, a chunk's, packed prompts'."""
