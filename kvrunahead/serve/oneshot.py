@@ -5,7 +5,8 @@ run share their planning (policy.choose_partition: a one-shot prompt's plan is m
 to the engine), their steps (serve/executor.py) and their decode (serve/decode.py); only the report differs.
 
 ``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/executor.py
-``WAYS``); the single process, the no-communication bound and TP (``--mode tp``) keep the runner's path
+``WAYS``); the single process, the no-communication bound, TP (``--mode tp``) and the peers over TP groups keep the
+runner's path
 (``runner.run_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
 padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
 (pack/batch.py).
@@ -105,8 +106,10 @@ ENGINE_MODES = {"kvr": "chain", "spp": "spp", **{peer: peer for peer in PEERS}}
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result.
     KV-Runahead, the pipeline and the peers run as one request to the engine, through the step a served prompt
-    takes (serve/executor.py); the single process, the no-communication bound and TP keep the runner's path."""
-    if cfg.mode not in ENGINE_MODES:
+    takes (serve/executor.py); the single process, the no-communication bound, TP and the peers over TP groups
+    (``--tp`` with tsp, ring or cp-allgather: a TP front's peers mirror its steps, which the peers' ways do not
+    take part in) keep the runner's path."""
+    if cfg.mode not in ENGINE_MODES or (cfg.mode in PEERS and world.tp > 1):  # the peers over TP groups too
         return run_on_runner(cfg, world)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     if world.world_size == 1:  # a whole prompt on one rank runs the model's own forward: nothing to split
