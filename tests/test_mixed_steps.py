@@ -256,7 +256,7 @@ def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_an
 
 def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_the_first():
     """The prompt's later requests (``n``'s other choices) need no prefill: the prefix cache answers every one of
-    them in the same step; every choice forks the prompt's K,V kept there, and greedy they give the first choice's
+    them in the same step; each forks the prompt's K,V kept there, and greedy they give the first choice's
     tokens."""
     from kvrunahead.config import RunConfig
     from kvrunahead.launcher import World
@@ -280,9 +280,9 @@ def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_th
         engine.add(Request(f"c{j}", LONGS[0], SamplingParams(max_tokens=6)))
     assert step() == {"c0", "c1", "c2", "c3"}  # the three answered together, beside c0's next token
     decoder = engine.decoder.by_variant[None]
-    # every choice, the first too (its prompt kept in the prefix cache), decodes forked from the one entry
-    assert all(isinstance(decoder.own[f"c{j}"][0], ForkedKV) for j in (0, 1, 2, 3))
-    assert len({decoder.own[f"c{j}"][0].prefix[0].data_ptr() for j in (0, 1, 2, 3)}) == 1
+    # the other choices decode forked from the one entry (the first on the cache its prefill left)
+    assert all(isinstance(decoder.own[f"c{j}"][0], ForkedKV) for j in (1, 2, 3))
+    assert len({decoder.own[f"c{j}"][0].prefix[0].data_ptr() for j in (1, 2, 3)}) == 1
     while engine.has_work():
         step()
     assert tokens["c1"] == tokens["c2"] == tokens["c3"] == tokens["c0"] and len(tokens["c0"]) == 6

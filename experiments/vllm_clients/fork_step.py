@@ -29,10 +29,12 @@ from kvrunahead.serve.decode import BatchDecoder
 from kvrunahead.serve.prefix_cache import PrefixCache
 
 HERE = Path(__file__).resolve().parent
-LAYOUTS = {"1 copy": ["copy"], "4 copies": ["copy"] * 4, "1 fork": ["fork"], "4 forks": ["fork"] * 4}
+LAYOUTS = {"1 copy": ["copy"], "4 copies": ["copy"] * 4, "1 fork": ["fork"], "4 forks": ["fork"] * 4,
+           "1 copy + 3 forks": ["copy"] + ["fork"] * 3}
 
 
 def step_ms(model, layout, prefixes, entry, n: int, kinds: list[str], steps: int = 8) -> float:
+    """The median seconds (ms) of a decode step of ``kinds`` (a copy or a fork each), after 2 untimed."""
     decoder = BatchDecoder(model, batched=True, layout=layout)
     for i, kind in enumerate(kinds):
         decoder.add(f"r{i}", prefixes.cache_of(entry, n, model.config), fork=kind == "fork")

@@ -306,12 +306,10 @@ class Engine:
         self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
                              seq.request.params.prompt_logprobs is not None)
         if outcome.cache is not None and seq.request_id not in self.ctx.shards:  # none: it ends here; KVP: spread
-            cache, fork = outcome.cache, outcome.shared
-            if self.placement.cacheable(seq.rope):  # kept: the request decodes forked from the entry, as n's others
-                entry = self.placement.prefixes.put(seq.request.prompt_ids, cache, outcome.logits)
-                if entry is not None and not fork:
-                    cache, fork = self.placement.prefixes.cache_of(entry, seq.prompt_len, self.model_config), True
-            self.decoder.add(seq.request_id, cache, seq.rope, fork=fork)
+            if self.placement.cacheable(seq.rope):
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
+            # the prefix cache's answers decode forked from its entry; a prefill's own cache is the request's alone
+            self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
         with self._lock:
             self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
