@@ -147,7 +147,7 @@ def leave_world() -> None:
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
-    _new_tokens(cfg)
+    new_tokens = _new_tokens(cfg)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     ids, partition = prepared.ids, prepared.partition
     rank, p = world.rank, world.world_size
@@ -158,10 +158,9 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     if p > 1:
         _check_same_plan(cfg, prepared)
     transport.reset_stats()
-    ranges = mode.token_ranges(partition)
-    my_ids = torch.tensor([[t for a, e in ranges[rank] for t in ids[a:e]]], device=device)
-    step = Step(lm.model, my_ids, ids, ranges, transport, layout, len(ids), prepared.kvr_attention,
-                own_kv_only=cfg.decode == "kvp", chunk_tokens=prepared.chunk_tokens)
+    step = mode.step(lm.model, ids, partition, transport, layout, prepared.kvr_attention,
+                     own_kv_only=cfg.decode == "kvp", chunk_tokens=prepared.chunk_tokens)
+    ranges = step.ranges
     state = mode.setup(step)
     emits = rank == mode.emitter(p)
     logits, cache, first_token, total_s = timed_prefill(mode, step, state, device, emits)
@@ -169,7 +168,6 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     all_stats = liveness.gather_objects(stats, "the other ranks to finish the prefill")[::world.tp] if p > 1 \
         else [stats]  # with --tp, each group's first rank speaks for it
     t0 = time.perf_counter()
-    new_tokens = _new_tokens(cfg)
     if emits and new_tokens > 1:  # the emitting rank (group) holds the whole cache
         tokens = greedy_decode(lm.model, first_token, cache, len(ids), new_tokens, lm.eos_token_ids)
     elif emits:

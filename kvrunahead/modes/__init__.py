@@ -50,6 +50,16 @@ class Mode:
     setup: Callable[[Step], object]  # untimed
     prefill: Callable[[Step, object], tuple[torch.Tensor | None, DynamicCache | None]]  # timed
 
+    def step(self, model: torch.nn.Module, ids: list[int], partition: Partition, transport: Transport,
+             layout: KVLayout, kvr_attention: str = "masked", **kw) -> Step:
+        """This rank's ``Step`` of the prompt ``ids`` cut by ``partition``: its token ranges (the mode's), its
+        tokens in their order (on the model's device)."""
+        ranges = self.token_ranges(partition)
+        mine = [t for a, e in ranges[transport.rank] for t in ids[a:e]]
+        device = next(model.parameters()).device
+        return Step(model, torch.tensor([mine], device=device), ids, ranges, transport, layout, len(ids),
+                    kvr_attention, **kw)
+
 
 def check_model(mode: str, config, kvr_attention: str = "masked") -> None:
     """Raise NotImplementedError with one line when ``mode`` cannot run the model of ``config`` exactly: layers

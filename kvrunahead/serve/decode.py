@@ -90,11 +90,16 @@ class BatchDecoder:
             self._unbatch()
         out = {}
         for seg in segments:
-            kv = self.own[seg.request_id]
-            if isinstance(kv[0], tuple):  # the first step after its prefill: room to grow into
-                kv = self.own[seg.request_id] = [GrowingKV(k, v) for k, v in kv]
-            out[seg.request_id] = Row(seg.tokens[0], seg.start, kv)
+            out[seg.request_id] = Row(seg.tokens[0], seg.start, self._growing(seg.request_id))
         return out
+
+    def _growing(self, request_id: str) -> list:
+        """The request's K,V per layer as a row grows them: at its first step after its prefill moved into room to
+        grow into (a fork grows its own tokens after the shared prompt)."""
+        kv = self.own[request_id]
+        if isinstance(kv[0], tuple):
+            kv = self.own[request_id] = [GrowingKV(k, v) for k, v in kv]
+        return kv
 
     @torch.no_grad()
     @eager()  # a compiled model's decode steps run eager (serve/rows.mixed_forward says why)
@@ -113,12 +118,7 @@ class BatchDecoder:
 
     def _rows_step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
         """One forward of every request's token, each attending its own K,V (no pads, nothing rebuilt)."""
-        rows = []
-        for rid in tokens:
-            kv = self.own[rid]
-            if isinstance(kv[0], tuple):  # the first step after its prefill: room to grow into
-                kv = self.own[rid] = [GrowingKV(k, v) for k, v in kv]
-            rows.append(Row(tokens[rid], positions[rid], kv))
+        rows = [Row(tokens[rid], positions[rid], self._growing(rid)) for rid in tokens]
         self.members = list(tokens)
         link = ChainLink(LocalTransport(), 0, self.layout, self.device)
         _, logits, _ = mixed_forward(self.model, [], link, rows, emit=False)

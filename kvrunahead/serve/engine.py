@@ -166,7 +166,7 @@ class Engine:
         if seq.prefilled or not self.placement.answers(seq):
             return None
         seq.prefill_start_s = time.monotonic()
-        _, placed, outcome = self.placement.answered(seq.request.prompt_ids, seq.rope)
+        placed, outcome = self.placement.answered(seq.request.prompt_ids)
         seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
         return outcome
 

@@ -34,7 +34,7 @@ from kvrunahead.model.device import reset_peak_memory, synchronize
 from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.modes import MODES, Step
+from kvrunahead.modes import MODES
 from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
 from kvrunahead.net import liveness
 from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
@@ -239,15 +239,13 @@ def _peer(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> 
     seg = plan.prompt
     mode = MODES[seg.way]
     lm, layout = ctx.model(seg.rope)
-    ranges = mode.token_ranges(Partition(seg.cuts))
-    mine = torch.tensor([[t for a, e in ranges[ctx.rank] for t in seg.tokens[a:e]]], device=ctx.device)
-    step = Step(lm.model, mine, list(seg.tokens), ranges, ctx.transport, layout, len(seg.tokens), plan.attention)
+    step = mode.step(lm.model, list(seg.tokens), Partition(seg.cuts), ctx.transport, layout, plan.attention)
     logits, cache = mode.prefill(step, mode.setup(step))
     if ctx.rank == mode.emitter(ctx.world_size):
         out.logits[seg.request_id] = logits
     if ctx.rank == ctx.front and seg.keep == FRONT:
         out.caches[seg.request_id] = cache
-    return Part(None, list(ranges[ctx.rank]))
+    return Part(None, list(step.ranges[ctx.rank]))
 
 
 def scored(score: Scoring) -> list[TokenLogprob]:

@@ -151,17 +151,15 @@ class Placement:
         return (self.cacheable(seq.rope) and request.params.prompt_logprobs is None and not request.questions
                 and self.prefixes.answers(request.prompt_ids))
 
-    def answered(self, ids: list[int], rope, score: int | None = None) -> tuple[None, Placed, PrefillOutcome] | None:
-        """A prompt the prefix cache holds whole with its first-token logits (another choice of ``n``, a prompt
-        asked again): no prefill, the logits as they were and a cache over the entry's K,V, which the decode forks
-        (its own tokens after them, the entry never copied). None where it must prefill."""
-        entry = self.prefixes.whole(ids) if self.cacheable(rope) and score is None else None
-        if entry is None:
-            return None
+    def answered(self, ids: list[int]) -> tuple[Placed, PrefillOutcome]:
+        """A prompt the prefix cache answers whole (``answers``: another choice of ``n``, a prompt asked again): no
+        prefill, the logits as they were and a cache over the entry's K,V, which the decode forks (its own tokens
+        after them, the entry never copied)."""
+        entry = self.prefixes.whole(ids)
         cache = self.prefixes.cache_of(entry, len(ids), self.model_config)
         placed = Placed(1, (0, len(ids)), "prefix cache: the whole prompt",
                         "no prefill: the prefix cache kept its first-token logits", len(ids))
-        return None, placed, PrefillOutcome(entry.logits, cache, shared=True)
+        return placed, PrefillOutcome(entry.logits, cache, shared=True)
 
     def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
                ) -> tuple[Segment, Placed, list | None]:

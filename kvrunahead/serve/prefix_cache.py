@@ -29,13 +29,12 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self.tokens = 0
 
-    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> CachedPrompt | None:
+    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> None:
         """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``) and its first-token
-        ``logits``, where given; the entry, or None where the prompt is not kept (too short, or longer than the
-        cache)."""
+        ``logits``, where given."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
-            return None
+            return
         entry = self.entries.get(key)
         if entry is None:
             n = len(key)
@@ -49,7 +48,6 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)
-        return entry
 
     def _best(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
@@ -81,9 +79,9 @@ class PrefixCache:
     def whole(self, ids: list[int]) -> CachedPrompt | None:
         """The entry of exactly this prompt with its first-token logits (nothing left to compute), marked as the
         most recently used."""
-        entry = self.entries.get(tuple(ids))
-        if entry is None or entry.logits is None:
+        if not self.answers(ids):
             return None
+        entry = self.entries[tuple(ids)]
         self.entries.move_to_end(entry.ids)
         return entry
 

@@ -44,11 +44,13 @@ class ForkedKV:
         self.prefix = keys, values
         self.own: GrowingKV | None = None
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> ForkedKV:
+        """Write ``keys``, ``values`` after its own tokens; itself, which the attention reads (prefix and own)."""
         if self.own is None:
             self.own = GrowingKV(keys, values)
         else:
             self.own.append(keys, values)
+        return self
 
 
 @dataclass
@@ -86,9 +88,8 @@ class _RowsLayer(DynamicLayer):
         if n:
             blocks.append((0, n, self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs)))
         for j, row in enumerate(self.rows):
-            kv = row.kv[self.index]
-            held = kv.append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
-            blocks.append((n + j, n + j + 1, kv if isinstance(kv, ForkedKV) else held))
+            held = row.kv[self.index].append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
+            blocks.append((n + j, n + j + 1, held))  # (keys, values), or a ForkedKV
         self.state.blocks = blocks
         return key_states, value_states  # the attention reads the blocks, not these
 
