@@ -223,14 +223,18 @@ def balanced_boundaries(boundaries: Sequence[int], busy: Sequence[float], work: 
 
 
 def boundaries_at_rates(rates: Sequence[float], work: Work, n: int, quantum: int = 1) -> tuple[int, ...]:
-    """The boundaries of ``n`` tokens at which ranks of these ``rates`` are equally busy (balanced_boundaries)."""
+    """The boundaries of ``n`` tokens at which ranks of these ``rates`` are equally busy (balanced_boundaries),
+    a valid partition of ``n`` by construction: the quantum shrinks to what ``n`` leaves each rank (a 5-token
+    prompt over 2 ranks is cut to the token, not to 8: a quantum wider than a part once put a cut at -3)."""
     p = len(rates)
+    check_fits(n, p)
+    quantum = max(1, min(quantum, n // p))
     sizes = equal_level_sizes([lambda b, t, r=r: r * work(b, t) for r in rates], n)
     cuts, prefix = [0], 0.0
     for s in sizes[:-1]:
         prefix += s
         cuts.append(round(prefix / quantum) * quantum)
     cuts.append(n)
-    for i in range(1, p):  # every part at least one quantum, the last one included
+    for i in range(1, p):  # every part at least one quantum; the last at least what is left (n - (p-1) quanta)
         cuts[i] = min(max(cuts[i], cuts[i - 1] + quantum), n - (p - i) * quantum)
-    return tuple(cuts)
+    return Partition(tuple(cuts)).boundaries

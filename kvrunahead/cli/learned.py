@@ -3,6 +3,7 @@
 \b
   kvr-learned                                   # every file kvr-serve --learn auto kept on this machine
   kvr-learned FILE --export partition_tables    # the timings as measured tables (degree 1 and the chain)
+  kvr-learned FILE --reset                      # forget that setting's timings (every file kept: no FILE)
 """
 
 from __future__ import annotations
@@ -22,14 +23,27 @@ PROG = "kvr-learned"
 @click.option("--export", "out", type=click.Path(file_okay=False, path_type=Path),
               help="Write each file's timings as partition tables into this folder (read by the degree policy and "
                    "the partition policy when the folder is partition_tables/, or by --table).")
-def main(files: tuple[Path, ...], out: Path | None) -> None:
-    from kvrunahead.model.load import cache_dir
+@click.option("--reset", is_flag=True,
+              help="Remove the files (a server started after it learns its setting afresh; one running keeps what "
+                   "it holds and writes it back at its next timing).")
+def main(files: tuple[Path, ...], out: Path | None, reset: bool) -> None:
     from kvrunahead.serve import learning
+    from kvrunahead.serve.degree import learned_folder
 
+    if reset and out is not None:
+        common.fail(PROG, "--reset and --export: one at a time")
     if not files:
-        files = tuple(sorted((cache_dir() / "learned").glob("*.json")))
+        files = tuple(sorted(learned_folder().glob("*.json")))
         if not files:
-            common.fail(PROG, f"no learned timings in {cache_dir() / 'learned'}: kvr-serve --learn auto keeps them")
+            common.fail(PROG, f"no learned timings in {learned_folder()}: kvr-serve --learn auto keeps them")
+    if reset:
+        for path in files:
+            if not path.is_file():
+                common.fail(PROG, f"no learned timings at {path}")
+        for path in files:
+            path.unlink()
+            click.echo(f"reset {path}")
+        return
     learners = []
     for path in files:
         try:
@@ -61,6 +75,8 @@ def _describe(path: Path, learner) -> str:
     lines = [f"{path}: {k['model']} {k['dtype']}, {k['world_size']} ranks of {k['threads']} thread(s) "
              f"(one rank: {k['solo_threads']}), {k['bandwidth']}, {k['prefill']}, on {k.get('machine', '?')}",
              "| bucket (tokens) | degree | timings | median s | median s / prior |", "|---|---|---|---|---|"]
+    if learner.ignored:
+        lines.insert(1, f"ignored {len(learner.ignored)} timing(s) that cannot serve: {'; '.join(learner.ignored)}")
     for edge, b in sorted(learner.buckets.items()):
         for degree, ts in sorted(b.timings.items()):
             if ts:

@@ -43,8 +43,9 @@ def _check(options: dict, world_size: int) -> None:
     from kvrunahead.model.device import check_device
     from kvrunahead.model.load import ModelError, resolve_config
     from kvrunahead.model.rope import ContextError
+    from kvrunahead.serve import learning
     from kvrunahead.serve.config import model_len_limit
-    from kvrunahead.serve.degree import parse_degree
+    from kvrunahead.serve.degree import learned_folder, parse_degree
 
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
@@ -65,6 +66,7 @@ def _check(options: dict, world_size: int) -> None:
     groups = tp_groups(config.run, world_size)  # a bad TP shape: one line, before any rank loads weights
     try:
         parse_degree(options["degree"], groups)
+        learning.check_path(options["learn"], learned_folder())
         model_config = resolve_config(options["model"])
         model_len_limit(config.run, model_config, config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:

@@ -87,10 +87,15 @@ def layout_learner(spec: str, cfg: RunConfig, config, world_size: int, local_wor
              "solo_threads": solo_threads, "tp": cfg.tp, "prefill": prefill, "device": cpu_name(),
              "machine": machine()}
     name = f"{table_filename(key).removesuffix('.json')}_t{threads}_s{solo_threads}_tp{cfg.tp}_{prefill}.json"
-    path = cache_dir() / "learned" / name if spec == "auto" else Path(spec)
+    path = learned_folder() / name if spec == "auto" else Path(spec)
     names = {1: "1 TP group" if cfg.tp > 1 else "1 rank",
              world_size: f"the {'pipeline' if pipeline else 'chain'} of {world_size}"}
     return LayoutLearner(stamp, path, names)
+
+
+def learned_folder() -> Path:
+    """Where ``--learn auto`` keeps its files, one per setting."""
+    return cache_dir() / "learned"
 
 
 STEP_TOKENS = 64  # lengths within one step share their choice: pricing a length costs the front milliseconds

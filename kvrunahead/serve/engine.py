@@ -7,6 +7,7 @@ requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one reques
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -132,12 +133,14 @@ class Engine:
         events = self._reap_cancelled()
         with self._lock:
             step = self.scheduler.schedule() if self.healthy else None
+        if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
+            step, plan, held, ready, refused = self._plan(step)
+            events += refused
         try:
             self._free_shards()
-            if step is None:
+            if step is None or not (plan.segments or ready):
                 self.heartbeat.maybe_ping()
                 return events
-            plan, held, ready = self._plan(step)
             t0 = time.monotonic()
             workers.tell(self.ctx, plan, self.decoder, self.heartbeat)
             outcome = executor.run_step(self.ctx, plan, held, self.decoder)
@@ -148,18 +151,83 @@ class Engine:
             return events + self._fail(e, step)
         return events + self.update_from_output(step, plan, outcome, ready)
 
-    def _plan(self, step: Step) -> tuple[StepPlan, list | None, dict[str, PrefillOutcome]]:
+    def _plan(self, step: Step) -> tuple[Step, StepPlan, list | None, dict[str, PrefillOutcome], list[Event]]:
         """The step's segments: every running request's next tokens (decode rows) and the prefill's (several
         prompts packed, a whole prompt, its next chunk, a context carrying its questions); the K,V the front holds
-        for it (the prefix cache's), and the outcomes of the prompts that need no prefill (Placement.answered)."""
+        for it (the prefix cache's), and the outcomes of the prompts that need no prefill (Placement.answered).
+
+        Nothing here may end the engine: no rank has taken part yet. A prompt whose placement raises runs in the
+        safe layout (whole, on the front alone), and one that cannot be planned even so ends alone (``_refuse``:
+        a 400 where the request is at fault, else a 500 naming the cause). Returned with the step less those
+        requests and their Finished events."""
+        refused: list[Event] = []
         rows = tuple(row for seq in step.decodes for row in self._rows(seq))
-        ready = {seq.request_id: got for seq in step.prefills if (got := self._ready(seq)) is not None}
+        ready = {}
+        for seq in step.prefills:
+            try:
+                if (got := self._ready(seq)) is not None:
+                    ready[seq.request_id] = got
+            except Exception:  # noqa: BLE001 - the prefix cache could not answer it: it is prefilled instead
+                log.exception("the prefix cache's answer to %s failed; prefilling it", seq.request_id)
         prompts = [seq for seq in step.prefills if seq.request_id not in ready]
+        held, segments, cuts = None, (), None
         if len(prompts) > 1:  # the rows run beside the packed prompts, in their own forward
-            segments, cuts = self._packed(prompts)
-            return StepPlan(rows + tuple(segments), self.attention, packed=cuts), None, ready
-        seg, held = self._segment(prompts[0]) if prompts else (None, None)
-        return StepPlan(rows + ((seg,) if seg else ()), self.attention), held, ready
+            planned, refused = self._planning(prompts, lambda: self._packed(prompts),
+                                              lambda why: self._packed(prompts, alone=why))
+            if planned is not None:
+                (segments, cuts) = planned
+        elif prompts:
+            seq = prompts[0]
+            planned, refused = self._planning(prompts, lambda: self._segment(seq),
+                                              None if seq.prefilled else lambda why: self._alone(seq, why))
+            if planned is not None:
+                seg, held = planned
+                segments = (seg,)
+        try:
+            plan = StepPlan(rows + tuple(segments), self.attention, packed=cuts)
+        except ValueError as e:  # a bug in how the step was put together: its prompts end, its rows go on
+            log.exception("the step's plan is not valid")
+            ended = {event.request_id for event in refused}
+            refused += self._refuse([s for s in prompts if s.request_id not in ended], e)
+            plan, held = StepPlan(rows, self.attention), None
+        if refused:
+            gone = {e.request_id for e in refused}
+            step = dataclasses.replace(step, prefills=[s for s in step.prefills if s.request_id not in gone])
+        return step, plan, held, ready, refused
+
+    def _planning(self, seqs: list[Sequence], plan, fallback):
+        """``plan()``, else (where it raised for other than the request's own input) ``fallback(why)``: the
+        prompts' safe layout; None and the requests' Finished where neither could place them."""
+        try:
+            return plan(), []
+        except InputError as e:  # the request's own problem (a 400)
+            return None, self._refuse(seqs, e)
+        except Exception as e:  # noqa: BLE001 - a placement that cannot serve: one request's, not the engine's
+            log.exception("placing %s failed%s", ", ".join(s.request_id for s in seqs),
+                          "; they run on the front alone" if fallback else "")
+            if fallback is None:
+                return None, self._refuse(seqs, e)
+            try:
+                return fallback(f"one rank: the placement failed ({type(e).__name__}: {e})"), []
+            except Exception as again:  # noqa: BLE001
+                log.exception("placing %s on the front alone failed too", ", ".join(s.request_id for s in seqs))
+                return None, self._refuse(seqs, again)
+
+    def _refuse(self, seqs: list[Sequence], e: Exception) -> list[Event]:
+        """End requests that could not be planned: a 400 for their own input, else a 500 naming the cause."""
+        if isinstance(e, InputError):
+            return [self._finish(seq, "error", str(e), bad_input=True) for seq in seqs]
+        return [self._finish(seq, "error", f"the server could not plan the request: {type(e).__name__}: {e}")
+                for seq in seqs]
+
+    def _alone(self, seq: Sequence, why: str) -> tuple[Segment, None]:
+        """The safe layout of a prompt not yet started: whole, on the front alone (its questions after it)."""
+        request = seq.request
+        seq.prefill_start_s, seq.chunked = time.monotonic(), False
+        seg, placed = self.placement.alone(seq.request_id, request.prompt_ids, seq.rope,
+                                           request.params.prompt_logprobs, why)
+        seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
+        return (asking.with_questions(seg, request) if request.questions else seg), None
 
     def _ready(self, seq: Sequence) -> PrefillOutcome | None:
         """The outcome of a prompt the prefix cache answers whole (its first-token logits kept), else None."""
@@ -179,27 +247,48 @@ class Engine:
         events: list[Event] = []
         for seq in step.decodes:
             if seq.answers is not None:
-                asking.take_tokens(seq, outcome, self.ctx.lm.eos_token_ids)
-                events += self._answered(seq)
+                events += self._taking(seq, lambda seq=seq: self._took_answers(seq, outcome))
             else:
-                events += self._advance(seq, self.samplers[seq.request_id](outcome.logits[seq.request_id]))
+                events += self._taking(seq, lambda seq=seq: self._advance(
+                    seq, self.samplers[seq.request_id](outcome.logits[seq.request_id])))
         seqs = step.prefills
         if not seqs:
             return events
         if len(seqs) == 1 and seqs[0].request.questions:
-            return events + self._asked(seqs[0], outcome)
+            return events + self._taking(seqs[0], lambda: self._asked(seqs[0], outcome))
         prompts = [seq for seq in seqs if seq.request_id not in ready]
         if len(prompts) == 1:
             seq = prompts[0]
             seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
-            if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step.decodes):
+            try:
+                if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step.decodes):
+                    prompts = []  # the rest waits for its turn
+            except Exception as e:  # noqa: BLE001 - one request's output, not a fault of the ranks
+                events.append(self._failed_taking(seq, e))
                 prompts = []
         outcomes = {seq.request_id: outcome.prefill(seq.request_id) for seq in prompts}
         if prompts:
             self._record(prompts, list(outcomes.values()), outcome.ranks)
         outcomes.update(ready)
         return events + [e for seq in seqs if seq.request_id in outcomes
-                         for e in self._after_prefill(seq, outcomes[seq.request_id])]
+                         for e in self._taking(seq, lambda seq=seq: self._after_prefill(seq, outcomes[seq.request_id]))]
+
+    def _taking(self, seq: Sequence, take) -> list:
+        """``take()``'s result, one request's output taken in on the front after every rank has done its part;
+        where that raises, that request alone ends (a 500 naming the cause) and the step goes on with the
+        others."""
+        try:
+            return take()
+        except Exception as e:  # noqa: BLE001 - one request's output, not a fault of the ranks
+            return [self._failed_taking(seq, e)]
+
+    def _failed_taking(self, seq: Sequence, e: Exception) -> Event:
+        log.exception("taking the step's output into %s failed", seq.request_id, exc_info=e)
+        return self._finish(seq, "error", f"the server failed the request: {type(e).__name__}: {e}")
+
+    def _took_answers(self, seq: Sequence, outcome: StepOutcome) -> list[Event]:
+        asking.take_tokens(seq, outcome, self.ctx.lm.eos_token_ids)
+        return self._answered(seq)
 
     def _chunk_done(self, seq: Sequence, seg: Segment, seconds: float, decodes: list[Sequence]) -> bool:
         """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
@@ -256,12 +345,12 @@ class Engine:
                                    request.params.prompt_logprobs)
         return seg, None
 
-    def _packed(self, seqs: list) -> tuple[list[Segment], tuple[int, ...]]:
+    def _packed(self, seqs: list, alone: str | None = None) -> tuple[list[Segment], tuple[int, ...]]:
         """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
         start = time.monotonic()
         segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
                                                        tuple(s.request_id for s in seqs),
-                                                       all(s.request.params.max_tokens == 1 for s in seqs))
+                                                       all(s.request.params.max_tokens == 1 for s in seqs), alone)
         for seq in seqs:
             seq.prefill_start_s = start
             seq.figures = placed.figures(seq.request.arrival_s, start, packed_with=len(seqs))

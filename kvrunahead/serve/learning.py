@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrunahead.decide.tables import Table, TableEntry, TableKey, TableMeta, table_filename
-from kvrunahead.partition import Work, boundaries_at_rates, rank_rates
+from kvrunahead.partition import Partition, Work, boundaries_at_rates, rank_rates
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class LayoutLearner:
     def __init__(self, key: dict, path: Path | None, names: dict[int, str]) -> None:
         self.key, self.path, self.names = key, path, names
         self.buckets: dict[int, Bucket] = {}
+        self.ignored: list[str] = []  # the stored timings left out at load, a line each (``_read``)
         if path is not None and path.exists():
             self._load(path)
 
@@ -137,7 +139,10 @@ class LayoutLearner:
         self.buckets.setdefault(bucket_of(n), Bucket()).of(degree).append(
             Timing(n, seconds, seconds / price, tuple(boundaries), tuple(busy)))
         if self.path is not None:
-            self.save(self.path)
+            try:
+                self.save(self.path)
+            except OSError as e:  # a full disk or a folder made read-only since the start: learnt in memory only
+                log.warning("cannot save the learned timings to %s (%s); they are kept in memory", self.path, e)
 
     def timings(self) -> int:
         return sum(len(t) for b in self.buckets.values() for t in b.timings.values())
@@ -153,24 +158,37 @@ class LayoutLearner:
         tmp.replace(path)
 
     def _load(self, path: Path) -> None:
+        """The file as untrusted input: one of another setting is set aside, one that cannot be read is ignored,
+        and of a readable one every timing that could not serve is left out (``_read``), each with a warning."""
         try:
             data = json.loads(path.read_text())
-            if data.get("format") != FORMAT or data.get("key") != self.key:
+            if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != self.key:
                 log.warning("%s was learned for another setting; starting afresh (it is kept as %s.old)", path,
                             path.name)
                 path.replace(path.with_suffix(path.suffix + ".old"))
                 return
-            self._read(data)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.ignored = self._read(data)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("cannot read the learned timings %s (%s); starting afresh", path, e)
             self.buckets = {}
+            return
+        if self.ignored:
+            log.warning("%s: ignored %d learned timing(s) that cannot serve, e.g. %s; the rest is used", path,
+                        len(self.ignored), "; ".join(self.ignored[:3]))
 
-    def _read(self, data: dict) -> None:
+    def _read(self, data: dict) -> list[str]:
+        """Take the file's timings that can serve (``timing_of``); what was left out, a line each."""
+        ignored = []
         for edge, per in data["buckets"].items():
-            b = self.buckets.setdefault(int(edge), Bucket())
             for d, rows in per.items():
-                b.of(int(d)).extend(Timing(int(row[0]), float(row[1]), float(row[2]), tuple(row[3]),
-                                           tuple(row[4]) if len(row) > 4 else ()) for row in rows)
+                for row in rows:
+                    try:
+                        timing, degree, bucket = timing_of(edge, d, row, set(self.names))
+                    except (ValueError, TypeError, IndexError) as e:
+                        ignored.append(f"bucket {edge!r}, degree {d!r}: {e}")
+                        continue
+                    self.buckets.setdefault(bucket, Bucket()).of(degree).append(timing)
+        return ignored
 
     def rates(self, n: int, degree: int, work: Work) -> tuple[list[float], int] | None:
         """Each rank's median rate (seconds per unit of modelled work) over the chain prefills timed in ``n``'s
@@ -192,12 +210,61 @@ class LayoutLearner:
                 for n, ts in sorted(by_n.items())]
 
 
+def _positive(x, what: str) -> float:
+    x = float(x)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{what} {x} is not a positive number")
+    return x
+
+
+def timing_of(edge, degree, row, degrees: set[int]) -> tuple[Timing, int, int]:
+    """One stored timing (``[tokens, seconds, ratio, boundaries, busy]`` under its bucket and degree), checked
+    for what it will be used for: a length within its bucket, positive finite times, boundaries that are a
+    partition of its tokens over its degree (or whole), a compute time per rank of a chain (or none). ``degrees``: the
+    degrees this setting runs (empty: any). Raises ValueError naming what is wrong."""
+    bucket, degree = int(edge), int(degree)
+    if degrees and degree not in degrees:
+        raise ValueError(f"degree {degree} is not run here ({sorted(degrees)})")
+    tokens = row[0]
+    if not isinstance(tokens, int) or tokens < max(1, degree):
+        raise ValueError(f"{tokens!r} tokens cannot run at degree {degree}")
+    if bucket_of(tokens) != bucket:
+        raise ValueError(f"{tokens} tokens lie in bucket {bucket_of(tokens)}, not {bucket}")
+    seconds, ratio = _positive(row[1], "seconds"), _positive(row[2], "the ratio to the prior")
+    boundaries = tuple(row[3])  # the chain's cuts, or [0, n] (one rank, the pipeline: every rank all of them)
+    if len(boundaries) not in (2, degree + 1) or not all(isinstance(b, int) for b in boundaries) or \
+            boundaries[-1] != tokens:
+        raise ValueError(f"boundaries {list(boundaries)} do not cut {tokens} tokens in 1 or {degree}")
+    Partition(boundaries)  # raises PartitionError (a ValueError) for an empty or negative part
+    busy = tuple(float(x) for x in row[4]) if len(row) > 4 else ()
+    if busy and (len(busy) != degree or not all(math.isfinite(x) and x >= 0 for x in busy)):
+        raise ValueError(f"compute times {list(busy)} are not one per rank of {degree}")
+    return Timing(tokens, seconds, ratio, boundaries, busy), degree, bucket
+
+
 def load(path: Path) -> LayoutLearner:
     """A learned-timings file as it is, whatever setting it was made for (``kvr-learned``)."""
     data = json.loads(Path(path).read_text())
     learner = LayoutLearner(data["key"], None, {})
-    learner._read(data)
+    learner.ignored = learner._read(data)
     return learner
+
+
+def check_path(spec: str, auto_folder: Path) -> None:
+    """``--learn``'s file (``auto``: one per setting in ``auto_folder``) must be one the server can write, or it
+    would serve until its first timing and then end: raises ValueError naming why not."""
+    if spec == "off":
+        return
+    path = None if spec == "auto" else Path(spec)
+    if path is not None and path.is_dir():
+        raise ValueError(f"--learn {spec}: a folder, not a file; give a file's path, auto or off")
+    if path is not None and path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"--learn {spec}: the file cannot be written")
+    folder = auto_folder if path is None else path.parent
+    while not folder.exists():  # save() makes the missing folders: the nearest one there must take them
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--learn {spec}: {folder} is not a folder this server can write in")
 
 
 def export(learner: LayoutLearner, out: Path, work: Work | None = None) -> list[Path]:

@@ -18,6 +18,7 @@ sends the cached K,V to rank 0 as its prefix, and the chain carries it on as it 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from kvrunahead.config import RunConfig
@@ -30,7 +31,7 @@ from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
 from kvrunahead.serve import learning, workers
 from kvrunahead.serve.config import EngineConfig
-from kvrunahead.serve.degree import DegreePolicy, layout_learner
+from kvrunahead.serve.degree import DegreeChoice, DegreePolicy, layout_learner
 from kvrunahead.serve.executor import PrefillOutcome
 from kvrunahead.serve.plans import (
     CHAIN,
@@ -51,6 +52,8 @@ from kvrunahead.serve.rank import RankContext
 from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import layer_cost
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -170,11 +173,16 @@ class Placement:
         if entry is not None:
             return self._after_cached(request_id, ids, cached, entry)
         choice = self.degrees.choose(len(ids))
+        cut = choice.degree > 1 and (self.peer is not None or self.pipeline is None or score is not None)
+        if cut:  # the chain's or the peer's partition of this very prompt, else the prompt runs on one rank
+            try:
+                partition, source = self.partition(len(ids))
+            except InputError as e:
+                choice = dataclasses.replace(choice, degree=1, basis="fixed",
+                                             source=f"one rank: the partition cannot cut {len(ids)} tokens ({e})")
         if choice.degree == 1:
-            return (Segment(request_id, tuple(ids), rope=rope, score=score),
-                    Placed(1, (0, len(ids)), "one rank", choice.source, basis=choice.basis), None)
+            return (*self.alone(request_id, ids, rope, score, choice.source, choice.basis), None)
         if self.peer is not None:  # the partition of the peer's own (policy.prepare: even)
-            partition, source = self.partition(len(ids))
             seg = Segment(request_id, tuple(ids), way=self.peer, cuts=tuple(partition.boundaries), rope=rope,
                           keep=NOWHERE if not MODES[self.peer].decodes else FRONT)
             return seg, Placed(choice.degree, partition.boundaries, source, choice.source, basis=choice.basis), None
@@ -182,12 +190,19 @@ class Placement:
             stages, chunk, source = self.stages(len(ids))
             seg = Segment(request_id, tuple(ids), way=PIPELINE, rope=rope, stages=stages, pipeline_chunk=chunk)
             return seg, Placed(choice.degree, (0, len(ids)), source, choice.source, basis=choice.basis), None
-        partition, source = self.partition(len(ids))
         kvp = self.decodes_kvp(len(ids))
         seg = Segment(request_id, tuple(ids), way=CHAIN, cuts=tuple(partition.boundaries), rope=rope,
                       keep=SHARDED if kvp else FRONT, score=score)
         return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
                            decode="kvp" if kvp else "gathered", basis=choice.basis), None
+
+    @staticmethod
+    def alone(request_id: str, ids: list[int], rope, score: int | None, why: str, basis: str = "fixed"
+              ) -> tuple[Segment, Placed]:
+        """A whole prompt on the front alone: what the degree chose, or the safe layout of a prompt whose placement
+        failed (``why`` says so in the response)."""
+        return (Segment(request_id, tuple(ids), rope=rope, score=score),
+                Placed(1, (0, len(ids)), "one rank", why, basis=basis))
 
     def timed(self, figures: RequestFigures, n: int, seconds: float, scored: bool) -> None:
         """A prompt's prefill as the server timed it, taught to the degree policy where it ran whole (no prefix
@@ -209,8 +224,14 @@ class Placement:
             return None
         rates, runs = found
         if self._learned.get(n, (None,))[0] != tuple(rates):  # the latest KEEP timings: their count stops growing
+            try:  # learned from other lengths of the bucket: valid for this one or not used
+                bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
+            except (PartitionError, ValueError) as e:
+                log.warning("the learned rates %s cannot cut %d tokens (%s): the partition as chosen before", rates,
+                            n, e)
+                self._learned[n] = tuple(rates), None
+                return None
             _, before = self._chosen_partition(n)
-            bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
             source = (f"learned: balanced at the ranks' rates in {runs} served prefill(s) at "
                       f"{learning.bucket_range(n)} tokens (before: {before})")
             self._learned[n] = tuple(rates), (Partition(bounds), source)
@@ -269,16 +290,17 @@ class Placement:
                        keep=FRONT if end == len(ids) else RANKS, **cut_at(cuts), rope=rope, score=score,
                        follows=ids[end] if score is not None and end < len(ids) else None)
 
-    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...], first_only: bool = False
-               ) -> tuple[list[Segment], tuple[int, ...], Placed]:
+    def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...], first_only: bool = False,
+               alone: str | None = None) -> tuple[list[Segment], tuple[int, ...], Placed]:
         """Several prompts packed into one prefill: their segments and the packed sequence's cuts, over the chain
         cut by the packed work at prompt edges, or on the front alone where the degree policy puts that many tokens
-        on one rank. ``first_only``: every one ends at its first token, so none is kept (no K,V relayed to the
-        front, no cache cut)."""
+        on one rank (or ``alone`` says why they must: the safe layout). ``first_only``: every one ends at its first
+        token, so none is kept (no K,V relayed to the front, no cache cut)."""
         lengths = [len(x) for x in prompts]
         segments = [Segment(rid, tuple(ids), way=PACKED, keep=NOWHERE if first_only else FRONT)
                     for rid, ids in zip(request_ids, prompts)]
-        choice = self.degrees.choose(sum(lengths), explore=False)
+        choice = (self.degrees.choose(sum(lengths), explore=False) if alone is None
+                  else DegreeChoice(1, alone, "fixed"))
         if choice.degree == 1:
             cuts = (0,) * self.ctx.world_size + (sum(lengths),)
             return segments, cuts, Placed(1, (0, sum(lengths)), "one rank", choice.source, basis=choice.basis)
