@@ -9,7 +9,7 @@ over the chain or the pipeline), "learned" (prompts over the chain whose partiti
 the ranks' timings), "cached" (a prompt, then one
 that starts the same way and whose new tokens run over the chain after the cached prefix), "kvp" (prompts decoded
 KV-cache parallel, alone and together, one cancelled on the way), "logprobs" and "prompt_logprobs" (against one
-process's scores).
+process's scores), "contained" (placements that raise, while a request decodes).
 """
 
 import asyncio
@@ -153,6 +153,54 @@ def serve(scenario: dict, world, out: dict) -> None:
     asyncio.run(main())
     out["healthy"] = client.healthy
     out["done_s"] = time.monotonic()
+
+
+def contained(scenario: dict, world, out: dict) -> None:
+    """Placements that raise, over the chain, while a request decodes: the chain's partition raises for prompts of
+    ``bad_len`` tokens (so "moved" runs on the front alone instead) and for "doomed" the front alone raises too (so
+    it fails); "streaming" decodes throughout, "after" runs over the chain at the end. Each one's tokens, finish and
+    figures; every greedy one also run first, before anything was broken."""
+    engine = Engine(EngineConfig(run=RunConfig(**scenario["run"]), degree=str(world.world_size), learn="off",
+                                 pack_tokens=0, prefix_cache_tokens=0), world)
+    if not engine.is_front:
+        engine.worker_loop()
+        return
+    long_ids, bad_ids = scenario["long"], scenario["bad"]
+    params = SamplingParams(max_tokens=scenario["max_tokens"])
+    ref = {name: [e.token_id for e in engine.run_one(Request(f"ref-{name}", ids, params))[0]
+                  if isinstance(e, TokenEvent)] for name, ids in (("long", long_ids), ("bad", bad_ids))}
+    placement = engine.placement
+    partition, alone = placement.partition, placement.alone
+
+    def broken_partition(n: int):
+        if n == len(bad_ids):
+            raise RuntimeError("a partition that cannot serve")
+        return partition(n)
+
+    def broken_alone(request_id: str, *args, **kwargs):
+        if request_id == "doomed":
+            raise RuntimeError("nor can the front alone")
+        return alone(request_id, *args, **kwargs)
+
+    placement.partition, placement.alone = broken_partition, broken_alone
+    engine.add(Request("streaming", long_ids, SamplingParams(max_tokens=4 * scenario["max_tokens"])))
+    events: list = []
+    while not any(isinstance(e, TokenEvent) and e.request_id == "streaming" for e in events):
+        events += engine.step()
+    engine.add(Request("doomed", bad_ids, params))
+    engine.add(Request("moved", bad_ids, params))
+    while {e.request_id for e in events if isinstance(e, Finished)} < {"streaming", "doomed", "moved"}:
+        events += engine.step()
+    events += engine.run_one(Request("after", long_ids, params))[0]
+    out["went_on"] = engine.healthy
+    engine.shutdown()
+    for rid in ("streaming", "doomed", "moved", "after"):
+        done = next(e for e in events if isinstance(e, Finished) and e.request_id == rid)
+        out[rid] = {"tokens": [e.token_id for e in events if isinstance(e, TokenEvent) and e.request_id == rid],
+                    "finish_reason": done.finish_reason, "error": done.error, "bad_input": done.bad_input,
+                    "degree": done.figures.degree if done.figures else None,
+                    "degree_source": done.figures.degree_source if done.figures else None}
+    out["ref"] = ref
 
 
 def packed(scenario: dict, world, out: dict) -> None:
@@ -395,7 +443,7 @@ def main() -> None:
     try:
         scenarios = {"match": match, "serve": serve, "idle": idle, "packed": packed, "cached": cached, "kvp": kvp,
                      "chunked": chunked, "mixed": mixed, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                     "learned": learned}
+                     "learned": learned, "contained": contained}
         scenarios[scenario["name"]](scenario, world, out)
     except Exception as e:  # noqa: BLE001 - a rank that lost its peers exits non-zero, as the CLI does
         logging.exception("rank %d failed", world.rank)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvrunahead.partition import Partition, PartitionError, parse_partition
+from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates, parse_partition
 
 
 def test_even_partition_covers_the_context():
@@ -43,3 +43,19 @@ def test_ratio_spec_is_parsed():
 def test_bad_partitions_are_refused(spec, c, p, message):
     with pytest.raises(PartitionError, match=message):
         parse_partition(spec, c, p)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("rates", [(1.0, 1.0, 1.0, 1.0), (1.0, 5.0, 0.2, 3.0), (0.05, 1.0, 20.0, 1.0)])
+def test_boundaries_at_rates_are_a_partition_of_every_length_the_ranks_can_share(p, rates):
+    """A quantum of 8 tokens for prompts of p to 80 tokens: every part non-empty, every cut inside the prompt (a
+    5-token prompt over 2 ranks was once cut at -3)."""
+    def work(prefix, tokens):
+        return tokens * (1 + (prefix + tokens / 2) / 100)
+
+    for n in range(p, 81):
+        b = boundaries_at_rates(rates[:p], work, n, quantum=8)
+        assert b[0] == 0 and b[-1] == n and all(lo < hi for lo, hi in zip(b, b[1:])), (n, b)
+        assert len(b) == p + 1
+    with pytest.raises(PartitionError, match="smaller than"):
+        boundaries_at_rates(rates[:p], work, p - 1, quantum=8)

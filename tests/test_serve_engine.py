@@ -418,3 +418,22 @@ def test_a_worker_whose_front_died_exits_non_zero_within_the_timeout(tmp_path):
             if q.poll() is None:
                 q.kill()
                 q.wait(10)
+
+
+@pytest.mark.timeout(240)
+def test_a_placement_that_raises_fails_or_moves_that_request_alone_while_another_decodes_on_real_ranks(tmp_path):
+    """Over the chain of 2 real ranks: a prompt whose partition raises runs on the front alone ("moved", the same
+    greedy tokens as over the chain), one whose every placement raises fails by itself with a 500 naming why
+    ("doomed"), the request decoding beside them streams to its end, and the engine goes on over the chain."""
+    long, bad = list(range(20, 80)), list(range(100, 123))
+    run = {"model": "tiny-llama", "threads": 1}
+    front = ranks_ran({"name": "contained", "run": run, "long": long, "bad": bad, "max_tokens": 6}, tmp_path)[1]
+    assert front["went_on"] is True
+    streaming, doomed, moved, after = (front[k] for k in ("streaming", "doomed", "moved", "after"))
+    assert streaming["finish_reason"] == "length" and streaming["error"] is None and len(streaming["tokens"]) == 24
+    assert streaming["tokens"][:6] == front["ref"]["long"]
+    assert doomed["finish_reason"] == "error" and not doomed["bad_input"] and doomed["tokens"] == []
+    assert "could not plan" in doomed["error"] and "nor can the front alone" in doomed["error"]
+    assert moved["error"] is None and moved["tokens"] == front["ref"]["bad"] and moved["degree"] == 1
+    assert "the placement failed" in moved["degree_source"] and "cannot serve" in moved["degree_source"]
+    assert after["error"] is None and after["degree"] == 2 and after["tokens"] == front["ref"]["long"]

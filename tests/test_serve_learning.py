@@ -4,6 +4,7 @@ persist per setting and export as the measured table pair the degree policy read
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -173,3 +174,98 @@ def test_a_served_chain_learns_its_partition_and_stays_exact(tmp_path):
         assert run["tokens"] == run["ref"] and len(run["busy"]) == 2
     saved = json.loads(path.read_text())["buckets"][str(bucket_of(600))]["2"]
     assert len(saved) == 3 and all(len(row[4]) == 2 for row in saved)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def _smollm2_work():
+    from kvrunahead.sim.flops import layer_cost
+
+    cost = layer_cost(resolve_config("smollm2-135m"))
+    return lambda prefix, tokens: cost.rank_flops(prefix, tokens, "split")
+
+
+def test_the_short_prompt_file_that_ended_a_server_cuts_every_short_prompt_within_it(tmp_path):
+    """tests/data/learned-short-prompt.json: what a server's own traffic left, its 5-token bucket timed over the
+    chain at [0, 4, 5]; the partition its rates derive for each prompt of that bucket and the other short ones lies
+    within the prompt (it once cut a 5-token prompt at -3: the 8-token quantum wider than a part)."""
+    data = json.loads((DATA / "learned-short-prompt.json").read_text())
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps(data))
+    learner = LayoutLearner(data["key"], path, NAMES)
+    assert learner.ignored == [] and learner.timings() == 16
+    work = _smollm2_work()
+    for n in range(2, 48):
+        found = learner.rates(n, 2, work)
+        if found is None:
+            continue
+        cut = learning.boundaries_at_rates(found[0], work, n, learning.QUANTUM)
+        assert cut[0] == 0 < cut[1] < cut[2] == n, (n, cut)
+
+
+def test_a_learned_file_is_checked_on_load_and_what_cannot_serve_is_ignored_with_a_warning(tmp_path, caplog):
+    good = [5, 0.2, 30.0, [0, 3, 5], [0.1, 0.1]]
+    bad = [[5, 0.2, 30.0, [0, -3, 5], [0.1, 0.1]],  # a cut below zero
+           [5, float("nan"), 30.0, [0, 3, 5], []],  # not a time
+           [5, -1.0, 30.0, [0, 3, 5], []],
+           [9, 0.2, 30.0, [0, 3, 9], []],  # another bucket's length
+           [5, 0.2, 30.0, [0, 3, 4], []],  # boundaries of another length
+           [5, 0.2, 30.0, [0, 3, 5], [0.1]],  # one compute time for two ranks
+           ["5", 0.2, 30.0, [0, 3, 5], []],
+           [5, 0.2]]
+    key = {"model": "m"}
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps({"format": 1, "key": key, "buckets": {
+        "5": {"2": [good, *bad], "1": [[5, 0.1, 20.0, [0, 5], []]], "7": [[5, 0.1, 20.0, [0, 5], []]]}}}))
+    learner = LayoutLearner(key, path, NAMES)
+    assert learner.timings() == 2 and len(learner.ignored) == len(bad) + 1  # degree 7 is not run here
+    assert f"ignored {len(bad) + 1} learned timing(s) that cannot serve" in caplog.text
+    assert "[0, -3, 5]" in caplog.text
+    learner.learn(5, 1, 0.1, 0.01, (0, 5))  # the next save keeps only what can serve
+    saved = json.loads(path.read_text())["buckets"]["5"]
+    assert saved["2"] == [good] and len(saved["1"]) == 2 and "7" not in saved
+    for garbage in ("[1, 2]", '{"format": 1, "key": {"model": "m"}, "buckets": [1]}', "{", '"x"'):
+        path.write_text(garbage)
+        assert LayoutLearner(key, path, NAMES).timings() == 0  # started afresh, never raised
+
+
+def test_learn_refuses_a_path_it_could_not_write_and_a_failed_save_is_kept_in_memory(tmp_path, caplog):
+    learning.check_path("off", tmp_path)
+    learning.check_path("auto", tmp_path / "not" / "yet")
+    learning.check_path(str(tmp_path / "new" / "learned.json"), tmp_path)
+    with pytest.raises(ValueError, match="a folder, not a file"):
+        learning.check_path(str(tmp_path), tmp_path)
+    (tmp_path / "plain").write_text("")
+    with pytest.raises(ValueError, match="not a folder this server can write in"):
+        learning.check_path(str(tmp_path / "plain" / "learned.json"), tmp_path)
+    learner = LayoutLearner({}, tmp_path / "plain" / "learned.json", NAMES)
+    learner.learn(1024, 1, 1.0, 1.0, (0, 1024))  # the folder is a file: not saved, still learnt
+    assert learner.timings() == 1 and "kept in memory" in caplog.text
+
+
+def test_kvr_serve_refuses_a_learn_folder_before_any_rank_starts(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.serve", "--model", "tiny-llama", "--learn",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"kvr-serve: error: --learn {tmp_path}: a folder, not a file; give a file's path, auto or off"], r.stderr
+
+
+def test_kvr_learned_reset_forgets_a_setting_and_the_listing_names_what_was_ignored(tmp_path, shipped_profiles_only):
+    path = tmp_path / "learned" / "a.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"format": 1, "key": {"model": "smollm2-135m", "dtype": "float32", "world_size": 2,
+                                                     "threads": 1, "solo_threads": 2, "bandwidth": "loopback",
+                                                     "prefill": "chain"},
+                                "buckets": {"5": {"2": [[5, 0.2, 30.0, [0, -3, 5], []]]}}}))
+    r = CliRunner().invoke(learned_main, [])
+    assert r.exit_code == 0 and "ignored 1 timing(s) that cannot serve" in r.output and "[0, -3, 5]" in r.output
+    r = CliRunner().invoke(learned_main, ["--reset", "--export", str(tmp_path)])
+    assert r.exit_code == 2 and "one at a time" in r.output
+    r = CliRunner().invoke(learned_main, ["--reset"])
+    assert r.exit_code == 0 and r.output.strip() == f"reset {path}" and not path.exists()
+    r = CliRunner().invoke(learned_main, [str(path), "--reset"])
+    assert r.exit_code == 2 and "no learned timings at" in r.output

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrunahead.decide.tables import Table, TableEntry, TableKey, TableMeta, table_filename
-from kvrunahead.partition import Partition, Work, boundaries_at_rates, rank_rates
+from kvrunahead.partition import Partition, PartitionError, Work, boundaries_at_rates, rank_rates
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class LayoutLearner:
         if self.ignored:
             log.warning("%s: ignored %d learned timing(s) that cannot serve, e.g. %s; the rest is used", path,
                         len(self.ignored), "; ".join(self.ignored[:3]))
+        log.info("learned timings: %d from %s (kvr-learned %s --reset forgets them)", self.timings(), path, path)
 
     def _read(self, data: dict) -> list[str]:
         """Take the file's timings that can serve (``timing_of``); what was left out, a line each."""
@@ -235,7 +236,10 @@ def timing_of(edge, degree, row, degrees: set[int]) -> tuple[Timing, int, int]:
     if len(boundaries) not in (2, degree + 1) or not all(isinstance(b, int) for b in boundaries) or \
             boundaries[-1] != tokens:
         raise ValueError(f"boundaries {list(boundaries)} do not cut {tokens} tokens in 1 or {degree}")
-    Partition(boundaries)  # raises PartitionError (a ValueError) for an empty or negative part
+    try:
+        Partition(boundaries)
+    except PartitionError as e:  # an empty or negative part
+        raise ValueError(f"boundaries {list(boundaries)}: {e}") from None
     busy = tuple(float(x) for x in row[4]) if len(row) > 4 else ()
     if busy and (len(busy) != degree or not all(math.isfinite(x) and x >= 0 for x in busy)):
         raise ValueError(f"compute times {list(busy)} are not one per rank of {degree}")
