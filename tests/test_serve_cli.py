@@ -36,13 +36,14 @@ COMPILED = ("--compile",) if COMPILE_SLOWDOWN > 1 else ()
 
 
 class Server:
-    """A ``kvr-serve --nproc 2`` process group; its stderr is collected as it comes."""
+    """A ``kvr-serve --nproc N`` process group (2 ranks unless asked; ``env``: added to the tests' environment);
+    its stderr is collected as it comes."""
 
-    def __init__(self, *args: str, model: str = MODEL) -> None:
-        command = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--port", "0", "--model", model,
-                   *COMPILED, *args]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV,
-                                     cwd=ROOT, start_new_session=True)
+    def __init__(self, *args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None) -> None:
+        command = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", str(nproc), "--port", "0", "--model",
+                   model, *COMPILED, *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**ENV, **(env or {})}, cwd=ROOT, start_new_session=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
 
@@ -82,8 +83,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(*args: str, model: str = MODEL) -> Iterator[Server]:
-    server = Server(*args, model=model)
+def serving(*args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None) -> Iterator[Server]:
+    server = Server(*args, model=model, nproc=nproc, env=env)
     try:
         yield server
     finally:
