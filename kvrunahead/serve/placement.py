@@ -226,7 +226,7 @@ class Placement:
         if self._learned.get(n, (None,))[0] != tuple(rates):  # the latest KEEP timings: their count stops growing
             try:  # learned from other lengths of the bucket: valid for this one or not used
                 bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
-            except (PartitionError, ValueError) as e:
+            except ValueError as e:  # a PartitionError among them
                 log.warning("the learned rates %s cannot cut %d tokens (%s): the partition as chosen before", rates,
                             n, e)
                 self._learned[n] = tuple(rates), None
