@@ -7,7 +7,6 @@ requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one reques
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -23,12 +22,13 @@ from kvrunahead.modes import check_model
 from kvrunahead.pack.batch import prompt_work, why_not_packable
 from kvrunahead.rank_setup import set_up_rank
 from kvrunahead.serve import asking, executor, warm, workers
-from kvrunahead.serve.chunking import chunk_budget, chunk_planner, lars_slack, pack_limit
+from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, StepOutcome
 from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
-from kvrunahead.serve.plans import FRONT, PEERS, ROW, SHARDED, SHARDED_ROW, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.planner import StepPlanner
+from kvrunahead.serve.plans import PEERS, Drop, Segment, Shutdown, StepPlan
 from kvrunahead.serve.rank import RankContext, solo_threads
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
@@ -79,7 +79,8 @@ class Engine:
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
-        self._budget_s = 0.0  # the budget the last chunk was sized to
+        self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.scheduler, self.decoder, self.attention,
+                                   self._lock)
         warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -134,8 +135,9 @@ class Engine:
         with self._lock:
             step = self.scheduler.schedule() if self.healthy else None
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
-            step, plan, held, ready, refused = self._plan(step)
-            events += refused
+            drafted = self.planner.plan(step)
+            step, plan, held, ready = drafted.step, drafted.plan, drafted.held, drafted.ready
+            events += [self._refuse(seq, e) for seq, e in drafted.refused]
         try:
             self._free_shards()
             if step is None or not (plan.segments or ready):
@@ -151,92 +153,11 @@ class Engine:
             return events + self._fail(e, step)
         return events + self.update_from_output(step, plan, outcome, ready)
 
-    def _plan(self, step: Step) -> tuple[Step, StepPlan, list | None, dict[str, PrefillOutcome], list[Event]]:
-        """The step's segments: every running request's next tokens (decode rows) and the prefill's (several
-        prompts packed, a whole prompt, its next chunk, a context carrying its questions); the K,V the front holds
-        for it (the prefix cache's), and the outcomes of the prompts that need no prefill (Placement.answered).
-
-        Nothing here may end the engine: no rank has taken part yet. A prompt whose placement raises runs in the
-        safe layout (whole, on the front alone), and one that cannot be planned even so ends alone (``_refuse``:
-        a 400 where the request is at fault, else a 500 naming the cause). Returned with the step less those
-        requests and their Finished events."""
-        refused: list[Event] = []
-        rows = tuple(row for seq in step.decodes for row in self._rows(seq))
-        ready = {}
-        for seq in step.prefills:
-            try:
-                if (got := self._ready(seq)) is not None:
-                    ready[seq.request_id] = got
-            except Exception:  # noqa: BLE001 - the prefix cache could not answer it: it is prefilled instead
-                log.exception("the prefix cache's answer to %s failed; prefilling it", seq.request_id)
-        prompts = [seq for seq in step.prefills if seq.request_id not in ready]
-        held, segments, cuts = None, (), None
-        if len(prompts) > 1:  # the rows run beside the packed prompts, in their own forward
-            planned, refused = self._planning(prompts, lambda: self._packed(prompts),
-                                              lambda why: self._packed(prompts, alone=why))
-            if planned is not None:
-                (segments, cuts) = planned
-        elif prompts:
-            seq = prompts[0]
-            planned, refused = self._planning(prompts, lambda: self._segment(seq),
-                                              None if seq.prefilled else lambda why: self._alone(seq, why))
-            if planned is not None:
-                seg, held = planned
-                segments = (seg,)
-        try:
-            plan = StepPlan(rows + tuple(segments), self.attention, packed=cuts)
-        except ValueError as e:  # a bug in how the step was put together: its prompts end, its rows go on
-            log.exception("the step's plan is not valid")
-            ended = {event.request_id for event in refused}
-            refused += self._refuse([s for s in prompts if s.request_id not in ended], e)
-            plan, held = StepPlan(rows, self.attention), None
-        if refused:
-            gone = {e.request_id for e in refused}
-            step = dataclasses.replace(step, prefills=[s for s in step.prefills if s.request_id not in gone])
-        return step, plan, held, ready, refused
-
-    def _planning(self, seqs: list[Sequence], plan, fallback):
-        """``plan()``, else (where it raised for other than the request's own input) ``fallback(why)``: the
-        prompts' safe layout; None and the requests' Finished where neither could place them."""
-        try:
-            return plan(), []
-        except InputError as e:  # the request's own problem (a 400)
-            return None, self._refuse(seqs, e)
-        except Exception as e:  # noqa: BLE001 - a placement that cannot serve: one request's, not the engine's
-            log.exception("placing %s failed%s", ", ".join(s.request_id for s in seqs),
-                          "; they run on the front alone" if fallback else "")
-            if fallback is None:
-                return None, self._refuse(seqs, e)
-            try:
-                return fallback(f"one rank: the placement failed ({type(e).__name__}: {e})"), []
-            except Exception as again:  # noqa: BLE001
-                log.exception("placing %s on the front alone failed too", ", ".join(s.request_id for s in seqs))
-                return None, self._refuse(seqs, again)
-
-    def _refuse(self, seqs: list[Sequence], e: Exception) -> list[Event]:
-        """End requests that could not be planned: a 400 for their own input, else a 500 naming the cause."""
+    def _refuse(self, seq: Sequence, e: Exception) -> Event:
+        """End a request that could not be planned: a 400 for its own input, else a 500 naming the cause."""
         if isinstance(e, InputError):
-            return [self._finish(seq, "error", str(e), bad_input=True) for seq in seqs]
-        return [self._finish(seq, "error", f"the server could not plan the request: {type(e).__name__}: {e}")
-                for seq in seqs]
-
-    def _alone(self, seq: Sequence, why: str) -> tuple[Segment, None]:
-        """The safe layout of a prompt not yet started: whole, on the front alone (its questions after it)."""
-        request = seq.request
-        seq.prefill_start_s, seq.chunked = time.monotonic(), False
-        seg, placed = self.placement.alone(seq.request_id, request.prompt_ids, seq.rope,
-                                           request.params.prompt_logprobs, why)
-        seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
-        return (asking.with_questions(seg, request) if request.questions else seg), None
-
-    def _ready(self, seq: Sequence) -> PrefillOutcome | None:
-        """The outcome of a prompt the prefix cache answers whole (its first-token logits kept), else None."""
-        if seq.prefilled or not self.placement.answers(seq):
-            return None
-        seq.prefill_start_s = time.monotonic()
-        placed, outcome = self.placement.answered(seq.request.prompt_ids)
-        seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
-        return outcome
+            return self._finish(seq, "error", str(e), bad_input=True)
+        return self._finish(seq, "error", f"the server could not plan the request: {type(e).__name__}: {e}")
 
     def update_from_output(self, step: Step, plan: StepPlan, outcome: StepOutcome,
                            ready: dict[str, PrefillOutcome] | None = None) -> list[Event]:
@@ -294,7 +215,7 @@ class Engine:
         """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
         (else the rest waits for its turn, every rank holding its positions so far)."""
         n = seq.prompt_len
-        seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, self._budget_s,
+        seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, self.planner.budget_s,
                                                      learn=0 < seg.start and seg.end < n,
                                                      beside_s=self._rows_s(decodes)))
         seq.prefilled = seg.end
@@ -304,57 +225,12 @@ class Engine:
             return False
         return True
 
-    def _rows(self, seq: Sequence) -> list[Segment]:
-        """A running request's next tokens as segments: one per unfinished question, else its next token on the
-        front or on every rank's shard (KVP)."""
-        if seq.answers is not None:
-            return asking.question_rows(seq, self.decoder.shared[seq.request_id], self.ctx.lm.eos_token_ids)
-        way, place = (SHARDED_ROW, SHARDED) if seq.request_id in self.ctx.shards else (ROW, FRONT)
-        return [Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, way, held=place, keep=place)]
-
     def _rows_s(self, decodes: list[Sequence]) -> float:
         """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
         chunk planner)."""
         if not decodes or self.chunks is None or not self.config.mixed_steps:
             return 0.0
         return self.chunks.cost.decode_step_s([s.next_position + 1 for s in decodes])
-
-    def _segment(self, seq: Sequence) -> tuple[Segment, list | None]:
-        """The prefill's segment: the whole prompt where it is not chunked (placed by the prefix cache and the
-        degree policy; a context carries its questions), else its next chunk, sized to the step's budget (the
-        decode rows beside it add their own time: a step takes its chunk's budget plus one decode token of every
-        running request)."""
-        n, request = seq.prompt_len, seq.request
-        if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n) and not request.questions):
-            seq.prefill_start_s = time.monotonic()
-            seg, placed, held = self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope,
-                                                      request.params.prompt_logprobs)
-            seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
-            return (asking.with_questions(seg, request) if request.questions else seg), held
-        done = seq.prefilled
-        if not done:
-            seq.prefill_start_s, seq.chunked = time.monotonic(), True
-            seq.figures = RequestFigures(0.0, seq.prefill_start_s - request.arrival_s, self.ctx.world_size,
-                                         [0, n], self.placement.chunked_source(seq), self.chunks.describe(),
-                                         decode=self.placement.chunked_decode(seq))
-        with self._lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
-            budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
-        self._budget_s = budget
-        end = self.chunks.end(n, done, budget)
-        seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
-                                   request.params.prompt_logprobs)
-        return seg, None
-
-    def _packed(self, seqs: list, alone: str | None = None) -> tuple[list[Segment], tuple[int, ...]]:
-        """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
-        start = time.monotonic()
-        segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
-                                                       tuple(s.request_id for s in seqs),
-                                                       all(s.request.params.max_tokens == 1 for s in seqs), alone)
-        for seq in seqs:
-            seq.prefill_start_s = start
-            seq.figures = placed.figures(seq.request.arrival_s, start, packed_with=len(seqs))
-        return segments, cuts
 
     def _asked(self, seq: Sequence, outcome: StepOutcome) -> list[Event]:
         """A request carrying questions after its step: its context cached, its questions' first tokens taken
