@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -129,9 +128,16 @@ def _front_client(scenario: dict, world) -> AsyncEngineClient | None:
 
 
 def _when_chunking(engine: Engine, ready: Path, tokens: int) -> None:
-    while not any(seq.prefilled >= tokens for seq in list(engine.scheduler.prefilling)):
-        time.sleep(0.01)
-    ready.write_text("chunking")
+    """Write ``ready`` once a chunked prefill has ``tokens`` done and more to go: told by the scheduler as the
+    chunk's rest goes back in line (a poll of its queue can miss a prompt that sits there for microseconds)."""
+    resume = engine.scheduler.resume
+
+    def resumed(seq) -> None:
+        if seq.prefilled >= tokens and not ready.exists():
+            ready.write_text("chunking")
+        resume(seq)
+
+    engine.scheduler.resume = resumed
 
 
 def serve(scenario: dict, world, out: dict) -> None:
@@ -144,8 +150,7 @@ def serve(scenario: dict, world, out: dict) -> None:
     if scenario.get("ready_when") == "chunking":  # ready once a chunked prefill is half way, not at a first token
         prompt = list(range(20, 80)) * (scenario["prompt_tokens"] // 60)
         ready = Path(scenario["ready"] + ".unused")
-        threading.Thread(target=_when_chunking, args=(client.engine, Path(scenario["ready"]), len(prompt) // 2),
-                         daemon=True).start()
+        _when_chunking(client.engine, Path(scenario["ready"]), len(prompt) // 2)
 
     async def main() -> None:
         await asyncio.gather(*(_collect(client, f"r{i}", ready, out, prompt) for i in range(3)))
