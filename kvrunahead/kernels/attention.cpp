@@ -1,0 +1,707 @@
+// Attention on the CPU with its log-sum-exp, for every shape the engine runs.
+//
+// One call takes a batch of query rows, each a run of consecutive positions in one batch entry of q, and for each
+// row a list of key/value pieces read in place (a chain's received prefix then the rank's own tokens, a request's
+// cache, a fork's shared prompt then its own tokens). A key is visible to a query by position: causal (key <=
+// query) with any offset, within a sliding window (query - key < window), or every key (full). No mask is ever
+// materialised. The query heads of one K,V head are attended together, so every K,V load serves all of them (GQA,
+// MQA). Scores, softmax and accumulation are float32; inputs are float32 or bfloat16.
+//
+// The work item is (row, K,V head, block of query positions). Its queries are packed transposed once (Qt), and each
+// block of keys is scored as S^T[key][query] with the keys broadcast from the cache in place, so the online
+// softmax's maxima and sums run down the columns as plain vector operations. bfloat16 multiplies in pairs with
+// AVX-512-BF16's vdpbf16ps (the probabilities rounded to bfloat16 for P.V, as every bf16 flash kernel does); float32
+// with AVX-512 FMA. Anything else (AVX2 hosts, head sizes not a multiple of 16) runs the portable loop, compiled for
+// AVX2 where the CPU has it. The instruction set is chosen at run time (KVR_ATTENTION_ISA forces one, for tests).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace kvr {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kBlockKeys = 64;   // keys scored per block (even: bf16 multiplies key pairs)
+constexpr int kTargetRows = 96;  // query vectors (positions x grouped heads) per work item
+
+using bf16 = uint16_t;
+
+struct Row {
+  int64_t b, q_lo, q_hi, q_pos, piece_lo, piece_hi;
+};
+
+struct Piece {
+  int64_t t, b, k_lo, k_hi, k_pos;
+};
+
+struct Strided {  // [B, H, N, D], D contiguous
+  const char* data;
+  int64_t sb, sh, sn;  // element strides
+  int elem;
+  const void* at(int64_t b, int64_t h, int64_t n) const {
+    return data + (b * sb + h * sh + n * sn) * elem;
+  }
+};
+
+struct Problem {
+  int64_t d, heads, kv_heads, group;
+  bool causal, bf16_in, out_f32;
+  int64_t window;
+  float scale;
+  Strided q;
+  std::vector<Strided> k, v;
+  std::vector<Row> rows;
+  std::vector<Piece> pieces;
+  char* out;  // [B, n, heads, d] of float32 or the input dtype
+  int64_t out_sb, out_sn;
+  float* lse;  // [B, heads, n]
+  int64_t lse_sb, lse_n;
+};
+
+struct Item {
+  int64_t row, h, i0, npos;
+};
+
+static inline float bf16_to_f32(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+// The span of key indices [lo, hi) of a piece any of positions [qa, qb] can see.
+static inline void visible_span(const Problem& p, const Piece& pc, int64_t qa, int64_t qb, int64_t* lo,
+                                int64_t* hi) {
+  int64_t a = pc.k_lo, e = pc.k_hi;
+  if (p.causal) e = std::min(e, pc.k_lo + (qb - pc.k_pos) + 1);
+  if (p.window > 0) a = std::max(a, pc.k_lo + (qa - p.window + 1 - pc.k_pos));
+  *lo = a;
+  *hi = std::max(a, e);
+}
+
+// Whether every key position in [ka, kb] is visible to every query position in [qa, qb].
+static inline bool all_visible(const Problem& p, int64_t ka, int64_t kb, int64_t qa, int64_t qb) {
+  if (p.causal && kb > qa) return false;
+  if (p.window > 0 && ka <= qb - p.window) return false;
+  return true;
+}
+
+static inline bool visible(const Problem& p, int64_t kpos, int64_t qpos) {
+  if (p.causal && kpos > qpos) return false;
+  if (p.window > 0 && kpos <= qpos - p.window) return false;
+  return true;
+}
+
+static void write_result(const Problem& p, const Item& it, const float* o, int64_t ldo, const float* m,
+                         const float* l) {
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d;
+  for (int64_t i = 0; i < it.npos * g; ++i) {
+    const int64_t pos = it.i0 + i / g, head = it.h * g + i % g;
+    const int64_t n = r.q_lo + pos;
+    const bool none = !(l[i] > 0.f);
+    const float inv = none ? 0.f : 1.f / l[i];
+    p.lse[r.b * p.lse_sb + head * p.lse_n + n] = none ? kNegInf : m[i] * kLn2 + std::log(l[i]);
+    char* dst = p.out + (r.b * p.out_sb + n * p.out_sn + head * d) * (p.out_f32 ? 4 : (p.bf16_in ? 2 : 4));
+    if (p.out_f32 || !p.bf16_in) {
+      float* f = reinterpret_cast<float*>(dst);
+      for (int64_t c = 0; c < d; ++c) f[c] = o[i * ldo + c] * inv;
+    } else {
+      bf16* f = reinterpret_cast<bf16*>(dst);
+      for (int64_t c = 0; c < d; ++c) f[c] = f32_to_bf16(o[i * ldo + c] * inv);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The portable path: any head size, float32 or bfloat16, the same blocking, plain loops the compiler vectorises.
+
+template <typename T>
+static inline float load_f(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x[i];
+  } else {
+    return bf16_to_f32(x[i]);
+  }
+}
+
+template <typename T>
+static void portable_item(const Problem& p, const Item& it) {
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d, mrows = it.npos * g;
+  const float c = p.scale * kLog2e;
+  thread_local std::vector<float> qbuf, obuf, ml, sbuf;
+  qbuf.assign(mrows * d, 0.f);
+  obuf.assign(mrows * d, 0.f);
+  ml.assign(2 * mrows, 0.f);
+  sbuf.resize(kBlockKeys);
+  float* m = ml.data();
+  float* l = ml.data() + mrows;
+  for (int64_t i = 0; i < mrows; ++i) {
+    const T* q = static_cast<const T*>(p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g));
+    for (int64_t t = 0; t < d; ++t) qbuf[i * d + t] = load_f(q, t) * c;
+    m[i] = kNegInf;
+  }
+  const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
+  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
+    const Piece& pc = p.pieces[pi];
+    int64_t lo, hi;
+    visible_span(p, pc, qa, qb, &lo, &hi);
+    const Strided& K = p.k[pc.t];
+    const Strided& V = p.v[pc.t];
+    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
+      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
+      for (int64_t i = 0; i < mrows; ++i) {
+        const int64_t qpos = qa + i / g;
+        float mx = kNegInf;
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t kpos = pc.k_pos + (j0 + j - pc.k_lo);
+          float s = kNegInf;
+          if (visible(p, kpos, qpos)) {
+            const T* k = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
+            float acc = 0.f;
+            for (int64_t t = 0; t < d; ++t) acc += qbuf[i * d + t] * load_f(k, t);
+            s = acc;
+          }
+          sbuf[j] = s;
+          mx = std::max(mx, s);
+        }
+        const float mnew = std::max(m[i], mx);
+        if (mnew == kNegInf) continue;
+        const float alpha = std::exp2(m[i] - mnew);
+        float* o = obuf.data() + i * d;
+        for (int64_t t = 0; t < d; ++t) o[t] *= alpha;
+        float sum = 0.f;
+        for (int64_t j = 0; j < nk; ++j) {
+          const float e = std::exp2(sbuf[j] - mnew);
+          if (e == 0.f) continue;
+          sum += e;
+          const T* v = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
+          for (int64_t t = 0; t < d; ++t) o[t] += e * load_f(v, t);
+        }
+        l[i] = l[i] * alpha + sum;
+        m[i] = mnew;
+      }
+    }
+  }
+  write_result(p, it, obuf.data(), d, m, l);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+template <typename T>
+__attribute__((flatten)) static void portable_item_avx2(const Problem& p, const Item& it) {
+  portable_item<T>(p, it);
+}
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512: float32 with FMA, bfloat16 with vdpbf16ps. Head sizes that are a multiple of 16.
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+static inline __m512 exp2_512(__m512 x) {  // 2^x, about 2 ulp; 2^-inf = 0
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 y = _mm512_set1_ps(1.535336188319500e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.339887440266574e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.618437357674640e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550332471162809e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402264791363012e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931472028550421e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// S^T[j][i] = sum_t K[j][t] Qt[t][i] over R keys at a time, MV vectors of 16 query lanes.
+template <int R, int MV>
+static inline void qk_f32(const float* const* krow, const float* qt, int64_t ldq, int64_t d, float* s,
+                          int64_t lds) {
+  __m512 acc[R][MV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < d; ++t) {
+    __m512 qv[MV];
+    for (int v = 0; v < MV; ++v) qv[v] = _mm512_loadu_ps(qt + t * ldq + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 kb = _mm512_set1_ps(krow[r][t]);
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_fmadd_ps(kb, qv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(s + r * lds + 16 * v, acc[r][v]);
+}
+
+// The same in bfloat16 pairs: Qt holds [t/2][i][2], a key row's pair t is one 32-bit word.
+template <int R, int MV>
+static inline void qk_bf16(const bf16* const* krow, const bf16* qt, int64_t ldq, int64_t d, float* s,
+                           int64_t lds) {
+  __m512 acc[R][MV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < d / 2; ++t) {
+    __m512bh qv[MV];
+    for (int v = 0; v < MV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qt + (t * ldq + 16 * v) * 2);
+    for (int r = 0; r < R; ++r) {
+      int32_t w;
+      std::memcpy(&w, krow[r] + 2 * t, 4);
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(w);
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], kb, qv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(s + r * lds + 16 * v, acc[r][v]);
+}
+
+// O[i][c] += sum_j P^T[j][i] V[j][c] for R query vectors, NC vectors of 16 columns from column c0.
+template <int R, int NC>
+static inline void pv_f32(const float* pt, int64_t ldp, const float* const* vrow, int64_t nk, float* o,
+                          int64_t ldo, int64_t c0) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_loadu_ps(o + r * ldo + c0 + 16 * n);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 vv[NC];
+    for (int n = 0; n < NC; ++n) vv[n] = _mm512_loadu_ps(vrow[j] + c0 + 16 * n);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(pt[j * ldp + r]);
+      for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_fmadd_ps(pb, vv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + r * ldo + c0 + 16 * n, acc[r][n]);
+}
+
+// bfloat16: P^T as [j/2][i][2], V packed as [j/2][c][2] (ldv columns); nk2 key pairs.
+template <int R, int NC>
+static inline void pv_bf16(const bf16* pt, int64_t ldp, const bf16* vp, int64_t ldv, int64_t nk2, float* o,
+                           int64_t ldo, int64_t c0) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_loadu_ps(o + r * ldo + c0 + 16 * n);
+  for (int64_t u = 0; u < nk2; ++u) {
+    __m512bh vv[NC];
+    for (int n = 0; n < NC; ++n) vv[n] = (__m512bh)_mm512_loadu_si512(vp + (u * ldv + c0 + 16 * n) * 2);
+    for (int r = 0; r < R; ++r) {
+      int32_t w;
+      std::memcpy(&w, pt + (u * ldp + r) * 2, 4);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(w);
+      for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], pb, vv[n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + r * ldo + c0 + 16 * n, acc[r][n]);
+}
+
+template <typename KT, int MV>
+static void qk_block(bool is_bf16, const KT* const* krow, int64_t nk, const KT* qt, int64_t ldq, int64_t d,
+                     float* s, int64_t lds) {
+  constexpr int R = MV <= 2 ? 8 : 4;
+  int64_t j = 0;
+  for (; j + R <= nk; j += R) {
+    if constexpr (std::is_same_v<KT, float>) {
+      qk_f32<R, MV>(krow + j, qt, ldq, d, s + j * lds, lds);
+    } else {
+      qk_bf16<R, MV>(krow + j, qt, ldq, d, s + j * lds, lds);
+    }
+  }
+  for (; j < nk; ++j) {
+    if constexpr (std::is_same_v<KT, float>) {
+      qk_f32<1, MV>(krow + j, qt, ldq, d, s + j * lds, lds);
+    } else {
+      qk_bf16<1, MV>(krow + j, qt, ldq, d, s + j * lds, lds);
+    }
+  }
+  (void)is_bf16;
+}
+
+template <int NC>
+static void pv_rows_f32(const float* pt, int64_t ldp, const float* const* vrow, int64_t nk, float* o, int64_t ldo,
+                        int64_t mrows, int64_t c0) {
+  constexpr int R = NC >= 4 ? 6 : (NC == 3 ? 8 : 12);
+  int64_t i = 0;
+  for (; i + R <= mrows; i += R) pv_f32<R, NC>(pt + i, ldp, vrow, nk, o + i * ldo, ldo, c0);
+  for (; i < mrows; ++i) pv_f32<1, NC>(pt + i, ldp, vrow, nk, o + i * ldo, ldo, c0);
+}
+
+template <int NC>
+static void pv_rows_bf16(const bf16* pt, int64_t ldp, const bf16* vp, int64_t ldv, int64_t nk2, float* o,
+                         int64_t ldo, int64_t mrows, int64_t c0) {
+  constexpr int R = NC >= 4 ? 6 : (NC == 3 ? 8 : 12);
+  int64_t i = 0;
+  for (; i + R <= mrows; i += R) pv_bf16<R, NC>(pt + i * 2, ldp, vp, ldv, nk2, o + i * ldo, ldo, c0);
+  for (; i < mrows; ++i) pv_bf16<1, NC>(pt + i * 2, ldp, vp, ldv, nk2, o + i * ldo, ldo, c0);
+}
+
+template <typename T, int MV>
+static void avx512_item(const Problem& p, const Item& it) {
+  constexpr bool BF = std::is_same_v<T, bf16>;
+  constexpr int64_t MP = 16 * MV;  // query lanes
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d, mrows = it.npos * g;
+  const float c = p.scale * kLog2e;
+  thread_local std::vector<float> qt32, sbuf, obuf;
+  thread_local std::vector<bf16> qt16, pt16, vpack;
+  thread_local std::vector<float> ptf;
+  thread_local std::vector<const T*> krow, vrow;
+  sbuf.resize(kBlockKeys * MP);
+  obuf.assign(MP * d, 0.f);
+  krow.resize(kBlockKeys + 1);
+  vrow.resize(kBlockKeys + 1);
+  // The queries, transposed: float32 Qt[t][i]; bfloat16 Qt[t/2][i][2]. Lanes past mrows stay zero.
+  if constexpr (BF) {
+    qt16.assign(d * MP, 0);
+    pt16.resize(kBlockKeys * MP);
+    vpack.resize(kBlockKeys * d);
+    for (int64_t i = 0; i < mrows; ++i) {
+      const bf16* q = static_cast<const bf16*>(p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g));
+      for (int64_t t = 0; t < d; ++t) qt16[((t >> 1) * MP + i) * 2 + (t & 1)] = q[t];
+    }
+  } else {
+    qt32.assign(d * MP, 0.f);
+    ptf.resize(kBlockKeys * MP);
+    for (int64_t i = 0; i < mrows; ++i) {
+      const float* q = static_cast<const float*>(p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g));
+      for (int64_t t = 0; t < d; ++t) qt32[t * MP + i] = q[t];
+    }
+  }
+  // Per lane: its position, the running maximum (log2 units) and sum.
+  alignas(64) float qpos_f[MP], m[MP], l[MP];
+  const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
+  for (int64_t i = 0; i < MP; ++i) {
+    qpos_f[i] = static_cast<float>(i < mrows ? i / g : 0);  // relative to qa: exact in float32 below 2^24
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 neg = _mm512_set1_ps(kNegInf);
+  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
+    const Piece& pc = p.pieces[pi];
+    int64_t lo, hi;
+    visible_span(p, pc, qa, qb, &lo, &hi);
+    const Strided& K = p.k[pc.t];
+    const Strided& V = p.v[pc.t];
+    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
+      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
+      for (int64_t j = 0; j < nk; ++j) {
+        krow[j] = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
+        vrow[j] = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
+      }
+      float* s = sbuf.data();
+      if constexpr (BF) {
+        qk_block<bf16, MV>(true, krow.data(), nk, qt16.data(), MP, d, s, MP);
+      } else {
+        qk_block<float, MV>(false, krow.data(), nk, qt32.data(), MP, d, s, MP);
+      }
+      const int64_t ka = pc.k_pos + (j0 - pc.k_lo), kb = ka + nk - 1;
+      const bool full = all_visible(p, ka, kb, qa, qb);
+      // Scale into log2 units, mask by position, and take the column maxima.
+      __m512 mx[MV];
+      for (int v = 0; v < MV; ++v) mx[v] = neg;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float rel = static_cast<float>(ka + j - qa);  // key position relative to qa
+        for (int v = 0; v < MV; ++v) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j * MP + 16 * v), cv);
+          if (!full) {
+            const __m512 qp = _mm512_loadu_ps(qpos_f + 16 * v);
+            const __m512 kp = _mm512_set1_ps(rel);
+            __mmask16 hide = 0;
+            if (p.causal) hide |= _mm512_cmp_ps_mask(kp, qp, _CMP_GT_OQ);
+            if (p.window > 0)
+              hide |= _mm512_cmp_ps_mask(kp, _mm512_sub_ps(qp, _mm512_set1_ps(static_cast<float>(p.window))),
+                                         _CMP_LE_OQ);
+            x = _mm512_mask_mov_ps(x, hide, neg);
+          }
+          _mm512_storeu_ps(s + j * MP + 16 * v, x);
+          mx[v] = _mm512_max_ps(mx[v], x);
+        }
+      }
+      // Online softmax: new maxima, the old sums and outputs rescaled, the block's probabilities.
+      alignas(64) float alpha[MP];
+      __m512 base[MV];
+      for (int v = 0; v < MV; ++v) {
+        const __m512 mold = _mm512_loadu_ps(m + 16 * v);
+        const __m512 mnew = _mm512_max_ps(mold, mx[v]);
+        const __mmask16 none = _mm512_cmp_ps_mask(mnew, neg, _CMP_EQ_OQ);
+        base[v] = _mm512_mask_mov_ps(mnew, none, _mm512_setzero_ps());  // a lane that sees nothing yet: 2^-inf = 0
+        const __m512 a = exp2_512(_mm512_sub_ps(mold, base[v]));
+        _mm512_storeu_ps(alpha + 16 * v, a);
+        _mm512_storeu_ps(m + 16 * v, mnew);
+        _mm512_storeu_ps(l + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(l + 16 * v), a));
+      }
+      __m512 sum[MV];
+      for (int v = 0; v < MV; ++v) sum[v] = _mm512_setzero_ps();
+      const int64_t nk_even = (nk + 1) & ~int64_t(1);
+      // Two 16-bit lanes interleaved: word q of the result is (a[q], b[q]); lo_idx for lanes 0-15, hi_idx for 16-31.
+      const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+      for (int64_t j = 0; j < nk_even; j += 2) {
+        for (int v = 0; v < MV; ++v) {
+          const __m512 e0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j * MP + 16 * v), base[v]));
+          const __m512 e1 = j + 1 < nk ? exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + (j + 1) * MP + 16 * v), base[v]))
+                                       : _mm512_setzero_ps();
+          sum[v] = _mm512_add_ps(sum[v], _mm512_add_ps(e0, e1));  // float32 probabilities: the log-sum-exp exact
+          if constexpr (BF) {
+            // Rounded to bfloat16 for P.V, as a bfloat16 GEMM takes them; P^T as [j/2][i][2].
+            const __m512i a = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e0));
+            const __m512i b = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e1));
+            _mm512_storeu_si512(pt16.data() + ((j >> 1) * MP + 16 * v) * 2, _mm512_permutex2var_epi16(a, lo_idx, b));
+          } else {
+            _mm512_storeu_ps(ptf.data() + j * MP + 16 * v, e0);
+            _mm512_storeu_ps(ptf.data() + (j + 1) * MP + 16 * v, e1);
+          }
+        }
+      }
+      for (int v = 0; v < MV; ++v) _mm512_storeu_ps(l + 16 * v, _mm512_add_ps(_mm512_loadu_ps(l + 16 * v), sum[v]));
+      for (int64_t i = 0; i < mrows; ++i) {
+        if (alpha[i] != 1.f) {
+          const __m512 a = _mm512_set1_ps(alpha[i]);
+          for (int64_t t = 0; t < d; t += 16)
+            _mm512_storeu_ps(obuf.data() + i * d + t, _mm512_mul_ps(a, _mm512_loadu_ps(obuf.data() + i * d + t)));
+        }
+      }
+      // O += P V, 64 columns at a time.
+      if constexpr (BF) {
+        // V packed as [j/2][c][2]: two key rows interleaved by 16-bit words (a missing odd key reads as zero).
+        for (int64_t u = 0; u < nk_even / 2; ++u) {
+          const bf16* v0 = vrow[2 * u];
+          const bool odd = 2 * u + 1 < nk;
+          for (int64_t t = 0; t < d; t += 32) {
+            const int64_t w = std::min<int64_t>(32, d - t);
+            const __mmask32 mk = w == 32 ? 0xffffffffu : ((1u << w) - 1);
+            const __m512i a = _mm512_maskz_loadu_epi16(mk, v0 + t);
+            const __m512i b = odd ? _mm512_maskz_loadu_epi16(mk, vrow[2 * u + 1] + t) : _mm512_setzero_si512();
+            bf16* dst = vpack.data() + (u * d + t) * 2;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+            if (w > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+          }
+        }
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+          switch (std::min<int64_t>(4, (d - c0) / 16)) {
+            case 4: pv_rows_bf16<4>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
+            case 3: pv_rows_bf16<3>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
+            case 2: pv_rows_bf16<2>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
+            default: pv_rows_bf16<1>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0);
+          }
+        }
+      } else {
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+          switch (std::min<int64_t>(4, (d - c0) / 16)) {
+            case 4: pv_rows_f32<4>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
+            case 3: pv_rows_f32<3>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
+            case 2: pv_rows_f32<2>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
+            default: pv_rows_f32<1>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0);
+          }
+        }
+      }
+    }
+  }
+  // m is in log2 units: write_result takes m * ln2 + ln(l).
+  write_result(p, it, obuf.data(), d, m, l);
+}
+
+template <typename T>
+static void avx512_dispatch(const Problem& p, const Item& it) {
+  const int64_t mv = (it.npos * p.group + 15) / 16;
+  switch (mv) {
+    case 1: avx512_item<T, 1>(p, it); break;
+    case 2: avx512_item<T, 2>(p, it); break;
+    case 3: avx512_item<T, 3>(p, it); break;
+    case 4: avx512_item<T, 4>(p, it); break;
+    case 5: avx512_item<T, 5>(p, it); break;
+    default: avx512_item<T, 6>(p, it);
+  }
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+
+enum class Isa { portable, avx2, avx512, avx512bf16 };
+
+static Isa host_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return __builtin_cpu_supports("avx512bf16") ? Isa::avx512bf16 : Isa::avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::portable;
+}
+
+static const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::avx512bf16: return "avx512bf16";
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+static Isa chosen_isa() {  // the host's, or a lower one named by KVR_ATTENTION_ISA
+  const Isa host = host_isa();
+  const char* want = std::getenv("KVR_ATTENTION_ISA");
+  if (!want || !*want) return host;
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512bf16}) {
+    if (std::string(want) == isa_name(i)) {
+      TORCH_CHECK(static_cast<int>(i) <= static_cast<int>(host), "KVR_ATTENTION_ISA=", want,
+                  " is beyond this CPU (", isa_name(host), ")");
+      return i;
+    }
+  }
+  TORCH_CHECK(false, "KVR_ATTENTION_ISA=", want, " is none of portable, avx2, avx512, avx512bf16");
+  return host;
+}
+
+using ItemFn = void (*)(const Problem&, const Item&);
+
+static ItemFn pick(const Problem& p, Isa isa) {
+  const bool fits = p.d % 16 == 0;
+  if (p.bf16_in) {
+    if (isa == Isa::avx512bf16 && fits) return avx512_dispatch<bf16>;
+    return isa >= Isa::avx2 ? portable_item_avx2<bf16> : portable_item<bf16>;
+  }
+  if (isa >= Isa::avx512 && fits) return avx512_dispatch<float>;
+  return isa >= Isa::avx2 ? portable_item_avx2<float> : portable_item<float>;
+}
+
+std::string isa() {
+  return isa_name(chosen_isa());
+}
+
+static Strided strided(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 4, what, " must be [batch, heads, tokens, head_dim], got ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, what, "'s head_dim must be contiguous");
+  return Strided{static_cast<const char*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2),
+                 static_cast<int>(t.element_size())};
+}
+
+// q [B, heads, n, d]; keys[t], values[t] [B_t, kv_heads, m_t, d]; rows [R, 6] int64: (batch, q_lo, q_hi, q_pos,
+// piece_lo, piece_hi); pieces [P, 5] int64: (tensor, batch, k_lo, k_hi, k_pos). Returns out [B, n, heads, d] (float32
+// or q's dtype) and lse [B, heads, n] float32; queries in no row are 0 with lse -inf.
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, at::TensorList keys, at::TensorList values,
+                                             const at::Tensor& rows, const at::Tensor& pieces, bool causal,
+                                             int64_t window, double scale, bool out_float) {
+  TORCH_CHECK(q.device().is_cpu(), "kvr::attention runs on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "kvr::attention takes float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(keys.size() == values.size(), "as many value pieces as key pieces");
+  Problem p;
+  p.q = strided(q, "q");
+  const int64_t B = q.size(0), n = q.size(2);
+  p.heads = q.size(1);
+  p.d = q.size(3);
+  p.kv_heads = keys.empty() ? p.heads : keys[0].size(1);
+  TORCH_CHECK(p.kv_heads > 0 && p.heads % p.kv_heads == 0, "query heads ", p.heads, " not a multiple of K,V heads ",
+              p.kv_heads);
+  p.group = p.heads / p.kv_heads;
+  p.causal = causal;
+  p.window = window;
+  p.scale = static_cast<float>(scale);
+  p.bf16_in = q.scalar_type() == at::kBFloat16;
+  p.out_f32 = out_float;
+  for (size_t t = 0; t < keys.size(); ++t) {
+    for (const at::Tensor* x : {&keys[t], &values[t]}) {
+      TORCH_CHECK(x->scalar_type() == q.scalar_type(), "K,V pieces must have q's dtype");
+      TORCH_CHECK(x->device().is_cpu(), "K,V pieces must be on the CPU");
+      TORCH_CHECK(x->dim() == 4 && x->size(1) == p.kv_heads && x->size(3) == p.d,
+                  "a K,V piece must be [batch, ", p.kv_heads, ", tokens, ", p.d, "], got ", x->sizes());
+    }
+    TORCH_CHECK(keys[t].size(2) == values[t].size(2) && keys[t].size(0) == values[t].size(0),
+                "a key piece and its value piece differ in shape");
+    p.k.push_back(strided(keys[t], "a key piece"));
+    p.v.push_back(strided(values[t], "a value piece"));
+  }
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 6, "rows must be int64 [R, 6]");
+  TORCH_CHECK(pieces.scalar_type() == at::kLong && pieces.dim() == 2 && pieces.size(1) == 5,
+              "pieces must be int64 [P, 5]");
+  const auto rc = rows.contiguous();
+  const auto pc = pieces.contiguous();
+  const int64_t* rr = rc.data_ptr<int64_t>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pc.size(0); ++i) {
+    Piece x{pp[5 * i], pp[5 * i + 1], pp[5 * i + 2], pp[5 * i + 3], pp[5 * i + 4]};
+    TORCH_CHECK(x.t >= 0 && x.t < static_cast<int64_t>(keys.size()), "piece ", i, " names tensor ", x.t);
+    TORCH_CHECK(x.b >= 0 && x.b < keys[x.t].size(0), "piece ", i, " names batch ", x.b);
+    TORCH_CHECK(0 <= x.k_lo && x.k_lo <= x.k_hi && x.k_hi <= keys[x.t].size(2), "piece ", i, " keys [", x.k_lo,
+                ", ", x.k_hi, ") outside ", keys[x.t].size(2));
+    p.pieces.push_back(x);
+  }
+  for (int64_t i = 0; i < rc.size(0); ++i) {
+    Row x{rr[6 * i], rr[6 * i + 1], rr[6 * i + 2], rr[6 * i + 3], rr[6 * i + 4], rr[6 * i + 5]};
+    TORCH_CHECK(x.b >= 0 && x.b < B, "row ", i, " names batch ", x.b);
+    TORCH_CHECK(0 <= x.q_lo && x.q_lo <= x.q_hi && x.q_hi <= n, "row ", i, " queries [", x.q_lo, ", ", x.q_hi,
+                ") outside ", n);
+    TORCH_CHECK(0 <= x.piece_lo && x.piece_lo <= x.piece_hi && x.piece_hi <= pc.size(0), "row ", i,
+                " pieces out of range");
+    p.rows.push_back(x);
+  }
+  const auto out_dtype = out_float ? at::kFloat : q.scalar_type();
+  at::Tensor out = at::zeros({B, n, p.heads, p.d}, q.options().dtype(out_dtype));
+  at::Tensor lse = at::full({B, p.heads, n}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat));
+  p.out = static_cast<char*>(out.data_ptr());
+  p.out_sb = n * p.heads * p.d;
+  p.out_sn = p.heads * p.d;
+  p.lse = lse.data_ptr<float>();
+  p.lse_sb = p.heads * n;
+  p.lse_n = n;
+
+  const int64_t block = std::max<int64_t>(1, kTargetRows / p.group);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < static_cast<int64_t>(p.rows.size()); ++r) {
+    const int64_t len = p.rows[r].q_hi - p.rows[r].q_lo;
+    for (int64_t i0 = 0; i0 < len; i0 += block)
+      for (int64_t h = 0; h < p.kv_heads; ++h) items.push_back(Item{r, h, i0, std::min(block, len - i0)});
+  }
+  // Causal blocks late in a row see the most keys: hand the heaviest out first, pulled by whichever thread is free.
+  std::reverse(items.begin(), items.end());
+  const ItemFn fn = pick(p, chosen_isa());
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  if (threads <= 1) {
+    for (const Item& it : items) fn(p, it);
+  } else {
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < count; i = next++) fn(p, items[i]);
+    });
+  }
+  return {out, lse};
+}
+
+}  // namespace kvr
+
+TORCH_LIBRARY(kvr, m) {
+  m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor rows, Tensor pieces, bool causal, int window, "
+        "float scale, bool out_float) -> (Tensor, Tensor)");
+  m.def("isa() -> str", &kvr::isa);
+}
+
+TORCH_LIBRARY_IMPL(kvr, CPU, m) {
+  m.impl("attention", &kvr::attention);
+}
