@@ -25,7 +25,12 @@ from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.forward import fill_cache, last_token_logits
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.modes.attention import attend_with_lse, masked_attention_with_lse, refuse_softcap, why_not_inserted
+from kvrunahead.modes.attention import (
+    attend_with_lse,
+    positional_attention_with_lse,
+    refuse_softcap,
+    why_not_inserted,
+)
 from kvrunahead.transport import Transport
 
 IMPLEMENTATION = "kvrunahead_kvp"
@@ -186,12 +191,7 @@ def shard_attention(query, key, value, start: int, first: int, owner: bool, wind
             query.new_full((b, heads, n), float("-inf"), dtype=torch.float32)
     if window is None and (n == 1 or not owner):  # every query sees every key
         return attend_with_lse(query, key, value, causal=False, scale=scale)
-    q_pos = torch.arange(first, first + n, device=query.device)[:, None]
-    k_pos = torch.arange(start, start + keys, device=query.device)[None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible &= k_pos > q_pos - window
-    return masked_attention_with_lse(query, key, value, visible, scale)
+    return positional_attention_with_lse(query, key, value, first, start, window, scale)
 
 
 def merge_parts(parts: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.attention import attention_mode, current_state, register
 from kvrunahead.model.forward import fill_cache, with_cache
 from kvrunahead.model.layout import layer_windows
@@ -97,6 +98,12 @@ def prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torc
 def padded_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale):
     """One query per row against that row's own keys, ``valid`` ``[B, slots]`` marking the real ones (a decode
     step's short own block: its scores are small). Returns output and log-sum-exp, float32."""
+    if kernel.usable(query):  # the valid slots are each row's last ones (left padding): read from the first
+        first = (~valid).sum(dim=1).tolist()
+        rows = [kernel.Row(b, 0, query.shape[2], 0, [kernel.Piece(keys, values, 0, b, lo)])
+                for b, lo in enumerate(first)]
+        out, lse = kernel.varlen(query, rows, causal=False, scale=scale)
+        return out.transpose(1, 2), lse
     return masked_attention_with_lse(query, keys, values, valid[:, None, None, :], scale)
 
 
@@ -106,7 +113,12 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     cache: SharedPrefixCache = current_state()
     layer = cache.layers[module.layer_idx]
     out, lse = prefix_attention(query, layer.prefix[0], layer.prefix[1], scaling)
-    if cache.packing:  # each packed question attends to itself, causally
+    if cache.packing and kernel.usable(query):  # each packed question attends to itself, causally: one call
+        rows = [kernel.Row(0, start, start + n, 0, [kernel.Piece(key, value, 0, 0, start, start + n)])
+                for start, n in zip(cache.starts, cache.lengths)]
+        own_out, own_lse = kernel.varlen(query, rows, causal=True, scale=scaling)
+        own_out = own_out.transpose(1, 2)
+    elif cache.packing:  # each packed question attends to itself, causally
         outs, lses = [], []
         for start, n in zip(cache.starts, cache.lengths):
             o, s = attend_with_lse(query[:, :, start:start + n], key[:, :, start:start + n],

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvrunahead import launcher
+from kvrunahead import kernels, launcher
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import Prepared, network_label, prepare, tp_groups
 from kvrunahead.errors import InputError
@@ -82,6 +82,7 @@ class RunResult:
     context_len: int
     rope_extension: str | None  # "RoPE extended by YaRN x2 beyond the 8192 trained positions"
     kvr_attention: str | None  # kvr modes: the attention that ran, and why
+    attention_kernel: str  # "ours (avx512bf16)": our CPU kernel and its instruction set, or torch's
     sliding_layers: int  # layers with a sliding window (their chain hands on the window only)
     full_chain_bytes: int | None  # kvr with sliding layers: what the chain would send if every layer were full
     boundaries: list[int]
@@ -238,6 +239,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         rope_extension=prepared.rope.describe() if prepared.rope else None,
         kvr_attention=(f"{prepared.kvr_attention} ({prepared.attention_source})"
                        if cfg.mode.startswith(("kvr", "spp")) else None),
+        attention_kernel=kernels.describe(device.type),
         sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
         full_chain_bytes=full_chain_bytes(layout, partition) if cfg.mode == "kvr" and layout.windows else None,
         boundaries=list(partition.boundaries),

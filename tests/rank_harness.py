@@ -42,6 +42,7 @@ def main() -> None:
                 "verification": d["verification"],
                 "rope_extension": d["rope_extension"],
                 "kvr_attention": d["kvr_attention"],
+                "attention_kernel": d["attention_kernel"],
                 "partition_source": d["partition_source"],
                 "stages": d["stages"],
                 "chunk_tokens": d["chunk_tokens"],

@@ -1,7 +1,10 @@
 """Every prefill mode on p real ranks (gloo, CPU) against the single-process model, for GQA, MHA and MQA."""
 
+import os
+
 import pytest
 
+from kvrunahead import kernels
 from kvrunahead.partition import Partition, parse_partition, zigzag_ranges
 from tests.helpers import skewed_ratios, world_runs
 
@@ -58,10 +61,22 @@ def _cases(p: int) -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    """Every case on p real ranks, run once per world size whichever tests ask for it."""
-    return world_runs(_cases, tmp_path_factory, "p")
+@pytest.fixture(scope="module", params=["ours", "torch"])
+def worlds(request, tmp_path_factory):
+    """Every case on p real ranks, run once per world size whichever tests ask for it: on our CPU attention kernel
+    and on torch's (the fallback where it cannot be built), the one-process reference on the same."""
+    run = world_runs(_cases, tmp_path_factory, f"{request.param}-p")
+
+    def on_kernel(p: int) -> dict:
+        before = os.environ.get(kernels.ENV)
+        os.environ[kernels.ENV] = request.param
+        try:
+            return run(p)
+        finally:
+            os.environ.pop(kernels.ENV) if before is None else os.environ.__setitem__(kernels.ENV, before)
+
+    on_kernel.kernel = request.param
+    return on_kernel
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
@@ -74,6 +89,12 @@ def multi_rank_world(request, worlds):
     """The world sizes where ranks have someone to send to: at p = 1 every mode's byte count is [0], so a byte
     count test there compares nothing (test_a_lone_rank_sends_nothing_in_any_mode says what p = 1 must do)."""
     return request.param, worlds(request.param)
+
+
+def test_every_case_ran_on_the_attention_kernel_it_was_given(world, worlds):
+    p, results = world
+    ran = {name: r["attention_kernel"] for name, r in results.items() if "attention_kernel" in r}
+    assert ran and all(k.startswith(worlds.kernel) for k in ran.values()), ran
 
 
 @pytest.mark.parametrize("model", MODELS)

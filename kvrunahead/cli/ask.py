@@ -58,6 +58,7 @@ def format_result(r) -> str:
 @click.option("--partition", default="auto", show_default=True, help="The context's partition, as in kvr-prefill.")
 @common.kvr_attention_option(help="The context's chain attention, as in kvr-prefill.")
 @common.dtype_option()
+@common.attention_kernel_option()
 @common.compile_option()
 @common.device_option()
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")

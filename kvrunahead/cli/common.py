@@ -62,6 +62,23 @@ def compile_option():
              "(KVR_CACHE) makes later starts quicker.")
 
 
+def attention_kernel_option():
+    """--attention-kernel: which CPU attention kernel this process and the ranks it starts run (an environment
+    variable, so ranks started by torchrun or mpirun with the same command line and the tool's own both take it)."""
+
+    def choose(ctx, param, value):
+        if value is not None:
+            os.environ["KVR_ATTENTION_KERNEL"] = value
+        return value
+
+    return click.option(
+        "--attention-kernel", type=click.Choice(["ours", "torch"]), default=None, expose_value=False,
+        callback=choose, is_eager=True,
+        help="CPU attention: ours (default: kvrunahead's kernel, built once into ~/.cache/kvrunahead on first use; "
+             "torch's where it cannot be built) or torch (torch's SDPA and flash kernels). KVR_ATTENTION_KERNEL "
+             "sets the same.")
+
+
 def tp_option():
     return click.option(
         "--tp", type=int, default=1, show_default=True,

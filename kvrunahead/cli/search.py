@@ -52,6 +52,7 @@ from kvrunahead.search.ranks import run_search
 @click.option("--threads", type=int, default=SearchOptions.threads, show_default=True)
 @common.device_option()
 @common.dtype_option()
+@common.attention_kernel_option()
 @common.net_option(
     help="The network to search on: loopback (default on one host), cap=400MB/s (every rank on an emulated host "
          "of its own, links capped each way; needs root), ',noise' for the sidecar too. The table is keyed on the "

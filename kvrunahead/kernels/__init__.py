@@ -102,3 +102,15 @@ def isa() -> str | None:
     import torch
 
     return torch.ops.kvr.isa()
+
+
+def describe(device_type: str = "cpu") -> str:
+    """The attention kernel a run on ``device_type`` uses, for its report: ``ours (avx512bf16)``, ``torch``, or
+    ``torch (ours could not be built: ...)``."""
+    if device_type != "cpu":
+        return "torch"
+    if chosen() == "torch":
+        return "torch (chosen)"
+    if not build():
+        return f"torch (ours could not be built: {why_not_built()})"
+    return f"ours ({isa()})"

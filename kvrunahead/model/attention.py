@@ -12,7 +12,10 @@ import contextvars
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.forward import one_position
 
 _STATE: contextvars.ContextVar = contextvars.ContextVar("kvrunahead_attention_state")
@@ -77,6 +80,39 @@ def uses_attention_interface(model: torch.nn.Module | PretrainedConfig) -> bool:
 
 
 register(_PROBE, _probe_attention)
+
+
+CPU_KERNEL = "kvrunahead_cpu"
+
+
+def cpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """A causal model's own attention on our CPU kernel (kvrunahead/kernels), the one-process path: its queries are
+    the last of its keys' positions, masked pairs never scored, K,V never repeated per query head. Anything it does
+    not take (a mask, soft-capping, dropout, a non-causal module, a GPU tensor) goes to transformers' SDPA."""
+    if (attention_mask is None and kwargs.get("softcap") is None and not dropout and is_causal is not False
+            and getattr(module, "is_causal", True) and kernel.usable(query)):
+        start = key.shape[2] - query.shape[2]
+        out, _ = kernel.block(query, key, value, start, 0, causal=True, window=kwargs.get("sliding_window"),
+                              scale=scaling, out_float=False)
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _cpu_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+              attention_mask=None, local_size=None, **kwargs):
+    """No mask where the kernel's positions say it all: causal, no padding, the queries the last of the keys (a
+    sliding window's layers pass their window to the attention). Else SDPA's mask, which the attention hands on."""
+    plain = (mask_function is causal_mask_function and local_size is None and kv_offset == 0
+             and isinstance(q_offset, int) and q_offset + q_length == kv_length)
+    if plain and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, local_size=local_size, **kwargs)
+
+
+register(CPU_KERNEL, cpu_attention)
+AttentionMaskInterface.register(CPU_KERNEL, _cpu_mask)
 
 
 def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:

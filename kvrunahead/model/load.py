@@ -26,6 +26,8 @@ from transformers import (
     PretrainedConfig,
 )
 
+from kvrunahead import kernels
+from kvrunahead.model.attention import CPU_KERNEL
 from kvrunahead.model.rope import RopeExtension, extended
 from kvrunahead.model.stage import (
     StageSpec,
@@ -252,7 +254,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
     that pipeline stage's layers (model/stage.py); ``tp``: only this TP rank's shard, its rowwise outputs summed
     by ``collective`` (model/tp.py)."""
     config = extended(resolve_config(name), rope)
-    attn = attention_implementation(config)
+    attn = attention_implementation(config, device)
     if tp is not None:
         builder = ShardBuilder(config, tp)
         if name in PRESETS:  # drawn whole (the same numbers on every rank), then cut
@@ -304,10 +306,17 @@ def _eos(generation_config) -> frozenset[int]:
     return frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
 
 
-def attention_implementation(config: PretrainedConfig) -> str:
-    """SDPA, or transformers' eager attention for the classes that refuse SDPA (Gemma 2, for its soft-capping)."""
+def attention_implementation(config: PretrainedConfig, device: torch.device | None = None) -> str:
+    """SDPA, or transformers' eager attention for the classes that refuse SDPA (Gemma 2, for its soft-capping). On
+    a CPU, where our kernel is chosen and built and the model calls attention through transformers' interface, our
+    kernel (model/attention.py's ``cpu_attention``: what it does not take goes to SDPA)."""
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+    if not getattr(cls, "_supports_sdpa", True):
+        return "eager"
+    cpu = device is None or torch.device(device).type == "cpu"
+    if cpu and getattr(cls, "_supports_attention_backend", False) and kernels.ours_on_cpu():
+        return CPU_KERNEL
+    return "sdpa"
 
 
 def _model_path(name: str) -> Path:

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.attention import expand_kv, uses_attention_interface
 from kvrunahead.model.layout import soft_caps
 
@@ -64,6 +65,9 @@ def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.T
     block every query sees in full runs the query heads of one K,V head as one longer query sequence instead, so
     the (long) prefix K,V is never copied per query head.
     """
+    if kernel.usable(q):  # the CPU's: one call, K,V read in place for every query head of theirs
+        out, lse = kernel.block(q, k, v, causal=causal, scale=scale)
+        return out.transpose(1, 2), lse
     b, heads, n, d = q.shape
     kv_heads = k.shape[1]
     if causal or kv_heads == heads:
@@ -72,6 +76,18 @@ def attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.T
     out, lse = _fused_with_lse(grouped, k, v, False, scale)
     # reshape, not view: a CUDA kernel's output may be laid out [b, rows, heads, d] (transposed), not contiguous
     return out.reshape(b, heads, n, d), lse.reshape(b, heads, n)
+
+
+def positional_attention_with_lse(q, k, v, q_start: int, k_start: int, window: int | None, scale
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries at positions from ``q_start`` against keys at positions from ``k_start``, each seeing the keys at or
+    before it (within ``window``): output ``[B, heads, n, d]`` and log-sum-exp, float32. A query that sees no key
+    gets output 0 and log-sum-exp -inf. On the CPU no mask is built."""
+    if kernel.usable(q):
+        out, lse = kernel.block(q, k, v, q_start, k_start, causal=True, window=window, scale=scale)
+        return out.transpose(1, 2), lse
+    visible = causal_mask(q_start, q.shape[2], k_start, k.shape[2], q.device, window)
+    return masked_attention_with_lse(q, k, v, visible, scale)
 
 
 def masked_attention_with_lse(q, k, v, visible: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.attention import attention_mode, expand_kv, register, require_attention_interface
 from kvrunahead.model.forward import Scoring, fill_cache, forward_part
 from kvrunahead.model.layout import KVLayout
@@ -243,6 +244,8 @@ def split_block(query, key, value, scale, window: int | None = None) -> torch.Te
     returns ``[batch, n, heads, head_dim]``."""
     n, heads = query.shape[2], query.shape[1]
     start = key.shape[2] - n
+    if kernel.usable(query):  # the CPU's: prefix and diagonal in one pass, masked pairs never scored
+        return kernel.block(query, key, value, start, 0, causal=True, window=window, scale=scale, out_float=False)[0]
     if window:
         return window_attention(query, expand_kv(key, heads), expand_kv(value, heads), start, window, scale)
     if n == 1:  # one query (a decode row) sees every key: one kernel, nothing to merge

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.attention import (
     attention_mode,
     current_state,
@@ -116,6 +117,9 @@ def mixed_attention(module, query, key, value, attention_mask, scaling=None, dro
     rows forked from one shared prompt against it together (``forked_attention``)."""
     refuse_softcap(kwargs, "a mixed step")
     blocks = current_state().blocks
+    if kernel.usable(query):  # the CPU's: every block in one call, a fork's shared prompt read in place
+        return kernel.varlen(query, [_kernel_row(lo, hi, kv) for lo, hi, kv in blocks], causal=True, scale=scaling,
+                             out_float=False)[0], None
     outs, forks = [None] * len(blocks), {}
     for b, (lo, hi, kv) in enumerate(blocks):
         if isinstance(kv, ForkedKV):
@@ -126,6 +130,18 @@ def mixed_attention(module, query, key, value, attention_mask, scaling=None, dro
         for b, out in zip(members, forked_attention(query, [blocks[b] for b in members], scaling)):
             outs[b] = out
     return torch.cat(outs, dim=1), None
+
+
+def _kernel_row(lo: int, hi: int, kv) -> kernel.Row:
+    """A block's queries (the last ``hi - lo`` positions of its keys) and its K,V pieces: a fork's shared prompt
+    then its own tokens, or the block's keys."""
+    if isinstance(kv, ForkedKV):
+        keys, values = kv.prefix
+        shared = keys.shape[2]
+        pieces = [kernel.Piece(keys, values, 0), kernel.Piece(kv.own.keys, kv.own.values, shared)]
+        return kernel.Row(0, lo, hi, shared + kv.own.keys.shape[2] - (hi - lo), pieces)
+    keys, values = kv
+    return kernel.Row(0, lo, hi, keys.shape[2] - (hi - lo), [kernel.Piece(keys, values, 0)])
 
 
 def forked_attention(query, rows, scale) -> list[torch.Tensor]:

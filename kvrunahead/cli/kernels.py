@@ -1,0 +1,25 @@
+"""kvr-kernels: build kvrunahead's CPU kernels now (they are otherwise built on first use) and say what runs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from kvrunahead.cli import common
+
+
+@click.command(context_settings=common.SETTINGS)
+@click.option("--verbose", is_flag=True, help="Show the compiler's commands.")
+def main(verbose: bool) -> None:
+    """Compile the CPU attention kernel into the cache folder (~/.cache/kvrunahead/kernels, or KVR_CACHE), once per
+    machine and torch version, and print the instruction set it runs with here. Exit 1 where it cannot be built
+    (the tools then run torch's attention)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from kvrunahead import kernels
+
+    if not kernels.build(verbose=verbose):
+        click.echo(f"kvr-kernels: the CPU attention kernel could not be built: {kernels.why_not_built()}", err=True)
+        sys.exit(1)
+    click.echo(f"CPU attention kernel: {kernels.isa()} ({kernels.cache_dir()})")
