@@ -27,7 +27,7 @@ from kvrunahead.model.device import (
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
-from kvrunahead.model.reference import default_atol, where_parted
+from kvrunahead.model.reference import HALF, HalfGrade, default_atol, grade_half, where_parted
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.net import liveness
@@ -53,6 +53,10 @@ class Verification:
     # logits there (a tie within ``atol``: half-precision GPU kernels that sum in another order pick either).
     parted_at: int | None = None
     parted_gap: float | None = None
+    half: HalfGrade | None = None  # bfloat16 and float16: the run and one process, graded against float32
+
+    def describe_half(self) -> str | None:
+        return self.half.describe() if self.half else None
 
     @property
     def generated_within_rounding(self) -> bool:
@@ -62,6 +66,8 @@ class Verification:
 
     @property
     def ok(self) -> bool:
+        if self.half is not None:  # half precision: as close to float32 as one process in that precision is
+            return self.half.ok
         return self.first_token_match and self.generated_within_rounding and self.max_abs_logit_diff <= self.atol
 
 
@@ -111,6 +117,9 @@ class RunResult:
         d.pop("logits")
         if self.verification is not None:
             d["verification"]["ok"] = self.verification.ok
+            if self.verification.half is not None:
+                d["verification"]["half"].update(ok=self.verification.half.ok,
+                                                 allowed_error=self.verification.half.allowed_error)
         return d
 
 
@@ -319,7 +328,11 @@ def verify(lm: LoadedModel, ids: list[int], result: RunResult, cfg: RunConfig, d
     parted_at = parted_gap = None
     if ref_tokens != result.generated_tokens and ref_first == result.first_token:
         parted_at, parted_gap = where_parted(lm.model, ids, ref_tokens, result.generated_tokens)
+    half = None
+    if dtype in HALF:
+        half = grade_half(lm.model, ids, result.generated_tokens, result.logits, ref_tokens, ref_logits)
     return Verification(
+        half=half,
         parted_at=parted_at,
         parted_gap=parted_gap,
         single_ttft_s=single_ttft_s,

@@ -289,3 +289,14 @@ def test_without_a_compiler_the_tools_fall_back_to_torch_and_say_so_once(tmp_pat
     assert run.returncode == 0, run.stderr
     assert "implementation sdpa" in run.stdout and "logits torch.Size([1, 3," in run.stdout
     assert run.stderr.count("could not be built") == 1, run.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 1, 50])
+@pytest.mark.parametrize("positions", [1, 2])
+def test_a_few_positions_take_the_narrow_path_with_offsets_and_windows(isa, dtype, window, positions):
+    """Up to 6 query vectors (a decode row's grouped heads) run keys-as-lanes: partial blocks, keys after the
+    queries, a window that starts inside a block."""
+    q, k, v = qkv(1, 9 if positions == 1 else 6, 3, positions, 230, 64, dtype, seed=13)
+    check(q, whole(q, k, v, q_pos=170), window=window)
+    check(q, whole(q, k, v, q_pos=100, k_pos=5), window=window)

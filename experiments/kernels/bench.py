@@ -89,13 +89,21 @@ CASES = {
 QUICK = ["causal-4k", "chunk-128-after-8k", "decode-8-rows-150-1550", "decode-1-row-16k"]
 
 
+@torch.no_grad()
 def gemm_rate(dtype) -> float:
     """The thread's GEMM rate in ``dtype``: the best of a SmolLM2 gate/up projection of 4096 rows and a 2048-square
-    product, through torch's default path (MKL's sgemm, oneDNN for bfloat16)."""
+    product, through torch's default path (MKL's sgemm for float32, oneDNN for bfloat16) and oneDNN's own linear
+    (which on an AMD host runs float32 at about twice MKL's rate)."""
+    import torch.utils.mkldnn
+
     best = 0.0
     for m, k, n in ((4096, 576, 1536), (2048, 2048, 2048)):
-        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        best = max(best, 2 * m * k * n / median_time(lambda a=a, b=b: a @ b, 5) / 1e9)
+        linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+        onednn = torch.utils.mkldnn.to_mkldnn(linear, dtype)
+        x = torch.randn(m, k).to(dtype)
+        xd = x.to_mkldnn()
+        for fn in (lambda linear=linear, x=x: linear(x), lambda onednn=onednn, xd=xd: onednn(xd)):
+            best = max(best, 2 * m * k * n / median_time(fn, 5) / 1e9)
     return best
 
 

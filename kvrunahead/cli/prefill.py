@@ -78,9 +78,12 @@ def format_result(r: RunResult) -> str:
                                            if r.decode == "kvp" else ""))
     v = r.verification
     if v is not None:
+        grade = (f"{v.half.describe()}; against one {r.dtype} process: max |logit diff| "
+                 f"{v.max_abs_logit_diff:.2e}" if v.half else f"max |logit diff| {v.max_abs_logit_diff:.2e} (atol "
+                 f"{v.atol:g})")
         lines.append(
-            f"verify       {'OK' if v.ok else 'MISMATCH'}: max |logit diff| {v.max_abs_logit_diff:.2e} "
-            f"(atol {v.atol:g}), first token {'matches' if v.first_token_match else 'differs'}, "
+            f"verify       {'OK' if v.ok else 'MISMATCH'}: {grade}, "
+            f"first token {'matches' if v.first_token_match else 'differs'}, "
             f"generated tokens {_continuation(v)}; "
             f"single-process TTFT {v.single_ttft_s * 1e3:.1f} ms at {r.threads_per_rank} thread(s)"
             + (f", {v.single_all_threads_ttft_s * 1e3:.1f} ms at {v.single_all_threads} threads (all ranks' "

@@ -525,8 +525,264 @@ static void avx512_item(const Problem& p, const Item& it) {
   write_result(p, it, obuf.data(), d, m, l);
 }
 
+// ---- The narrow path: at most kNarrow query vectors (a decode row's grouped heads). The wide path's S^T would use
+// M of 16 lanes; here keys are the lanes instead: each block of 64 keys is transposed (16x16 tiles of 32-bit words)
+// so a query's scores for 16 keys are one vector, and the V rows are loaded once for all M queries.
+
+constexpr int kNarrow = 6;
+
+static inline void transpose16(__m512i* r) {  // 16 rows of 16 words -> 16 columns, in order
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Kt[w][j] = word w of key row j, for the block's nk keys (rows past nk are zero); words per row W.
+static void pack_keys_transposed(const void* const* krow, int64_t nk, int64_t words, uint32_t* kt) {
+  for (int64_t j0 = 0; j0 < kBlockKeys; j0 += 16) {
+    for (int64_t w0 = 0; w0 < words; w0 += 16) {
+      const int64_t w = std::min<int64_t>(16, words - w0);
+      const __mmask16 mk = w == 16 ? 0xffff : static_cast<__mmask16>((1u << w) - 1);
+      __m512i r[16];
+      for (int k = 0; k < 16; ++k)
+        r[k] = j0 + k < nk ? _mm512_maskz_loadu_epi32(mk, static_cast<const uint32_t*>(krow[j0 + k]) + w0)
+                           : _mm512_setzero_si512();
+      transpose16(r);
+      for (int k = 0; k < w; ++k) _mm512_storeu_si512(kt + (w0 + k) * kBlockKeys + j0, r[k]);
+    }
+  }
+}
+
+template <typename T, int M>
+static inline void qk_narrow(const T* q, int64_t d, const uint32_t* kt, int64_t words, __m512 acc[M][4]) {
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < words; ++w) {
+    __m512i kv[4];
+    for (int v = 0; v < 4; ++v) kv[v] = _mm512_loadu_si512(kt + w * kBlockKeys + 16 * v);
+    for (int i = 0; i < M; ++i) {
+      if constexpr (std::is_same_v<T, float>) {
+        const __m512 qb = _mm512_set1_ps(q[i * d + w]);
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(qb, _mm512_castsi512_ps(kv[v]), acc[i][v]);
+      } else {
+        int32_t word;
+        std::memcpy(&word, q + i * d + 2 * w, 4);
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(word);
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], qb, (__m512bh)kv[v]);
+      }
+    }
+  }
+}
+
+template <int M, int NC>
+static inline void pv_narrow_f32(const float* pf, const float* const* vrow, int64_t nk, float* o, int64_t d,
+                                 int64_t c0) {
+  __m512 acc[M][NC];
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_loadu_ps(o + i * d + c0 + 16 * n);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 vv[NC];
+    for (int n = 0; n < NC; ++n) vv[n] = _mm512_loadu_ps(vrow[j] + c0 + 16 * n);
+    for (int i = 0; i < M; ++i) {
+      const __m512 pb = _mm512_set1_ps(pf[i * kBlockKeys + j]);
+      for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_fmadd_ps(pb, vv[n], acc[i][n]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + i * d + c0 + 16 * n, acc[i][n]);
+}
+
+template <int M, int NC>
+static inline void pv_narrow_bf16(const bf16* pb16, const bf16* vp, int64_t nk2, float* o, int64_t d, int64_t c0) {
+  __m512 acc[M][NC];
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_loadu_ps(o + i * d + c0 + 16 * n);
+  for (int64_t u = 0; u < nk2; ++u) {
+    __m512bh vv[NC];
+    for (int n = 0; n < NC; ++n) vv[n] = (__m512bh)_mm512_loadu_si512(vp + (u * d + c0 + 16 * n) * 2);
+    for (int i = 0; i < M; ++i) {
+      int32_t word;
+      std::memcpy(&word, pb16 + i * kBlockKeys + 2 * u, 4);
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32(word);
+      for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], pw, vv[n]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + i * d + c0 + 16 * n, acc[i][n]);
+}
+
+// V rows of a block interleaved in pairs, [j/2][c][2] (a missing odd row reads as zero).
+static void pack_values_pairs(const bf16* const* vrow, int64_t nk, int64_t d, bf16* vpack) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t u = 0; u < (nk + 1) / 2; ++u) {
+    const bool odd = 2 * u + 1 < nk;
+    for (int64_t t = 0; t < d; t += 32) {
+      const int64_t w = std::min<int64_t>(32, d - t);
+      const __mmask32 mk = w == 32 ? 0xffffffffu : ((1u << w) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, vrow[2 * u] + t);
+      const __m512i b = odd ? _mm512_maskz_loadu_epi16(mk, vrow[2 * u + 1] + t) : _mm512_setzero_si512();
+      bf16* dst = vpack + (u * d + t) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+      if (w > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+template <typename T, int M>
+static void narrow_item(const Problem& p, const Item& it) {
+  constexpr bool BF = std::is_same_v<T, bf16>;
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d, words = BF ? d / 2 : d;
+  const float c = p.scale * kLog2e;
+  thread_local std::vector<T> qbuf;
+  thread_local std::vector<uint32_t> kt;
+  thread_local std::vector<float> obuf, pf;
+  thread_local std::vector<bf16> pb16, vpack;
+  thread_local std::vector<const T*> krow, vrow;
+  qbuf.resize(M * d);
+  kt.resize(words * kBlockKeys);
+  obuf.assign(M * d, 0.f);
+  krow.resize(kBlockKeys);
+  vrow.resize(kBlockKeys);
+  if constexpr (BF) {
+    pb16.resize(M * kBlockKeys);
+    vpack.resize(kBlockKeys * d);
+  } else {
+    pf.resize(M * kBlockKeys);
+  }
+  for (int i = 0; i < M; ++i)
+    std::memcpy(qbuf.data() + i * d, p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g), d * sizeof(T));
+  float m[M], l[M];
+  for (int i = 0; i < M; ++i) {
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 neg = _mm512_set1_ps(kNegInf);
+  const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
+    const Piece& pc = p.pieces[pi];
+    int64_t lo, hi;
+    visible_span(p, pc, qa, qb, &lo, &hi);
+    const Strided& K = p.k[pc.t];
+    const Strided& V = p.v[pc.t];
+    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
+      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
+      for (int64_t j = 0; j < nk; ++j) {
+        krow[j] = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
+        vrow[j] = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
+      }
+      // The next block's rows on their way while this one is scored: a long row is read from memory, not cache.
+      const int64_t next = std::min<int64_t>(kBlockKeys, hi - j0 - nk);
+      for (int64_t j = 0; j < next; ++j) {
+        const char* kr = static_cast<const char*>(K.at(pc.b, it.h, j0 + nk + j));
+        const char* vr = static_cast<const char*>(V.at(pc.b, it.h, j0 + nk + j));
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(kr + off, _MM_HINT_T0);
+          _mm_prefetch(vr + off, _MM_HINT_T0);
+        }
+      }
+      pack_keys_transposed(reinterpret_cast<const void* const*>(krow.data()), nk, words, kt.data());
+      __m512 acc[M][4];
+      qk_narrow<T, M>(qbuf.data(), d, kt.data(), words, acc);
+      const int64_t ka = pc.k_pos + (j0 - pc.k_lo), kb = ka + nk - 1;
+      const bool full = all_visible(p, ka, kb, qa, qb) && nk == kBlockKeys;
+      for (int i = 0; i < M; ++i) {
+        __m512 x[4];
+        const float qrel = static_cast<float>(i / g);
+        __m512 mx = neg;
+        for (int v = 0; v < 4; ++v) {
+          x[v] = _mm512_mul_ps(acc[i][v], cv);
+          if (!full) {
+            const __m512 rel = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(ka - qa + 16 * v)));
+            __mmask16 hide = _mm512_cmp_ps_mask(_mm512_add_ps(lane, _mm512_set1_ps(16.f * v)),
+                                                _mm512_set1_ps(static_cast<float>(nk)), _CMP_GE_OQ);
+            if (p.causal) hide |= _mm512_cmp_ps_mask(rel, _mm512_set1_ps(qrel), _CMP_GT_OQ);
+            if (p.window > 0)
+              hide |= _mm512_cmp_ps_mask(rel, _mm512_set1_ps(qrel - static_cast<float>(p.window)), _CMP_LE_OQ);
+            x[v] = _mm512_mask_mov_ps(x[v], hide, neg);
+          }
+          mx = _mm512_max_ps(mx, x[v]);
+        }
+        const float mnew = std::max(m[i], _mm512_reduce_max_ps(mx));
+        const float base = mnew == kNegInf ? 0.f : mnew;
+        const float alpha = m[i] == kNegInf ? 0.f : std::exp2(m[i] - base);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < 4; ++v) {
+          const __m512 e = exp2_512(_mm512_sub_ps(x[v], _mm512_set1_ps(base)));
+          sum = _mm512_add_ps(sum, e);
+          if constexpr (BF) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb16.data() + i * kBlockKeys + 16 * v),
+                                (__m256i)_mm512_cvtneps_pbh(e));
+          } else {
+            _mm512_storeu_ps(pf.data() + i * kBlockKeys + 16 * v, e);
+          }
+        }
+        l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+        m[i] = mnew;
+        if (alpha != 1.f) {
+          const __m512 a = _mm512_set1_ps(alpha);
+          float* o = obuf.data() + i * d;
+          for (int64_t t = 0; t < d; t += 16) _mm512_storeu_ps(o + t, _mm512_mul_ps(a, _mm512_loadu_ps(o + t)));
+        }
+      }
+      if constexpr (BF) {
+        pack_values_pairs(vrow.data(), nk, d, vpack.data());
+        const int64_t nk2 = (nk + 1) / 2;
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+          switch (std::min<int64_t>(4, (d - c0) / 16)) {
+            case 4: pv_narrow_bf16<M, 4>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
+            case 3: pv_narrow_bf16<M, 3>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
+            case 2: pv_narrow_bf16<M, 2>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
+            default: pv_narrow_bf16<M, 1>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0);
+          }
+        }
+      } else {
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+          switch (std::min<int64_t>(4, (d - c0) / 16)) {
+            case 4: pv_narrow_f32<M, 4>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
+            case 3: pv_narrow_f32<M, 3>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
+            case 2: pv_narrow_f32<M, 2>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
+            default: pv_narrow_f32<M, 1>(pf.data(), vrow.data(), nk, obuf.data(), d, c0);
+          }
+        }
+      }
+    }
+  }
+  write_result(p, it, obuf.data(), d, m, l);
+}
+
 template <typename T>
 static void avx512_dispatch(const Problem& p, const Item& it) {
+  switch (it.npos * p.group) {  // a decode row's heads: the narrow path
+    case 1: return narrow_item<T, 1>(p, it);
+    case 2: return narrow_item<T, 2>(p, it);
+    case 3: return narrow_item<T, 3>(p, it);
+    case 4: return narrow_item<T, 4>(p, it);
+    case 5: return narrow_item<T, 5>(p, it);
+    case 6: return narrow_item<T, 6>(p, it);
+    default: break;
+  }
   const int64_t mv = (it.npos * p.group + 15) / 16;
   switch (mv) {
     case 1: avx512_item<T, 1>(p, it); break;

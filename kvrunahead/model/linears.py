@@ -1,0 +1,73 @@
+"""The model's linear layers on the CPU with their weights prepacked once for oneDNN (as vLLM's CPU backend does):
+``torch.ops.mkldnn._reorder_linear_weight`` at load, ``_linear_pointwise`` at every call.
+
+Measured per shape and dtype on SmolLM2's layers (experiments/kernels/linears.jsonl): on an AMD EPYC (Zen 5,
+avx512_bf16, no AMX) float32 runs 2.1-2.5x faster than ``F.linear`` (MKL's sgemm, which takes its AVX2 path on
+AMD) from 8 rows up, and bfloat16 1.5-2.2x faster on 1-8 rows (a decode step), level on prompt-sized blocks. A
+float32 call of fewer than ``FLOAT32_MIN_ROWS`` rows (one decode row) stays on ``F.linear``, which is faster there.
+
+Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32 or bfloat16; the weights
+stay as they are (state dicts, TP cuts and tied embeddings read them), the packed copy beside them.
+``KVR_LINEARS=torch`` (or ``--linears torch``) leaves every layer on ``F.linear``; ``torch.compile`` unpacks first
+(inductor chooses its own GEMMs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ENV = "KVR_LINEARS"
+CHOICES = ("onednn", "torch")
+FLOAT32_MIN_ROWS = 4
+
+
+def chosen() -> str:
+    name = os.environ.get(ENV, "onednn") or "onednn"
+    if name not in CHOICES:
+        raise ValueError(f"{ENV}={name!r}: one of {', '.join(CHOICES)}")
+    return name
+
+
+class PackedLinear(torch.nn.Linear):
+    """``nn.Linear`` with its weight also prepacked for oneDNN (``packed``)."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if (x.dtype != self.weight.dtype or (x.dtype == torch.float32 and rows < FLOAT32_MIN_ROWS)
+                or (torch.is_grad_enabled() and self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def packable(module: torch.nn.Module) -> bool:
+    return (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype in (torch.float32, torch.bfloat16))
+
+
+@torch.no_grad()
+def prepack(model: torch.nn.Module) -> int:
+    """Pack every CPU linear layer of ``model`` for oneDNN, in place (unless ``KVR_LINEARS=torch`` or oneDNN is
+    missing); returns how many were packed."""
+    if chosen() != "onednn" or not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if packable(module):
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            module.register_buffer("packed", packed, persistent=False)
+            module.__class__ = PackedLinear
+            count += 1
+    return count
+
+
+def unpack(model: torch.nn.Module) -> None:
+    """Back to plain ``nn.Linear`` (before ``torch.compile``)."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            del module.packed
+            module.__class__ = torch.nn.Linear
