@@ -26,6 +26,7 @@ from kvrunahead.model.device import (
 )
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
+from kvrunahead.model.linears import PackedLinear
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.reference import HALF, HalfGrade, default_atol, grade_half, where_parted
 from kvrunahead.model.stage import StageSpec
@@ -89,6 +90,7 @@ class RunResult:
     rope_extension: str | None  # "RoPE extended by YaRN x2 beyond the 8192 trained positions"
     kvr_attention: str | None  # kvr modes: the attention that ran, and why
     attention_kernel: str  # "ours (avx512bf16)": our CPU kernel and its instruction set, or torch's
+    linears: str  # "onednn": prepacked oneDNN weights (model/linears.py), or "torch"
     sliding_layers: int  # layers with a sliding window (their chain hands on the window only)
     full_chain_bytes: int | None  # kvr with sliding layers: what the chain would send if every layer were full
     boundaries: list[int]
@@ -249,6 +251,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         kvr_attention=(f"{prepared.kvr_attention} ({prepared.attention_source})"
                        if cfg.mode.startswith(("kvr", "spp")) else None),
         attention_kernel=kernels.describe(device.type),
+        linears="onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
         sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
         full_chain_bytes=full_chain_bytes(layout, partition) if cfg.mode == "kvr" and layout.windows else None,
         boundaries=list(partition.boundaries),

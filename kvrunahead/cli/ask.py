@@ -59,6 +59,7 @@ def format_result(r) -> str:
 @common.kvr_attention_option(help="The context's chain attention, as in kvr-prefill.")
 @common.dtype_option()
 @common.attention_kernel_option()
+@common.linears_option()
 @common.compile_option()
 @common.device_option()
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")

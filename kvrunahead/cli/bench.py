@@ -76,6 +76,7 @@ def _list(text: str, cast=str) -> list:
 @common.allow_long_context_option()
 @common.dtype_option()
 @common.attention_kernel_option()
+@common.linears_option()
 @common.compile_option()
 @common.timeout_option(600.0)
 @click.option("--out", "out_dir", default="experiments/results", show_default=True, type=click.Path())

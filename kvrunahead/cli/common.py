@@ -79,6 +79,21 @@ def attention_kernel_option():
              "sets the same.")
 
 
+def linears_option():
+    """--linears: how this process and the ranks it starts run the model's linear layers on a CPU."""
+
+    def choose(ctx, param, value):
+        if value is not None:
+            os.environ["KVR_LINEARS"] = value
+        return value
+
+    return click.option(
+        "--linears", type=click.Choice(["onednn", "torch"]), default=None, expose_value=False, callback=choose,
+        is_eager=True,
+        help="CPU linear layers: onednn (default: weights prepacked once for oneDNN; float32 decode rows stay on "
+             "torch's, which is faster there) or torch (F.linear throughout). KVR_LINEARS sets the same.")
+
+
 def tp_option():
     return click.option(
         "--tp", type=int, default=1, show_default=True,

@@ -40,7 +40,8 @@ def format_result(r: RunResult) -> str:
         + ("   (OVERSUBSCRIBED: more threads than cores, timings not meaningful)" if r.oversubscribed else ""),
         f"context      {r.context_len} tokens" + (f"   ({r.rope_extension})" if r.rope_extension else ""),
     ]
-    lines.append(f"attention    {r.kvr_attention + '   ' if r.kvr_attention else ''}kernel {r.attention_kernel}")
+    lines.append(f"attention    {r.kvr_attention + '   ' if r.kvr_attention else ''}kernel {r.attention_kernel}   "
+                 f"linears {r.linears}")
     if r.stages:
         layers = ", ".join(f"[{a}, {b})" for a, b in zip(r.stages, r.stages[1:]))
         lines += [f"stages       layers {layers}, one per rank"
@@ -161,6 +162,7 @@ def _continuation(v) -> str:
 @common.tp_option()
 @common.dtype_option()
 @common.attention_kernel_option()
+@common.linears_option()
 @common.compile_option()
 @common.device_option(
     help="auto: one GPU per rank (by LOCAL_RANK) with NCCL when CUDA is present, else CPU with gloo.")

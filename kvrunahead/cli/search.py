@@ -53,6 +53,7 @@ from kvrunahead.search.ranks import run_search
 @common.device_option()
 @common.dtype_option()
 @common.attention_kernel_option()
+@common.linears_option()
 @common.net_option(
     help="The network to search on: loopback (default on one host), cap=400MB/s (every rank on an emulated host "
          "of its own, links capped each way; needs root), ',noise' for the sidecar too. The table is keyed on the "

@@ -283,6 +283,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @common.tp_option()
 @common.dtype_option()
 @common.attention_kernel_option()
+@common.linears_option()
 @common.compile_option()
 @common.device_option()
 @click.option("--threads", type=int, default=None, help="Intra-op threads per rank. Default: cores / local ranks.")

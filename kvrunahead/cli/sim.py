@@ -49,6 +49,7 @@ def parse_noise(spec: str | None, interval_s: float = 1.0, duty: float = 0.5):
 @click.command(context_settings=common.SETTINGS)
 @common.model_option(help="Model whose layers are timed.")
 @common.attention_kernel_option()
+@common.linears_option()
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--threads", type=int, default=1, show_default=True, help="Threads per rank, as the runs will use.")
 @click.option("--net", "nets", multiple=True,

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 KERNELS = ("ours", "torch")
 ENV = "KVR_ATTENTION_KERNEL"
 SOURCE = Path(__file__).with_name("attention.cpp")
-CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]  # OpenMP: at::parallel_for is inline
 
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": bool once tried, "error": why it could not be built
@@ -73,7 +73,8 @@ def build(verbose: bool = False) -> bool:
                             "about a minute)", folder)
             start = time.perf_counter()
             cpp_extension.load(name="kvr_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                               build_directory=str(folder), is_python_module=False, verbose=verbose)
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                               verbose=verbose)
             if not built:
                 log.warning("built the CPU attention kernel in %.0f s", time.perf_counter() - start)
             _state["loaded"] = hasattr(torch.ops.kvr, "attention")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kvrunahead.model.linears import unpack
+
 log = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 256  # per code object: a layer's resumed code per layer index and shape family (prompt parts,
@@ -58,6 +60,7 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     compiles until the first call of each shape family (the server warms its commonest up at start:
     serve/warm.py)."""
     configure()
+    unpack(model)  # inductor picks its own GEMMs: the packed oneDNN weights would be graph breaks
     log.warning("the decoder stack is compiled on its first call of each shape family (inductor's cache: %s)",
                 os.environ["TORCHINDUCTOR_CACHE_DIR"])
     model.base_model.compile(dynamic=True, recompile_limit=RECOMPILE_LIMIT)  # the limit in every thread

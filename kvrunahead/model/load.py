@@ -28,6 +28,7 @@ from transformers import (
 
 from kvrunahead import kernels
 from kvrunahead.model.attention import CPU_KERNEL
+from kvrunahead.model.linears import prepack
 from kvrunahead.model.rope import RopeExtension, extended
 from kvrunahead.model.stage import (
     StageSpec,
@@ -288,6 +289,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
                                                      attn_implementation=attn)
         eos = _eos(model.generation_config)
     model.to(device).eval()
+    prepack(model)  # the CPU's linears on oneDNN with their weights packed once (model/linears.py)
     if os.environ.get('KVR_COMPILE'):
         from kvrunahead.model.compiled import compile_model
         compile_model(model)
