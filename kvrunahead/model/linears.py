@@ -14,7 +14,9 @@ stay as they are (state dicts, TP cuts and tied embeddings read them), the packe
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +73,17 @@ def unpack(model: torch.nn.Module) -> None:
         if isinstance(module, PackedLinear):
             del module.packed
             module.__class__ = torch.nn.Linear
+
+
+@contextlib.contextmanager
+def unpacked(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` with plain ``nn.Linear`` layers inside the block (to copy it: a packed weight is an opaque oneDNN
+    tensor), packed again after."""
+    packed = {m: m.packed for m in model.modules() if isinstance(m, PackedLinear)}
+    unpack(model)
+    try:
+        yield
+    finally:
+        for module, weight in packed.items():
+            module.register_buffer("packed", weight, persistent=False)
+            module.__class__ = PackedLinear

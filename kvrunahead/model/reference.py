@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, greedy_decode, last_token_logits
+from kvrunahead.model.linears import prepack, unpacked
 from kvrunahead.model.load import LoadedModel
 
 HALF = (torch.bfloat16, torch.float16)
@@ -105,7 +106,9 @@ def float32_twin(model: torch.nn.Module) -> torch.nn.Module:
     """The same weights in float32 (made once per model and kept on it: several prompts are graded against it)."""
     twin = getattr(model, "_kvrunahead_float32_twin", None)
     if twin is None:
-        twin = copy.deepcopy(model).float().eval()
+        with unpacked(model):
+            twin = copy.deepcopy(model).float().eval()
+        prepack(twin)
         object.__setattr__(model, "_kvrunahead_float32_twin", twin)
     return twin
 
