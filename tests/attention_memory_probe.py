@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from kvrunahead.kernels import attention as kernel
 from kvrunahead.modes.kvr import split_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -39,9 +40,12 @@ def inputs(context: int, part: int):
 
 
 def need_bytes(part: int) -> int:
-    """What the blocks need at once, float32: the diagonal block's K,V repeated to the query heads and its output
-    (3 outputs' worth), then the prefix block's grouped queries and output beside the diagonal output it merges
-    into (3 again), with two log-sum-exp rows."""
+    """What the blocks need at once, float32. torch's kernels: the diagonal block's K,V repeated to the query heads
+    and its output (3 outputs' worth), then the prefix block's grouped queries and output beside the diagonal output
+    it merges into (3 again), with two log-sum-exp rows. Ours (kvrunahead/kernels): its output and log-sum-exp
+    only, every block's scratch within a few hundred kB per thread."""
+    if kernel.usable(torch.empty(0)):
+        return (part * HEADS * HEAD_DIM + part * HEADS) * 4
     return (3 * part * HEADS * HEAD_DIM + 2 * part * HEADS) * 4
 
 

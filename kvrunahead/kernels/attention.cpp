@@ -28,6 +28,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvr {
@@ -147,12 +149,47 @@ static inline float load_f(const T* x, int64_t i) {
   }
 }
 
+// body(ka, nk) for each block of up to kBlockKeys keys of a row's pieces that positions [qa, qb] can see, with krow
+// and vrow pointing at the block's rows and ka the block's first key position; the next block's rows are prefetched
+// while this one is worked on (a long row is read from memory, not cache).
+template <typename T, typename F>
+static inline void each_key_block(const Problem& p, const Row& r, int64_t h, int64_t qa, int64_t qb, const T** krow,
+                                  const T** vrow, F&& body) {
+  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
+    const Piece& pc = p.pieces[pi];
+    int64_t lo, hi;
+    visible_span(p, pc, qa, qb, &lo, &hi);
+    const Strided& K = p.k[pc.t];
+    const Strided& V = p.v[pc.t];
+    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
+      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
+      for (int64_t j = 0; j < nk; ++j) {
+        krow[j] = static_cast<const T*>(K.at(pc.b, h, j0 + j));
+        vrow[j] = static_cast<const T*>(V.at(pc.b, h, j0 + j));
+      }
+      const int64_t next = std::min<int64_t>(kBlockKeys, hi - j0 - nk);
+      for (int64_t j = 0; j < next; ++j) {
+        const char* kr = static_cast<const char*>(K.at(pc.b, h, j0 + nk + j));
+        const char* vr = static_cast<const char*>(V.at(pc.b, h, j0 + nk + j));
+        for (int64_t off = 0; off < p.d * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(kr + off, _MM_HINT_T0);
+          _mm_prefetch(vr + off, _MM_HINT_T0);
+        }
+      }
+      body(pc.k_pos + (j0 - pc.k_lo), nk);
+    }
+  }
+}
+
 template <typename T>
 static void portable_item(const Problem& p, const Item& it) {
   const Row& r = p.rows[it.row];
   const int64_t g = p.group, d = p.d, mrows = it.npos * g;
   const float c = p.scale * kLog2e;
   thread_local std::vector<float> qbuf, obuf, ml, sbuf;
+  thread_local std::vector<const T*> krow, vrow;
+  krow.resize(kBlockKeys);
+  vrow.resize(kBlockKeys);
   qbuf.assign(mrows * d, 0.f);
   obuf.assign(mrows * d, 0.f);
   ml.assign(2 * mrows, 0.f);
@@ -165,47 +202,36 @@ static void portable_item(const Problem& p, const Item& it) {
     m[i] = kNegInf;
   }
   const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
-  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
-    const Piece& pc = p.pieces[pi];
-    int64_t lo, hi;
-    visible_span(p, pc, qa, qb, &lo, &hi);
-    const Strided& K = p.k[pc.t];
-    const Strided& V = p.v[pc.t];
-    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
-      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
-      for (int64_t i = 0; i < mrows; ++i) {
-        const int64_t qpos = qa + i / g;
-        float mx = kNegInf;
-        for (int64_t j = 0; j < nk; ++j) {
-          const int64_t kpos = pc.k_pos + (j0 + j - pc.k_lo);
-          float s = kNegInf;
-          if (visible(p, kpos, qpos)) {
-            const T* k = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
-            float acc = 0.f;
-            for (int64_t t = 0; t < d; ++t) acc += qbuf[i * d + t] * load_f(k, t);
-            s = acc;
-          }
-          sbuf[j] = s;
-          mx = std::max(mx, s);
+  each_key_block<T>(p, r, it.h, qa, qb, krow.data(), vrow.data(), [&](int64_t ka, int64_t nk) {
+    for (int64_t i = 0; i < mrows; ++i) {
+      const int64_t qpos = qa + i / g;
+      float mx = kNegInf;
+      for (int64_t j = 0; j < nk; ++j) {
+        float s = kNegInf;
+        if (visible(p, ka + j, qpos)) {
+          float acc = 0.f;
+          for (int64_t t = 0; t < d; ++t) acc += qbuf[i * d + t] * load_f(krow[j], t);
+          s = acc;
         }
-        const float mnew = std::max(m[i], mx);
-        if (mnew == kNegInf) continue;
-        const float alpha = std::exp2(m[i] - mnew);
-        float* o = obuf.data() + i * d;
-        for (int64_t t = 0; t < d; ++t) o[t] *= alpha;
-        float sum = 0.f;
-        for (int64_t j = 0; j < nk; ++j) {
-          const float e = std::exp2(sbuf[j] - mnew);
-          if (e == 0.f) continue;
-          sum += e;
-          const T* v = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
-          for (int64_t t = 0; t < d; ++t) o[t] += e * load_f(v, t);
-        }
-        l[i] = l[i] * alpha + sum;
-        m[i] = mnew;
+        sbuf[j] = s;
+        mx = std::max(mx, s);
       }
+      const float mnew = std::max(m[i], mx);
+      if (mnew == kNegInf) continue;
+      const float alpha = std::exp2(m[i] - mnew);
+      float* o = obuf.data() + i * d;
+      for (int64_t t = 0; t < d; ++t) o[t] *= alpha;
+      float sum = 0.f;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float e = std::exp2(sbuf[j] - mnew);
+        if (e == 0.f) continue;
+        sum += e;
+        for (int64_t t = 0; t < d; ++t) o[t] += e * load_f(vrow[j], t);
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = mnew;
     }
-  }
+  });
   write_result(p, it, obuf.data(), d, m, l);
 }
 
@@ -277,9 +303,10 @@ static inline void qk_bf16(const bf16* const* krow, const bf16* qt, int64_t ldq,
     for (int v = 0; v < MV; ++v) _mm512_storeu_ps(s + r * lds + 16 * v, acc[r][v]);
 }
 
-// O[i][c] += sum_j P^T[j][i] V[j][c] for R query vectors, NC vectors of 16 columns from column c0.
+// O[i][c] += sum_j P(j, i) V[j][c] for R query vectors, NC vectors of 16 columns from column c0; P(j, i) is
+// p[j * sj + i * si] (the wide path's P^T, sj = lanes, si = 1; the narrow path's P, sj = 1, si = keys).
 template <int R, int NC>
-static inline void pv_f32(const float* pt, int64_t ldp, const float* const* vrow, int64_t nk, float* o,
+static inline void pv_f32(const float* p, int64_t sj, int64_t si, const float* const* vrow, int64_t nk, float* o,
                           int64_t ldo, int64_t c0) {
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r)
@@ -288,7 +315,7 @@ static inline void pv_f32(const float* pt, int64_t ldp, const float* const* vrow
     __m512 vv[NC];
     for (int n = 0; n < NC; ++n) vv[n] = _mm512_loadu_ps(vrow[j] + c0 + 16 * n);
     for (int r = 0; r < R; ++r) {
-      const __m512 pb = _mm512_set1_ps(pt[j * ldp + r]);
+      const __m512 pb = _mm512_set1_ps(p[j * sj + r * si]);
       for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_fmadd_ps(pb, vv[n], acc[r][n]);
     }
   }
@@ -296,10 +323,11 @@ static inline void pv_f32(const float* pt, int64_t ldp, const float* const* vrow
     for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + r * ldo + c0 + 16 * n, acc[r][n]);
 }
 
-// bfloat16: P^T as [j/2][i][2], V packed as [j/2][c][2] (ldv columns); nk2 key pairs.
+// bfloat16: V packed as [j/2][c][2] (ldv columns), nk2 key pairs; the probabilities of keys (2u, 2u + 1) for query
+// i are the 32-bit word p[u * su + i * si] (the wide path's [j/2][i][2], the narrow path's rows of keys).
 template <int R, int NC>
-static inline void pv_bf16(const bf16* pt, int64_t ldp, const bf16* vp, int64_t ldv, int64_t nk2, float* o,
-                           int64_t ldo, int64_t c0) {
+static inline void pv_bf16(const uint32_t* p, int64_t su, int64_t si, const bf16* vp, int64_t ldv, int64_t nk2,
+                           float* o, int64_t ldo, int64_t c0) {
   __m512 acc[R][NC];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_loadu_ps(o + r * ldo + c0 + 16 * n);
@@ -307,9 +335,7 @@ static inline void pv_bf16(const bf16* pt, int64_t ldp, const bf16* vp, int64_t 
     __m512bh vv[NC];
     for (int n = 0; n < NC; ++n) vv[n] = (__m512bh)_mm512_loadu_si512(vp + (u * ldv + c0 + 16 * n) * 2);
     for (int r = 0; r < R; ++r) {
-      int32_t w;
-      std::memcpy(&w, pt + (u * ldp + r) * 2, 4);
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(w);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[u * su + r * si]));
       for (int n = 0; n < NC; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], pb, vv[n]);
     }
   }
@@ -344,17 +370,55 @@ static void pv_rows_f32(const float* pt, int64_t ldp, const float* const* vrow, 
                         int64_t mrows, int64_t c0) {
   constexpr int R = NC >= 4 ? 6 : (NC == 3 ? 8 : 12);
   int64_t i = 0;
-  for (; i + R <= mrows; i += R) pv_f32<R, NC>(pt + i, ldp, vrow, nk, o + i * ldo, ldo, c0);
-  for (; i < mrows; ++i) pv_f32<1, NC>(pt + i, ldp, vrow, nk, o + i * ldo, ldo, c0);
+  for (; i + R <= mrows; i += R) pv_f32<R, NC>(pt + i, ldp, 1, vrow, nk, o + i * ldo, ldo, c0);
+  for (; i < mrows; ++i) pv_f32<1, NC>(pt + i, ldp, 1, vrow, nk, o + i * ldo, ldo, c0);
 }
 
 template <int NC>
 static void pv_rows_bf16(const bf16* pt, int64_t ldp, const bf16* vp, int64_t ldv, int64_t nk2, float* o,
                          int64_t ldo, int64_t mrows, int64_t c0) {
   constexpr int R = NC >= 4 ? 6 : (NC == 3 ? 8 : 12);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(pt);
   int64_t i = 0;
-  for (; i + R <= mrows; i += R) pv_bf16<R, NC>(pt + i * 2, ldp, vp, ldv, nk2, o + i * ldo, ldo, c0);
-  for (; i < mrows; ++i) pv_bf16<1, NC>(pt + i * 2, ldp, vp, ldv, nk2, o + i * ldo, ldo, c0);
+  for (; i + R <= mrows; i += R) pv_bf16<R, NC>(words + i, ldp, 1, vp, ldv, nk2, o + i * ldo, ldo, c0);
+  for (; i < mrows; ++i) pv_bf16<1, NC>(words + i, ldp, 1, vp, ldv, nk2, o + i * ldo, ldo, c0);
+}
+
+// The indices that interleave two vectors' 16-bit lanes 0-15, (a[q], b[q]) at word q (add 16 for lanes 16-31).
+static inline __m512i interleave_low() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+                          35, 3, 34, 2, 33, 1, 32, 0);
+}
+
+// V rows of a block interleaved in pairs, [j/2][c][2] (a missing odd row reads as zero).
+static void pack_values_pairs(const bf16* const* vrow, int64_t nk, int64_t d, bf16* vpack) {
+  const __m512i lo_idx = interleave_low();
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t u = 0; u < (nk + 1) / 2; ++u) {
+    const bool odd = 2 * u + 1 < nk;
+    for (int64_t t = 0; t < d; t += 32) {
+      const int64_t w = std::min<int64_t>(32, d - t);
+      const __mmask32 mk = w == 32 ? 0xffffffffu : ((1u << w) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, vrow[2 * u] + t);
+      const __m512i b = odd ? _mm512_maskz_loadu_epi16(mk, vrow[2 * u + 1] + t) : _mm512_setzero_si512();
+      bf16* dst = vpack + (u * d + t) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+      if (w > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+// f(std::integral_constant<int, NC>, c0) for the head's columns in chunks of up to 64 (NC vectors of 16).
+template <typename F>
+static inline void by_column_chunks(int64_t d, F&& f) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    switch (std::min<int64_t>(4, (d - c0) / 16)) {
+      case 4: f(std::integral_constant<int, 4>{}, c0); break;
+      case 3: f(std::integral_constant<int, 3>{}, c0); break;
+      case 2: f(std::integral_constant<int, 2>{}, c0); break;
+      default: f(std::integral_constant<int, 1>{}, c0);
+    }
+  }
 }
 
 template <typename T, int MV>
@@ -399,26 +463,14 @@ static void avx512_item(const Problem& p, const Item& it) {
   }
   const __m512 cv = _mm512_set1_ps(c);
   const __m512 neg = _mm512_set1_ps(kNegInf);
-  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
-    const Piece& pc = p.pieces[pi];
-    int64_t lo, hi;
-    visible_span(p, pc, qa, qb, &lo, &hi);
-    const Strided& K = p.k[pc.t];
-    const Strided& V = p.v[pc.t];
-    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
-      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
-      for (int64_t j = 0; j < nk; ++j) {
-        krow[j] = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
-        vrow[j] = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
-      }
+  each_key_block<T>(p, r, it.h, qa, qb, krow.data(), vrow.data(), [&](int64_t ka, int64_t nk) {
       float* s = sbuf.data();
       if constexpr (BF) {
         qk_block<bf16, MV>(true, krow.data(), nk, qt16.data(), MP, d, s, MP);
       } else {
         qk_block<float, MV>(false, krow.data(), nk, qt32.data(), MP, d, s, MP);
       }
-      const int64_t ka = pc.k_pos + (j0 - pc.k_lo), kb = ka + nk - 1;
-      const bool full = all_visible(p, ka, kb, qa, qb);
+      const bool full = all_visible(p, ka, ka + nk - 1, qa, qb);
       // Scale into log2 units, mask by position, and take the column maxima.
       __m512 mx[MV];
       for (int v = 0; v < MV; ++v) mx[v] = neg;
@@ -456,10 +508,7 @@ static void avx512_item(const Problem& p, const Item& it) {
       __m512 sum[MV];
       for (int v = 0; v < MV; ++v) sum[v] = _mm512_setzero_ps();
       const int64_t nk_even = (nk + 1) & ~int64_t(1);
-      // Two 16-bit lanes interleaved: word q of the result is (a[q], b[q]); lo_idx for lanes 0-15, hi_idx for 16-31.
-      const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+      const __m512i lo_idx = interleave_low();
       for (int64_t j = 0; j < nk_even; j += 2) {
         for (int v = 0; v < MV; ++v) {
           const __m512 e0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(s + j * MP + 16 * v), base[v]));
@@ -487,40 +536,16 @@ static void avx512_item(const Problem& p, const Item& it) {
       }
       // O += P V, 64 columns at a time.
       if constexpr (BF) {
-        // V packed as [j/2][c][2]: two key rows interleaved by 16-bit words (a missing odd key reads as zero).
-        for (int64_t u = 0; u < nk_even / 2; ++u) {
-          const bf16* v0 = vrow[2 * u];
-          const bool odd = 2 * u + 1 < nk;
-          for (int64_t t = 0; t < d; t += 32) {
-            const int64_t w = std::min<int64_t>(32, d - t);
-            const __mmask32 mk = w == 32 ? 0xffffffffu : ((1u << w) - 1);
-            const __m512i a = _mm512_maskz_loadu_epi16(mk, v0 + t);
-            const __m512i b = odd ? _mm512_maskz_loadu_epi16(mk, vrow[2 * u + 1] + t) : _mm512_setzero_si512();
-            bf16* dst = vpack.data() + (u * d + t) * 2;
-            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
-            if (w > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
-          }
-        }
-        for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          switch (std::min<int64_t>(4, (d - c0) / 16)) {
-            case 4: pv_rows_bf16<4>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
-            case 3: pv_rows_bf16<3>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
-            case 2: pv_rows_bf16<2>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0); break;
-            default: pv_rows_bf16<1>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0);
-          }
-        }
+        pack_values_pairs(vrow.data(), nk, d, vpack.data());
+        by_column_chunks(d, [&](auto nc, int64_t c0) {
+          pv_rows_bf16<decltype(nc)::value>(pt16.data(), MP, vpack.data(), d, nk_even / 2, obuf.data(), d, mrows, c0);
+        });
       } else {
-        for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          switch (std::min<int64_t>(4, (d - c0) / 16)) {
-            case 4: pv_rows_f32<4>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
-            case 3: pv_rows_f32<3>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
-            case 2: pv_rows_f32<2>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0); break;
-            default: pv_rows_f32<1>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0);
-          }
-        }
+        by_column_chunks(d, [&](auto nc, int64_t c0) {
+          pv_rows_f32<decltype(nc)::value>(ptf.data(), MP, vrow.data(), nk, obuf.data(), d, mrows, c0);
+        });
       }
-    }
-  }
+  });
   // m is in log2 units: write_result takes m * ln2 + ln(l).
   write_result(p, it, obuf.data(), d, m, l);
 }
@@ -591,62 +616,6 @@ static inline void qk_narrow(const T* q, int64_t d, const uint32_t* kt, int64_t 
   }
 }
 
-template <int M, int NC>
-static inline void pv_narrow_f32(const float* pf, const float* const* vrow, int64_t nk, float* o, int64_t d,
-                                 int64_t c0) {
-  __m512 acc[M][NC];
-  for (int i = 0; i < M; ++i)
-    for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_loadu_ps(o + i * d + c0 + 16 * n);
-  for (int64_t j = 0; j < nk; ++j) {
-    __m512 vv[NC];
-    for (int n = 0; n < NC; ++n) vv[n] = _mm512_loadu_ps(vrow[j] + c0 + 16 * n);
-    for (int i = 0; i < M; ++i) {
-      const __m512 pb = _mm512_set1_ps(pf[i * kBlockKeys + j]);
-      for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_fmadd_ps(pb, vv[n], acc[i][n]);
-    }
-  }
-  for (int i = 0; i < M; ++i)
-    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + i * d + c0 + 16 * n, acc[i][n]);
-}
-
-template <int M, int NC>
-static inline void pv_narrow_bf16(const bf16* pb16, const bf16* vp, int64_t nk2, float* o, int64_t d, int64_t c0) {
-  __m512 acc[M][NC];
-  for (int i = 0; i < M; ++i)
-    for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_loadu_ps(o + i * d + c0 + 16 * n);
-  for (int64_t u = 0; u < nk2; ++u) {
-    __m512bh vv[NC];
-    for (int n = 0; n < NC; ++n) vv[n] = (__m512bh)_mm512_loadu_si512(vp + (u * d + c0 + 16 * n) * 2);
-    for (int i = 0; i < M; ++i) {
-      int32_t word;
-      std::memcpy(&word, pb16 + i * kBlockKeys + 2 * u, 4);
-      const __m512bh pw = (__m512bh)_mm512_set1_epi32(word);
-      for (int n = 0; n < NC; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], pw, vv[n]);
-    }
-  }
-  for (int i = 0; i < M; ++i)
-    for (int n = 0; n < NC; ++n) _mm512_storeu_ps(o + i * d + c0 + 16 * n, acc[i][n]);
-}
-
-// V rows of a block interleaved in pairs, [j/2][c][2] (a missing odd row reads as zero).
-static void pack_values_pairs(const bf16* const* vrow, int64_t nk, int64_t d, bf16* vpack) {
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t u = 0; u < (nk + 1) / 2; ++u) {
-    const bool odd = 2 * u + 1 < nk;
-    for (int64_t t = 0; t < d; t += 32) {
-      const int64_t w = std::min<int64_t>(32, d - t);
-      const __mmask32 mk = w == 32 ? 0xffffffffu : ((1u << w) - 1);
-      const __m512i a = _mm512_maskz_loadu_epi16(mk, vrow[2 * u] + t);
-      const __m512i b = odd ? _mm512_maskz_loadu_epi16(mk, vrow[2 * u + 1] + t) : _mm512_setzero_si512();
-      bf16* dst = vpack + (u * d + t) * 2;
-      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
-      if (w > 16) _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
-    }
-  }
-}
-
 template <typename T, int M>
 static void narrow_item(const Problem& p, const Item& it) {
   constexpr bool BF = std::is_same_v<T, bf16>;
@@ -680,33 +649,11 @@ static void narrow_item(const Problem& p, const Item& it) {
   const __m512 cv = _mm512_set1_ps(c);
   const __m512 neg = _mm512_set1_ps(kNegInf);
   const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
-    const Piece& pc = p.pieces[pi];
-    int64_t lo, hi;
-    visible_span(p, pc, qa, qb, &lo, &hi);
-    const Strided& K = p.k[pc.t];
-    const Strided& V = p.v[pc.t];
-    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
-      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
-      for (int64_t j = 0; j < nk; ++j) {
-        krow[j] = static_cast<const T*>(K.at(pc.b, it.h, j0 + j));
-        vrow[j] = static_cast<const T*>(V.at(pc.b, it.h, j0 + j));
-      }
-      // The next block's rows on their way while this one is scored: a long row is read from memory, not cache.
-      const int64_t next = std::min<int64_t>(kBlockKeys, hi - j0 - nk);
-      for (int64_t j = 0; j < next; ++j) {
-        const char* kr = static_cast<const char*>(K.at(pc.b, it.h, j0 + nk + j));
-        const char* vr = static_cast<const char*>(V.at(pc.b, it.h, j0 + nk + j));
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) {
-          _mm_prefetch(kr + off, _MM_HINT_T0);
-          _mm_prefetch(vr + off, _MM_HINT_T0);
-        }
-      }
+  each_key_block<T>(p, r, it.h, qa, qb, krow.data(), vrow.data(), [&](int64_t ka, int64_t nk) {
       pack_keys_transposed(reinterpret_cast<const void* const*>(krow.data()), nk, words, kt.data());
       __m512 acc[M][4];
       qk_narrow<T, M>(qbuf.data(), d, kt.data(), words, acc);
-      const int64_t ka = pc.k_pos + (j0 - pc.k_lo), kb = ka + nk - 1;
-      const bool full = all_visible(p, ka, kb, qa, qb) && nk == kBlockKeys;
+      const bool full = all_visible(p, ka, ka + nk - 1, qa, qb) && nk == kBlockKeys;
       for (int i = 0; i < M; ++i) {
         __m512 x[4];
         const float qrel = static_cast<float>(i / g);
@@ -748,27 +695,16 @@ static void narrow_item(const Problem& p, const Item& it) {
       }
       if constexpr (BF) {
         pack_values_pairs(vrow.data(), nk, d, vpack.data());
-        const int64_t nk2 = (nk + 1) / 2;
-        for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          switch (std::min<int64_t>(4, (d - c0) / 16)) {
-            case 4: pv_narrow_bf16<M, 4>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
-            case 3: pv_narrow_bf16<M, 3>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
-            case 2: pv_narrow_bf16<M, 2>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0); break;
-            default: pv_narrow_bf16<M, 1>(pb16.data(), vpack.data(), nk2, obuf.data(), d, c0);
-          }
-        }
+        by_column_chunks(d, [&](auto nc, int64_t c0) {
+          pv_bf16<M, decltype(nc)::value>(reinterpret_cast<const uint32_t*>(pb16.data()), 1, kBlockKeys / 2,
+                                           vpack.data(), d, (nk + 1) / 2, obuf.data(), d, c0);
+        });
       } else {
-        for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          switch (std::min<int64_t>(4, (d - c0) / 16)) {
-            case 4: pv_narrow_f32<M, 4>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
-            case 3: pv_narrow_f32<M, 3>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
-            case 2: pv_narrow_f32<M, 2>(pf.data(), vrow.data(), nk, obuf.data(), d, c0); break;
-            default: pv_narrow_f32<M, 1>(pf.data(), vrow.data(), nk, obuf.data(), d, c0);
-          }
-        }
+        by_column_chunks(d, [&](auto nc, int64_t c0) {
+          pv_f32<M, decltype(nc)::value>(pf.data(), 1, kBlockKeys, vrow.data(), nk, obuf.data(), d, c0);
+        });
       }
-    }
-  }
+  });
   write_result(p, it, obuf.data(), d, m, l);
 }
 
