@@ -90,8 +90,9 @@ def linears_option():
     return click.option(
         "--linears", type=click.Choice(["onednn", "torch"]), default=None, expose_value=False, callback=choose,
         is_eager=True,
-        help="CPU linear layers: onednn (default: weights prepacked once for oneDNN; float32 decode rows stay on "
-             "torch's, which is faster there) or torch (F.linear throughout). KVR_LINEARS sets the same.")
+        help="CPU linear layers: onednn (default: weights prepacked once for oneDNN; a float32 decode row's layers "
+             "but the LM head stay on torch's, which is faster there) or torch (F.linear throughout). KVR_LINEARS "
+             "sets the same.")
 
 
 def tp_option():

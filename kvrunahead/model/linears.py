@@ -1,10 +1,13 @@
 """The model's linear layers on the CPU with their weights prepacked once for oneDNN (as vLLM's CPU backend does):
 ``torch.ops.mkldnn._reorder_linear_weight`` at load, ``_linear_pointwise`` at every call.
 
-Measured per shape and dtype on SmolLM2's layers (experiments/kernels/linears.jsonl): on an AMD EPYC (Zen 5,
-avx512_bf16, no AMX) float32 runs 2.1-2.5x faster than ``F.linear`` (MKL's sgemm, which takes its AVX2 path on
-AMD) from 8 rows up, and bfloat16 1.5-2.2x faster on 1-8 rows (a decode step), level on prompt-sized blocks. A
-float32 call of fewer than ``FLOAT32_MIN_ROWS`` rows (one decode row) stays on ``F.linear``, which is faster there.
+Measured per shape, dtype and row count on SmolLM2's layers, one thread, on an AMD EPYC (Zen 5, avx512_bf16, no
+AMX; experiments/kernels/linears.jsonl, medians of 3 interleaved rounds at 30970d3): float32 runs 2.1-2.5x faster
+than ``F.linear`` (MKL's sgemm, which takes its AVX2 path on AMD) on prompt-sized blocks, and so does the LM head
+on one row (1.8x: its 28M weights are read faster packed); bfloat16 is 1.2-1.6x faster on 1-8 rows (a decode step)
+and level (1.02-1.05x) on prompt-sized blocks. Below about a million multiply-adds (one decode row through q, k,
+v, o, gate, up or down; k and v up to 8 rows) float32 is faster on ``F.linear`` (0.35-0.9x packed), and stays
+there (``FLOAT32_MIN_MACS``).
 
 Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32 or bfloat16; the weights
 stay as they are (state dicts, TP cuts and tied embeddings read them), the packed copy beside them.
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 ENV = "KVR_LINEARS"
 CHOICES = ("onednn", "torch")
-FLOAT32_MIN_ROWS = 4
+FLOAT32_MIN_MACS = 2**20  # float32 calls smaller than this stay on F.linear
 
 
 def chosen() -> str:
@@ -39,8 +42,8 @@ class PackedLinear(torch.nn.Linear):
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if (x.dtype != self.weight.dtype or (x.dtype == torch.float32 and rows < FLOAT32_MIN_ROWS)
+        macs = x.numel() * self.out_features
+        if (x.dtype != self.weight.dtype or (x.dtype == torch.float32 and macs < FLOAT32_MIN_MACS)
                 or (torch.is_grad_enabled() and self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
