@@ -115,8 +115,9 @@ def whole(q, k, v, q_pos=0, k_pos=0):
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-# heads, K,V heads, head size: SmolLM2's GQA, MHA, MQA, Gemma 3's 256, the tiny models' 16, a size no vector fits
-HEADS = [(9, 3, 64), (4, 4, 32), (8, 1, 16), (4, 1, 256), (2, 1, 24)]
+# heads, K,V heads, head size: SmolLM2's GQA, MHA, MQA, Gemma 3's 256, the tiny models' 16, a size no vector fits,
+# and a group larger than a work item's query vectors (the portable loop)
+HEADS = [(9, 3, 64), (4, 4, 32), (8, 1, 16), (4, 1, 256), (2, 1, 24), (128, 1, 16)]  # and a group past 96
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

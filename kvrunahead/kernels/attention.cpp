@@ -773,7 +773,8 @@ static Isa chosen_isa() {  // the host's, or a lower one named by KVR_ATTENTION_
 using ItemFn = void (*)(const Problem&, const Item&);
 
 static ItemFn pick(const Problem& p, Isa isa) {
-  const bool fits = p.d % 16 == 0;
+  // The vector paths hold at most kTargetRows query vectors (a block of one position carries the whole group).
+  const bool fits = p.d % 16 == 0 && p.group <= kTargetRows;
   if (p.bf16_in) {
     if (isa == Isa::avx512bf16 && fits) return avx512_dispatch<bf16>;
     return isa >= Isa::avx2 ? portable_item_avx2<bf16> : portable_item<bf16>;
