@@ -22,3 +22,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # Which waiting prefill the server runs next (serve/scheduler.py): first come, first served, or Medha's
 # length-aware relative slack.
 SCHEDULES = ("fcfs", "lars")
+# The CPU kernels (kvrunahead/kernels, model/linears.py): the choices and the environment variables that carry them
+# to the ranks a tool starts.
+ATTENTION_KERNELS = ("ours", "torch")
+ATTENTION_KERNEL_ENV = "KVR_ATTENTION_KERNEL"
+LINEARS = ("onednn", "torch")
+LINEARS_ENV = "KVR_LINEARS"

@@ -56,9 +56,6 @@ class Verification:
     parted_gap: float | None = None
     half: HalfGrade | None = None  # bfloat16 and float16: the run and one process, graded against float32
 
-    def describe_half(self) -> str | None:
-        return self.half.describe() if self.half else None
-
     @property
     def generated_within_rounding(self) -> bool:
         """The continuation equals the reference's, or parts from it only where the two tokens tie within the

@@ -16,7 +16,17 @@ from collections.abc import Iterator
 
 import click
 
-from kvrunahead.choices import ALLGATHERS, DEFAULT_MODEL, DEVICES, DTYPE_CHOICES, KVR_ATTENTIONS
+from kvrunahead.choices import (
+    ALLGATHERS,
+    ATTENTION_KERNEL_ENV,
+    ATTENTION_KERNELS,
+    DEFAULT_MODEL,
+    DEVICES,
+    DTYPE_CHOICES,
+    KVR_ATTENTIONS,
+    LINEARS,
+    LINEARS_ENV,
+)
 from kvrunahead.errors import InputError, LaunchError, PeerTimeout, ProfileError
 from kvrunahead.net.spec import NetError
 from kvrunahead.prompt import PromptError
@@ -62,37 +72,31 @@ def compile_option():
              "(KVR_CACHE) makes later starts quicker.")
 
 
-def attention_kernel_option():
-    """--attention-kernel: which CPU attention kernel this process and the ranks it starts run (an environment
-    variable, so ranks started by torchrun or mpirun with the same command line and the tool's own both take it)."""
+def _choice_in_env(flag: str, env: str, choices: tuple[str, ...], help: str):
+    """An option whose choice travels as the environment variable ``env``: this process and every rank it starts
+    (the tool's own, torchrun's or mpirun's running the same command line) read it there."""
 
     def choose(ctx, param, value):
         if value is not None:
-            os.environ["KVR_ATTENTION_KERNEL"] = value
+            os.environ[env] = value
         return value
 
-    return click.option(
-        "--attention-kernel", type=click.Choice(["ours", "torch"]), default=None, expose_value=False,
-        callback=choose, is_eager=True,
-        help="CPU attention: ours (default: kvrunahead's kernel, built once into ~/.cache/kvrunahead on first use; "
-             "torch's where it cannot be built) or torch (torch's SDPA and flash kernels). KVR_ATTENTION_KERNEL "
-             "sets the same.")
+    return click.option(flag, type=click.Choice(choices), default=None, expose_value=False, callback=choose,
+                        is_eager=True, help=f"{help} {env} sets the same.")
+
+
+def attention_kernel_option():
+    return _choice_in_env(
+        "--attention-kernel", ATTENTION_KERNEL_ENV, ATTENTION_KERNELS,
+        "CPU attention: ours (default: kvrunahead's kernel, built once into ~/.cache/kvrunahead on first use; "
+        "torch's where it cannot be built) or torch (torch's SDPA and flash kernels).")
 
 
 def linears_option():
-    """--linears: how this process and the ranks it starts run the model's linear layers on a CPU."""
-
-    def choose(ctx, param, value):
-        if value is not None:
-            os.environ["KVR_LINEARS"] = value
-        return value
-
-    return click.option(
-        "--linears", type=click.Choice(["onednn", "torch"]), default=None, expose_value=False, callback=choose,
-        is_eager=True,
-        help="CPU linear layers: onednn (default: weights prepacked once for oneDNN; a float32 decode row's layers "
-             "but the LM head stay on torch's, which is faster there) or torch (F.linear throughout). KVR_LINEARS "
-             "sets the same.")
+    return _choice_in_env(
+        "--linears", LINEARS_ENV, LINEARS,
+        "CPU linear layers: onednn (default: weights prepacked once for oneDNN; a float32 decode row's layers but "
+        "the LM head stay on torch's, which is faster there) or torch (F.linear throughout).")
 
 
 def tp_option():

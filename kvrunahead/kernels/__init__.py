@@ -2,8 +2,8 @@
 
 ``attention.cpp`` is the CPU attention every mode, the server and the one-process path call (``kvr::attention``, a
 torch custom op). It is compiled on first use through ``torch.utils.cpp_extension`` into the project's cache folder
-(``KVR_CACHE``, default ``~/.cache/kvrunahead``) and found there afterwards; ``kvr-kernels build`` does it ahead
-of time. Where it cannot be built (no compiler), the attention falls back to torch's kernels and says so once.
+(``KVR_CACHE``, default ``~/.cache/kvrunahead``) and found there afterwards; ``kvr-kernels`` does it ahead of
+time. Where it cannot be built (no compiler), the attention falls back to torch's kernels and says so once.
 
 Which kernel runs: ``--attention-kernel ours|torch`` on every tool, or ``KVR_ATTENTION_KERNEL`` (the tools set it
 for the ranks they start). ``ours`` is the default; it applies to CPU tensors only (a GPU runs torch's flash
@@ -20,10 +20,12 @@ import threading
 import time
 from pathlib import Path
 
+from kvrunahead.choices import ATTENTION_KERNEL_ENV, ATTENTION_KERNELS
+
 log = logging.getLogger(__name__)
 
-KERNELS = ("ours", "torch")
-ENV = "KVR_ATTENTION_KERNEL"
+KERNELS = ATTENTION_KERNELS
+ENV = ATTENTION_KERNEL_ENV
 SOURCE = Path(__file__).with_name("attention.cpp")
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]  # OpenMP: at::parallel_for is inline
 

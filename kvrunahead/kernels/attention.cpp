@@ -344,7 +344,7 @@ static inline void pv_bf16(const uint32_t* p, int64_t su, int64_t si, const bf16
 }
 
 template <typename KT, int MV>
-static void qk_block(bool is_bf16, const KT* const* krow, int64_t nk, const KT* qt, int64_t ldq, int64_t d,
+static void qk_block(const KT* const* krow, int64_t nk, const KT* qt, int64_t ldq, int64_t d,
                      float* s, int64_t lds) {
   constexpr int R = MV <= 2 ? 8 : 4;
   int64_t j = 0;
@@ -362,7 +362,6 @@ static void qk_block(bool is_bf16, const KT* const* krow, int64_t nk, const KT* 
       qk_bf16<1, MV>(krow + j, qt, ldq, d, s + j * lds, lds);
     }
   }
-  (void)is_bf16;
 }
 
 template <int NC>
@@ -466,9 +465,9 @@ static void avx512_item(const Problem& p, const Item& it) {
   each_key_block<T>(p, r, it.h, qa, qb, krow.data(), vrow.data(), [&](int64_t ka, int64_t nk) {
       float* s = sbuf.data();
       if constexpr (BF) {
-        qk_block<bf16, MV>(true, krow.data(), nk, qt16.data(), MP, d, s, MP);
+        qk_block<bf16, MV>(krow.data(), nk, qt16.data(), MP, d, s, MP);
       } else {
-        qk_block<float, MV>(false, krow.data(), nk, qt32.data(), MP, d, s, MP);
+        qk_block<float, MV>(krow.data(), nk, qt32.data(), MP, d, s, MP);
       }
       const bool full = all_visible(p, ka, ka + nk - 1, qa, qb);
       // Scale into log2 units, mask by position, and take the column maxima.
@@ -554,7 +553,7 @@ static void avx512_item(const Problem& p, const Item& it) {
 // M of 16 lanes; here keys are the lanes instead: each block of 64 keys is transposed (16x16 tiles of 32-bit words)
 // so a query's scores for 16 keys are one vector, and the V rows are loaded once for all M queries.
 
-constexpr int kNarrow = 6;
+constexpr int kNarrow = 6;  // avx512_dispatch instantiates narrow_item for 1..kNarrow
 
 static inline void transpose16(__m512i* r) {  // 16 rows of 16 words -> 16 columns, in order
   __m512i t[16];
@@ -710,6 +709,7 @@ static void narrow_item(const Problem& p, const Item& it) {
 
 template <typename T>
 static void avx512_dispatch(const Problem& p, const Item& it) {
+  static_assert(kNarrow == 6, "the cases below are the narrow path's query counts");
   switch (it.npos * p.group) {  // a decode row's heads: the narrow path
     case 1: return narrow_item<T, 1>(p, it);
     case 2: return narrow_item<T, 2>(p, it);

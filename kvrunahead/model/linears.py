@@ -24,8 +24,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-ENV = "KVR_LINEARS"
-CHOICES = ("onednn", "torch")
+from kvrunahead.choices import LINEARS, LINEARS_ENV
+
+ENV = LINEARS_ENV
+CHOICES = LINEARS
 FLOAT32_MIN_MACS = 2**20  # float32 calls smaller than this stay on F.linear
 
 
