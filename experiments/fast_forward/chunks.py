@@ -4,7 +4,7 @@ TTFT: what is left is the steps' set-up and the engine between them). The settin
 (the first alternating), each a fresh server; one untimed 512-token request first. Rows to chunks.jsonl.
 
     python experiments/fast_forward/chunks.py [--rounds 2] [--lengths 8184,16376] [--budget-ms 500]
-           [--dtype float32] [--kvr-args "--compile"]
+           [--dtype float32] [--kvr-args "--compile"] [--rows FILE]
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ def main() -> None:
     ap.add_argument("--budget-ms", type=float, default=500)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kvr-args", default="", help="more kvr-serve options for both settings")
+    ap.add_argument("--rows", default=str(ROWS), help="the rows file (resumed from)")
     args = ap.parse_args()
+    rows_file = Path(args.rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     common = shlex.split(args.kvr_args)
     settings = {"whole": common, f"chunked {args.budget_ms:g} ms": [*common, "--step-budget-ms", str(args.budget_ms)]}
     done = {(r["round"], r["setting"], r["tokens"], r["dtype"], r["kvr_args"])
-            for r in map(json.loads, ROWS.read_text().splitlines())} if ROWS.exists() else set()
+            for r in map(json.loads, rows_file.read_text().splitlines())} if rows_file.exists() else set()
     for rnd in range(1, args.rounds + 1):
         order = list(settings) if rnd % 2 else list(settings)[::-1]
         for setting in order:
@@ -74,7 +76,7 @@ def main() -> None:
                            "chunk_predicted_s": [round(c["predicted_s"], 4) for c in chunks],
                            "machine": machine(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M"),
                            "command": "python experiments/fast_forward/chunks.py " + shlex.join(sys.argv[1:])}
-                    with ROWS.open("a") as f:
+                    with rows_file.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"round {rnd} {setting:<16} {n:>6} TTFT {row['ttft_s']:7.2f} s  chunks {len(chunks)}"
                           f" (their steps {row['chunk_steps_s']:.2f} s)", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -19,18 +20,46 @@ from kvrunahead.kernels import attention as kernel
 from kvrunahead.model.forward import one_position
 
 _STATE: contextvars.ContextVar = contextvars.ContextVar("kvrunahead_attention_state")
+# model -> {implementation: [(config, the value set_attn_implementation gave it)]}: a switch made once is replayed
+_SWITCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _configs(model: torch.nn.Module) -> list[PretrainedConfig]:
+    """Every config a switch of ``model``'s attention can touch: its submodels' and their sub-configs."""
+    found: dict[int, PretrainedConfig] = {}
+    queue = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    while queue:
+        config = queue.pop()
+        if id(config) not in found:
+            found[id(config)] = config
+            queue += [c for key in config.sub_configs if isinstance(c := getattr(config, key, None),
+                                                                     PretrainedConfig)]
+    return list(found.values())
+
+
+def switch_attention(model: torch.nn.Module, implementation: str) -> None:
+    """``model.set_attn_implementation(implementation)``, which walks every module and checks the name each time
+    (a few milliseconds a call on a 30-layer model: a decode step switches twice); the first switch of a model to a
+    name goes through it, later ones set the configs to what it set."""
+    known = _SWITCHES.setdefault(model, {})
+    if implementation not in known:
+        model.set_attn_implementation(implementation)
+        known[implementation] = [(c, c._attn_implementation_internal) for c in _configs(model)]
+        return
+    for config, value in known[implementation]:
+        config._attn_implementation_internal = value
 
 
 @contextlib.contextmanager
 def attention_mode(model: torch.nn.Module, implementation: str, state: object):
-    """Run ``model`` with a registered attention function and its state, then restore SDPA."""
+    """Run ``model`` with a registered attention function and its state, then restore the one it had."""
     token = _STATE.set(state)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
+    switch_attention(model, implementation)
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        switch_attention(model, previous)
         _STATE.reset(token)
 
 

@@ -1,13 +1,13 @@
 """The model's linear layers on the CPU with their weights prepacked once for oneDNN (as vLLM's CPU backend does):
 ``torch.ops.mkldnn._reorder_linear_weight`` at load, ``_linear_pointwise`` at every call.
 
-Measured per shape, dtype and row count on SmolLM2's layers, one thread, on an AMD EPYC (Zen 5, avx512_bf16, no
-AMX; experiments/kernels/linears.jsonl, medians of 3 interleaved rounds at 30970d3): float32 runs 2.1-2.5x faster
-than ``F.linear`` (MKL's sgemm, which takes its AVX2 path on AMD) on prompt-sized blocks, and so does the LM head
-on one row (1.8x: its 28M weights are read faster packed); bfloat16 is 1.2-1.6x faster on 1-8 rows (a decode step)
-and level (1.02-1.05x) on prompt-sized blocks. Below about a million multiply-adds (one decode row through q, k,
-v, o, gate, up or down; k and v up to 8 rows) float32 is faster on ``F.linear`` (0.35-0.9x packed), and stays
-there (``FLOAT32_MIN_MACS``).
+Measured per shape, dtype and row count on SmolLM2's layers, on an AMD EPYC (Zen 5, avx512_bf16, no AMX;
+experiments/kernels/linears.jsonl, interleaved rounds): float32 runs 2.1-2.5x faster than ``F.linear`` (MKL's
+sgemm, which takes its AVX2 path on AMD) on prompt-sized blocks, and 1.1-3.4x on decode rows (1-8) whose weights
+stream from memory, as a forward's do (each layer's weights read once a step, 14 MB a layer in float32 against a
+32 MB L3); bfloat16 is 1.2-1.6x faster on 1-8 rows and level (1.02-1.05x) on prompt-sized blocks. Only a small
+float32 weight called again while it sits in the caches (one row through k or v, hot) is faster on ``F.linear``,
+which no forward does; so every layer takes the packed path.
 
 Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32 or bfloat16; the weights
 stay as they are (state dicts, TP cuts and tied embeddings read them), the packed copy beside them.
@@ -28,7 +28,6 @@ from kvrunahead.choices import LINEARS, LINEARS_ENV
 
 ENV = LINEARS_ENV
 CHOICES = LINEARS
-FLOAT32_MIN_MACS = 2**20  # float32 calls smaller than this stay on F.linear
 
 
 def chosen() -> str:
@@ -44,9 +43,7 @@ class PackedLinear(torch.nn.Linear):
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        macs = x.numel() * self.out_features
-        if (x.dtype != self.weight.dtype or (x.dtype == torch.float32 and macs < FLOAT32_MIN_MACS)
-                or (torch.is_grad_enabled() and self.weight.requires_grad)):
+        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 

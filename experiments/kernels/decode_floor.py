@@ -1,0 +1,112 @@
+"""One decode step of the server's batch decoder (serve/decode.BatchDecoder, the unpadded rows kvr-serve runs) on
+SmolLM2-135M in one process, against its floor: the bytes a step must read (every weight once, the LM head being
+the tied embedding, plus the rows' K,V) over the read bandwidth measured on the same threads. float32 and
+bfloat16, 1 and 2 threads (the front decodes on both cores while the worker waits: serve/rank.solo_threads), one
+row over a 1024-token cache and 8 rows of 150-1550; the settings' steps interleave, so every median sees the same
+machine. Appends to decode_floor.jsonl beside this file (one row per setting and round).
+
+    python experiments/kernels/decode_floor.py [--rounds 3] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.load import load_model
+from kvrunahead.provenance import environment, machine
+from kvrunahead.serve.decode import BatchDecoder
+
+HERE = Path(__file__).parent
+ROWS_FILE = HERE / "decode_floor.jsonl"
+BATCHES = {"1 row (1024)": [1024], "8 rows (150-1550)": [150 + 200 * i for i in range(8)]}
+READ_BYTES = 256 << 20
+
+
+def read_bandwidth(threads: int, repeats: int = 15) -> float:
+    """Bytes per second of a float32 sum over 256 MB (far beyond the caches) on ``threads``."""
+    torch.set_num_threads(threads)
+    x = torch.ones(READ_BYTES // 4)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return READ_BYTES / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a step reads of the weights: each parameter once (a tied LM head is the embedding)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def decoder(model, layout, contexts: list[int]) -> BatchDecoder:
+    d = BatchDecoder(model, batched=True, layout=layout)
+    g = torch.Generator().manual_seed(len(contexts))
+    for i, n in enumerate(contexts):
+        cache = DynamicCache(config=model.config)
+        last_token_logits(model, torch.randint(0, model.config.vocab_size, (1, n), generator=g), cache)
+        d.add(f"r{i}", cache)
+    return d
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    env = environment("smollm2-135m", "none", 0, "none")
+    base = {**env, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python experiments/kernels/decode_floor.py " + " ".join(sys.argv[1:])}
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        lm = load_model("smollm2-135m", dtype, torch.device("cpu"))
+        models[dtype] = (lm.model, probe_kv_layout(lm.model))
+    settings = {}
+    for dtype, (model, layout) in models.items():
+        config = model.config
+        kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+            config.hidden_size // config.num_attention_heads) * dtype.itemsize
+        for name, contexts in BATCHES.items():
+            settings[(dtype, name)] = {"decoder": decoder(model, layout, contexts), "contexts": contexts,
+                                       "bytes": weight_bytes(model) + kv_per_token * sum(contexts)}
+    for rnd in range(args.rounds):
+        bandwidth = {t: read_bandwidth(t) for t in (1, 2)}
+        times: dict = {(key, t): [] for key in settings for t in (1, 2)}
+        for step in range(args.steps + 2):  # 2 warm-up steps
+            for (key, threads), ts in times.items():
+                torch.set_num_threads(threads)
+                s = settings[key]
+                ids = {f"r{i}": 1000 + step for i in range(len(s["contexts"]))}
+                positions = {f"r{i}": n + rnd * (args.steps + 2) + step for i, n in enumerate(s["contexts"])}
+                t0 = time.perf_counter()
+                s["decoder"].step(ids, positions)
+                if step >= 2:
+                    ts.append(time.perf_counter() - t0)
+        for ((dtype, name), threads), ts in times.items():
+            s = settings[(dtype, name)]
+            step_s = statistics.median(ts)
+            floor_s = s["bytes"] / bandwidth[threads]
+            row = {**base, "round": rnd, "dtype": str(dtype).removeprefix("torch."), "batch": name,
+                   "contexts": s["contexts"], "threads": threads, "step_s": step_s, "times_s": ts,
+                   "bytes_read": s["bytes"], "read_bandwidth_Bps": bandwidth[threads], "floor_s": floor_s,
+                   "over_floor": step_s / floor_s}
+            with ROWS_FILE.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"round {rnd} {row['dtype']:<9} {name:<18} {threads} thr  {step_s * 1e3:6.1f} ms  floor "
+                  f"{floor_s * 1e3:5.1f} ms ({bandwidth[threads] / 1e9:.1f} GB/s)  {row['over_floor']:.2f}x",
+                  file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

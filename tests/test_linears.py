@@ -1,0 +1,92 @@
+"""The CPU linears on oneDNN with prepacked weights (model/linears.py) against the math, and the attention switch
+that every mode's forward makes (model/attention.switch_attention) against transformers' own."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrunahead.model import linears
+from kvrunahead.model.attention import attention_mode, switch_attention
+from kvrunahead.model.load import load_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_matches_the_float64_product(dtype, rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    x = torch.randn(1, rows, 96).to(dtype)
+    with torch.no_grad():
+        assert linears.prepack(layer) == 1
+        assert isinstance(layer, linears.PackedLinear)
+        out = layer(x)
+        exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert out.dtype == dtype and out.shape == exact.shape
+    # the output's own rounding, plus the accumulation's: k products of inputs exactly representable in dtype
+    eps = torch.finfo(dtype).eps
+    bound = eps * exact.abs() + 96 * torch.finfo(torch.float32).eps * (x.double().abs() @ layer.weight.double().abs().T)
+    assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+
+
+def test_every_decode_row_takes_the_packed_path_in_float32():
+    """One row through a small layer (the case once kept on F.linear) goes to oneDNN: measured faster when weights
+    stream from memory, as a forward reads them (experiments/kernels/linears.jsonl)."""
+    layer = torch.nn.Linear(64, 16)
+    linears.prepack(layer)
+    with torch.no_grad(), mock.patch.object(torch.ops.mkldnn, "_linear_pointwise",
+                                            wraps=torch.ops.mkldnn._linear_pointwise) as packed:
+        layer(torch.randn(1, 1, 64))
+    assert packed.call_count == 1
+
+
+def test_with_gradients_the_layer_takes_f_linear():
+    layer = torch.nn.Linear(32, 8)
+    linears.prepack(layer)
+    x = torch.randn(2, 32, requires_grad=True)
+    layer(x).sum().backward()  # oneDNN's packed op has no backward: the plain path is taken
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_torch_s_linears_pack_nothing(monkeypatch):
+    monkeypatch.setenv(linears.ENV, "torch")
+    layer = torch.nn.Linear(32, 8)
+    assert linears.prepack(layer) == 0 and type(layer) is torch.nn.Linear
+
+
+def _implementations(model) -> list:
+    return [(type(m).__name__, m.config._attn_implementation_internal) for m in model.modules()
+            if hasattr(m, "config")]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
+def test_a_replayed_attention_switch_sets_what_transformers_sets(preset):
+    model = load_model(preset, torch.float32, torch.device("cpu")).model
+    start = model.config._attn_implementation
+    seen = {}
+    for name in ("sdpa", "eager", start):
+        model.set_attn_implementation(name)
+        seen[name] = _implementations(model)
+    model.set_attn_implementation(start)
+    with mock.patch.object(type(model), "set_attn_implementation", autospec=True,
+                           side_effect=type(model).set_attn_implementation) as full:
+        for _ in range(3):
+            for name in ("sdpa", "eager", start):
+                switch_attention(model, name)
+                assert _implementations(model) == seen[name]
+    assert full.call_count == 3  # once per name: every later switch is replayed
+
+
+def test_attention_mode_restores_the_implementation_it_found():
+    model = load_model("tiny-llama", torch.float32, torch.device("cpu")).model
+    before = _implementations(model)
+    for _ in range(2):
+        with attention_mode(model, "eager", state=None):
+            assert model.config._attn_implementation == "eager"
+        assert _implementations(model) == before
