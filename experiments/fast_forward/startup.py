@@ -3,7 +3,7 @@ before): seconds from the command to /health answering (serve_vs_vllm/single.py'
 prompts' latencies (8 new tokens each), then two of 2048 tokens (a new length: does a compiled server compile
 again?). Each setting is a fresh `kvr-serve --nproc 2` on port 8311, loopback only. Rows to startup.jsonl.
 
-    python experiments/fast_forward/startup.py [--dtype float32]
+    python experiments/fast_forward/startup.py [--dtype float32] [--rows FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def one(url: str, ids: list[int]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rows", default=str(HERE / "startup.jsonl"), help="the rows file (appended to)")
     args = ap.parse_args()
     env = environment("smollm2-135m", "torch", 1, "loopback")
     shutil.rmtree(CACHE, ignore_errors=True)
@@ -53,7 +54,7 @@ def main() -> None:
                 row[f"first_{tokens}_s"] = one(up.url, prompt_ids(tokens, 2 * i))
                 row[f"second_{tokens}_s"] = one(up.url, prompt_ids(tokens, 2 * i + 1))
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
-            with (HERE / "startup.jsonl").open("a") as f:
+            with Path(args.rows).open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps({k: row[k] for k in row if k.endswith("_s") or k == "setting"}), file=sys.stderr)
         finally:

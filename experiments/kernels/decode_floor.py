@@ -3,9 +3,11 @@ SmolLM2-135M in one process, against its floor: the bytes a step must read (ever
 the tied embedding, plus the rows' K,V) over the read bandwidth measured on the same threads. float32 and
 bfloat16, 1 and 2 threads (the front decodes on both cores while the worker waits: serve/rank.solo_threads), one
 row over a 1024-token cache and 8 rows of 150-1550; the settings' steps interleave, so every median sees the same
-machine. Appends to decode_floor.jsonl beside this file (one row per setting and round).
+machine. Appends to decode_floor.jsonl beside this file (one row per setting and round). ``--split``: instead, where
+a step's time goes, on 2 threads: the linears' and the attention kernel's time by torch's profiler over 5 steps,
+and the rest of the unprofiled step's median (the per-op work between them) to decode_split.jsonl.
 
-    python experiments/kernels/decode_floor.py [--rounds 3] [--steps 10]
+    python experiments/kernels/decode_floor.py [--rounds 3] [--steps 10] [--split]
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvrunahead.serve.decode import BatchDecoder
 
 HERE = Path(__file__).parent
 ROWS_FILE = HERE / "decode_floor.jsonl"
+SPLIT_FILE = HERE / "decode_split.jsonl"
+KERNELS = {"linears": "mkldnn::_linear_pointwise", "attention": "kvr::attention"}
 BATCHES = {"1 row (1024)": [1024], "8 rows (150-1550)": [150 + 200 * i for i in range(8)]}
 READ_BYTES = 256 << 20
 
@@ -64,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--split", action="store_true", help="where a step's time goes (decode_split.jsonl)")
     args = ap.parse_args()
     env = environment("smollm2-135m", "none", 0, "none")
     base = {**env, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -80,6 +85,9 @@ def main() -> None:
         for name, contexts in BATCHES.items():
             settings[(dtype, name)] = {"decoder": decoder(model, layout, contexts), "contexts": contexts,
                                        "bytes": weight_bytes(model) + kv_per_token * sum(contexts)}
+    if args.split:
+        split(settings, args.steps, base)
+        return
     for rnd in range(args.rounds):
         bandwidth = {t: read_bandwidth(t) for t in (1, 2)}
         times: dict = {(key, t): [] for key in settings for t in (1, 2)}
@@ -106,6 +114,34 @@ def main() -> None:
             print(f"round {rnd} {row['dtype']:<9} {name:<18} {threads} thr  {step_s * 1e3:6.1f} ms  floor "
                   f"{floor_s * 1e3:5.1f} ms ({bandwidth[threads] / 1e9:.1f} GB/s)  {row['over_floor']:.2f}x",
                   file=sys.stderr, flush=True)
+
+
+def split(settings: dict, steps: int, base: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(2)
+    for (dtype, name), s in settings.items():
+        def step(i: int, s=s) -> None:
+            s["decoder"].step({f"r{j}": 1000 + i for j in range(len(s["contexts"]))},
+                              {f"r{j}": n + 100 + i for j, n in enumerate(s["contexts"])})
+        times = []
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times[2:])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(5):
+                step(steps + 2 + i)
+        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        parts = {k: self_us.get(op, 0.0) / 5 / 1e6 for k, op in KERNELS.items()}
+        row = {**base, "dtype": str(dtype).removeprefix("torch."), "batch": name, "contexts": s["contexts"],
+               "threads": 2, "step_s": step_s, **{f"{k}_s": v for k, v in parts.items()},
+               "rest_s": step_s - sum(parts.values())}
+        with SPLIT_FILE.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['dtype']:<9} {name:<18} step {step_s * 1e3:5.1f} ms: linears {parts['linears'] * 1e3:5.1f}, "
+              f"attention {parts['attention'] * 1e3:5.1f}, the rest {row['rest_s'] * 1e3:5.1f}", file=sys.stderr)
 
 
 if __name__ == "__main__":
