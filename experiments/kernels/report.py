@@ -112,7 +112,7 @@ def floor_table(rows: list[dict]) -> None:
 def split_table(rows: list[dict]) -> None:
     if not rows:
         return
-    print(f"Where a decode step's time goes, 2 threads (`{rows[0]['command']} --split`; the kernels' times by torch's "
+    print(f"Where a decode step's time goes, 2 threads (`{rows[0]['command']}`; the kernels' times by torch's "
           f"profiler over 5 steps, the rest is the unprofiled step's median less them): {rows[0]['machine']}, "
           f"commit {rows[0]['commit']}.\n")
     print("| dtype | rows | step | linears (oneDNN) | attention (kvr::attention) | the rest |")

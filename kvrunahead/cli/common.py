@@ -69,7 +69,8 @@ def compile_option():
         "--compile/--no-compile", "compile", default=False, show_default=True,
         help="Run every rank's decoder stack through torch.compile (inductor, dynamic shapes). The first call of "
              "each shape family compiles (minutes on a CPU; logged); inductor's cache under ~/.cache/kvrunahead "
-             "(KVR_CACHE) makes later starts quicker.")
+             "(KVR_CACHE) makes later starts quicker. It unpacks the CPU linears for inductor's GEMMs: on the "
+             "CPU kernels it ran slower than eager (experiments/kernels).")
 
 
 def _choice_in_env(flag: str, env: str, choices: tuple[str, ...], help: str):
