@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvrunahead import kernels
-from kvrunahead.calibrate.timing import median_time
+from kvrunahead.calibrate.timing import median_time, read_bandwidth
 from kvrunahead.kernels import attention as kernel
 from kvrunahead.modes.kvr import split_block
 from kvrunahead.provenance import environment, machine
@@ -102,12 +102,6 @@ def gemm_rate(dtype) -> float:
     return best
 
 
-def read_bandwidth() -> float:
-    """GB/s of one thread reading 256 MB (a float32 sum)."""
-    x = torch.ones(64 * 2**20)
-    return x.numel() * 4 / median_time(lambda: x.sum(), 5) / 1e9
-
-
 def done(commit: str) -> set:
     if not ROWS.exists():
         return set()
@@ -147,7 +141,7 @@ def main() -> None:
                 del fn
         if (rnd, "bandwidth", "float32", "-") not in seen:
             write({**base, "round": rnd, "case": "bandwidth", "dtype": "float32", "kernel": "-",
-                   "gb_per_s": read_bandwidth()})
+                   "gb_per_s": read_bandwidth() / 1e9})
     summarise(env["commit"])
 
 

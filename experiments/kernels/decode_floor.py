@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.calibrate.timing import read_bandwidth
+from kvrunahead.model.device import weight_bytes
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_model
@@ -33,24 +35,6 @@ ROWS_FILE = HERE / "decode_floor.jsonl"
 SPLIT_FILE = HERE / "decode_split.jsonl"
 KERNELS = {"linears": "mkldnn::_linear_pointwise", "attention": "kvr::attention"}
 BATCHES = {"1 row (1024)": [1024], "8 rows (150-1550)": [150 + 200 * i for i in range(8)]}
-READ_BYTES = 256 << 20
-
-
-def read_bandwidth(threads: int, repeats: int = 15) -> float:
-    """Bytes per second of a float32 sum over 256 MB (far beyond the caches) on ``threads``."""
-    torch.set_num_threads(threads)
-    x = torch.ones(READ_BYTES // 4)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return READ_BYTES / statistics.median(times)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes a step reads of the weights: each parameter once (a tied LM head is the embedding)."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def decoder(model, layout, contexts: list[int]) -> BatchDecoder:
@@ -63,6 +47,12 @@ def decoder(model, layout, contexts: list[int]) -> BatchDecoder:
     return d
 
 
+def advance(s: dict, step: int, offset: int) -> None:
+    """One decode step of setting ``s``'s rows: token ``1000 + step`` at each row's context + ``offset`` + ``step``."""
+    s["decoder"].step({f"r{i}": 1000 + step for i in range(len(s["contexts"]))},
+                      {f"r{i}": n + offset + step for i, n in enumerate(s["contexts"])})
+
+
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -73,15 +63,11 @@ def main() -> None:
     env = environment("smollm2-135m", "none", 0, "none")
     base = {**env, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python experiments/kernels/decode_floor.py " + " ".join(sys.argv[1:])}
-    models = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        lm = load_model("smollm2-135m", dtype, torch.device("cpu"))
-        models[dtype] = (lm.model, probe_kv_layout(lm.model))
     settings = {}
-    for dtype, (model, layout) in models.items():
-        config = model.config
-        kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
-            config.hidden_size // config.num_attention_heads) * dtype.itemsize
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model("smollm2-135m", dtype, torch.device("cpu")).model
+        layout = probe_kv_layout(model)
+        kv_per_token = sum(2 * h * d for h, d in zip(layout.heads, layout.head_dim)) * dtype.itemsize
         for name, contexts in BATCHES.items():
             settings[(dtype, name)] = {"decoder": decoder(model, layout, contexts), "contexts": contexts,
                                        "bytes": weight_bytes(model) + kv_per_token * sum(contexts)}
@@ -89,16 +75,16 @@ def main() -> None:
         split(settings, args.steps, base)
         return
     for rnd in range(args.rounds):
-        bandwidth = {t: read_bandwidth(t) for t in (1, 2)}
+        bandwidth = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            bandwidth[t] = read_bandwidth(15)
         times: dict = {(key, t): [] for key in settings for t in (1, 2)}
         for step in range(args.steps + 2):  # 2 warm-up steps
             for (key, threads), ts in times.items():
                 torch.set_num_threads(threads)
-                s = settings[key]
-                ids = {f"r{i}": 1000 + step for i in range(len(s["contexts"]))}
-                positions = {f"r{i}": n + rnd * (args.steps + 2) + step for i, n in enumerate(s["contexts"])}
                 t0 = time.perf_counter()
-                s["decoder"].step(ids, positions)
+                advance(settings[key], step, rnd * (args.steps + 2))
                 if step >= 2:
                     ts.append(time.perf_counter() - t0)
         for ((dtype, name), threads), ts in times.items():
@@ -121,18 +107,15 @@ def split(settings: dict, steps: int, base: dict) -> None:
 
     torch.set_num_threads(2)
     for (dtype, name), s in settings.items():
-        def step(i: int, s=s) -> None:
-            s["decoder"].step({f"r{j}": 1000 + i for j in range(len(s["contexts"]))},
-                              {f"r{j}": n + 100 + i for j, n in enumerate(s["contexts"])})
         times = []
         for i in range(steps + 2):
             t0 = time.perf_counter()
-            step(i)
+            advance(s, i, 100)
             times.append(time.perf_counter() - t0)
         step_s = statistics.median(times[2:])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(5):
-                step(steps + 2 + i)
+                advance(s, steps + 2 + i, 100)
         self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
         parts = {k: self_us.get(op, 0.0) / 5 / 1e6 for k, op in KERNELS.items()}
         row = {**base, "dtype": str(dtype).removeprefix("torch."), "batch": name, "contexts": s["contexts"],

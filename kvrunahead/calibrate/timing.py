@@ -37,6 +37,15 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(timed_runs(fn, repeats))
 
 
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second of a float32 sum over 256 MB (far beyond the caches) on torch's current threads: the rate a
+    memory-bound step (a decode step's weights) can stream at."""
+    import torch
+
+    x = torch.ones(64 * 2**20)
+    return x.numel() * x.element_size() / median_time(lambda: x.sum(), repeats)
+
+
 def fit(columns: list[list[float]], times: list[float]) -> tuple[np.ndarray, float]:
     """Non-negative least squares in relative error; returns the coefficients and the worst residual."""
     from scipy.optimize import nnls
