@@ -141,6 +141,7 @@ def test_the_safetensors_shard_read_equals_the_whole_tensor_cut(tmp_path):
 
 
 def _shm_rank(rank: int, port: int, out) -> None:
+    import io
     import os
 
     import torch.distributed as dist
@@ -161,11 +162,16 @@ def _shm_rank(rank: int, port: int, out) -> None:
         got[name] = (t, collective.all_reduce(mine).clone())
     for _ in range(500):  # many calls in a row: the two slot sets alternate while a rank runs ahead
         collective.all_reduce(torch.ones(3))
-    out.put((rank, got))
+    # as bytes: a tensor put on a torch queue is shared through a file descriptor this process must outlive
+    buffer = io.BytesIO()
+    torch.save(got, buffer)
+    out.put((rank, buffer.getvalue()))
     dist.destroy_process_group()
 
 
 def test_the_shared_memory_all_reduce_sums_in_rank_order_in_pieces_and_half_precision():
+    import io
+
     import torch.multiprocessing as mp
 
     from kvrunahead.launcher import free_port
@@ -175,7 +181,7 @@ def test_the_shared_memory_all_reduce_sums_in_rank_order_in_pieces_and_half_prec
     procs = [ctx.Process(target=_shm_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results = {rank: torch.load(io.BytesIO(data)) for rank, data in (out.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(30)
     for name in ("small", "pieces", "bf16"):
