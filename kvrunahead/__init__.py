@@ -16,11 +16,11 @@ _API = {
     "RunConfig": "kvrunahead.config",  # what to run: model, mode, context, partition, network, ...
     "prepare": "kvrunahead.decide.policy",  # the plan of a run (prompt, partition and why), before any rank works
     "InputError": "kvrunahead.errors",
-    "run_on_world": "kvrunahead.serve.oneshot",  # one prefill on ranks that have joined (torchrun, mpirun)
-    "RunResult": "kvrunahead.runner",
-    "RankStats": "kvrunahead.stats",
-    "World": "kvrunahead.launcher",
-    "init_world": "kvrunahead.launcher",
+    "run_on_world": "kvrunahead.oneshot.on_engine",  # one prefill on ranks that have joined (torchrun, mpirun)
+    "RunResult": "kvrunahead.oneshot.runner",
+    "RankStats": "kvrunahead.ranks.stats",
+    "World": "kvrunahead.ranks.launcher",
+    "init_world": "kvrunahead.ranks.launcher",
     "Partition": "kvrunahead.partition",
     "MODES": "kvrunahead.modes",
     "kvr_prefill": "kvrunahead.modes.kvr",  # the bare mechanism: one rank's part given a ChainLink

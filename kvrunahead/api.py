@@ -18,9 +18,9 @@ from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_spec, prepare
 from kvrunahead.errors import LaunchError
-from kvrunahead.launcher import spawn
-from kvrunahead.runner import RunResult, run
-from kvrunahead.serve import oneshot
+from kvrunahead.oneshot import on_engine as oneshot
+from kvrunahead.oneshot.runner import RunResult, run
+from kvrunahead.ranks.launcher import spawn
 
 
 def prefill(cfg: RunConfig, nproc: int = 1) -> RunResult:

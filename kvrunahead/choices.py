@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # auto: what the hardware is fast in (bfloat16 on a CPU with avx512_bf16 or AMX, the model's 16-bit dtype on a GPU)
 DTYPE_CHOICES = ("auto", *DTYPES)
 # Where the tokens after the first are decoded: on the last rank with the whole cache gathered there (the chain
-# leaves it there), or KV-cache parallel (kvrunahead/kvp.py: each rank keeps its part, attention merged per layer).
+# leaves it there), or KV-cache parallel (decode/kvp.py: each rank keeps its part, attention merged per layer).
 DECODES = ("gathered", "kvp")
 # The server may also choose per request: KVP where the cost model predicts its decode step faster.
 SERVE_DECODES = ("auto", *DECODES)

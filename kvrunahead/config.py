@@ -24,7 +24,7 @@ class RunConfig:
     device: str = "auto"
     threads: int | None = None
     max_new_tokens: int = 1
-    decode: str = "gathered"  # or kvp: the K,V stay on the ranks that made them (kvrunahead/kvp.py)
+    decode: str = "gathered"  # or kvp: the K,V stay on the ranks that made them (kvrunahead/decode/kvp.py)
     verify: bool = False
     atol: float | None = None
     timeout_s: float = 60.0

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvrunahead.launcher import free_port
-from kvrunahead.launcher import rank_env as launcher_rank_env
+from kvrunahead.ranks.launcher import free_port
+from kvrunahead.ranks.launcher import rank_env as launcher_rank_env
 
 HERE = Path(__file__).parent
 # KVR_TEST_COMPILE=1 runs the serve tests with every model compiled (docs/testing.md): each compiles its shapes

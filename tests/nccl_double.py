@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import kvrunahead.transport as transport_module
+import kvrunahead.ranks.transport as transport_module
 from kvrunahead.net import liveness
 
 

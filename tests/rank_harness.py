@@ -8,8 +8,8 @@ import os
 import sys
 
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import init_world
-from kvrunahead.serve.oneshot import batch_on_world, run_on_world
+from kvrunahead.oneshot.on_engine import batch_on_world, run_on_world
+from kvrunahead.ranks.launcher import init_world
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     world = init_world("torchrun", "gloo", timeout_s=60)
     results = {}
     for case in cases:
-        if "prompts" in case:  # a batch of prompts (kvrunahead/pack)
+        if "prompts" in case:  # a batch of prompts (kvrunahead/modes/packing.py)
             batch = batch_on_world(RunConfig(**case["config"]), world, case["prompts"], **case["batch"])
             if batch is not None:
                 results[case["name"]] = batch.to_dict()

@@ -24,9 +24,9 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import prepare
-from kvrunahead.launcher import init_world, leave_world
 from kvrunahead.model.rope import plan_extension
-from kvrunahead.runner import run_on_world
+from kvrunahead.oneshot.runner import run_on_world
+from kvrunahead.ranks.launcher import init_world, leave_world
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
@@ -369,7 +369,7 @@ def mixed(scenario: dict, world, out: dict) -> None:
     """Short requests decoding while a long prompt prefills (in chunks of ``chunk_tokens``, or whole with 0): every
     request's greedy tokens against transformers' ``generate`` on the prompt alone, in this process. Counts the
     forwards in which decode rows shared the prompt's forward, and the steps that carried both."""
-    import kvrunahead.serve.executor as executor_module
+    import kvrunahead.serve.step.executor as executor_module
 
     run = RunConfig(**scenario["run"])
     cfg = EngineConfig(run=run, degree=scenario.get("degree", "auto"), pack_tokens=0,

@@ -44,7 +44,7 @@ def test_from_the_engines_step_to_the_models_forward_is_at_most_five_calls():
     import inspect
 
     from kvrunahead.config import RunConfig
-    from kvrunahead.launcher import World
+    from kvrunahead.ranks.launcher import World
     from kvrunahead.serve.config import EngineConfig
     from kvrunahead.serve.engine import Engine
     from kvrunahead.serve.sequence import Request, SamplingParams

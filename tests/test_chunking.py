@@ -10,21 +10,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvrunahead.bench.replay import Arrival, replay
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
-from kvrunahead.pack.batch import prompt_work
+from kvrunahead.ranks.launcher import World
 from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.prefix_cache import PrefixCache
-from kvrunahead.serve.replay import Arrival, replay
 from kvrunahead.serve.scheduler import Scheduler, Slack, relative_slack
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
 from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.flops import prompt_work
 from kvrunahead.sim.optimize import balanced_boundaries
 from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile
 from kvrunahead.sim.shape import shape_from_config

@@ -7,9 +7,9 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import pick_backend
 from kvrunahead.model import device as device_module
 from kvrunahead.model.device import dtype_name, fast_dtype, resolve_device, resolve_dtype
+from kvrunahead.ranks.launcher import pick_backend
 
 
 def test_with_cuda_each_local_rank_takes_its_gpu_in_bfloat16_over_nccl(monkeypatch):

@@ -203,7 +203,7 @@ def test_kvr_beyond_the_trained_positions_matches_the_single_process_with_the_sa
 def test_the_default_run_uses_split_attention_and_no_even_partition_beyond_one_rank(world):
     p, results = world
     r = results["yarn/default"]
-    # one rank runs the whole prompt with the model's own attention: nothing to split (serve/oneshot.py)
+    # one rank runs the whole prompt with the model's own attention: nothing to split (oneshot/on_engine.py)
     assert r["kvr_attention"].startswith("split (default" if p > 1 else "masked (one rank")
     assert r["verification"]["max_abs_logit_diff"] <= 1e-4 and r["verification"]["generated_match"]
     if p > 1:
@@ -220,7 +220,7 @@ def test_a_continuation_that_parts_is_placed_and_weighed_by_the_reference_model(
     from kvrunahead.model.forward import greedy_decode, last_token_logits
     from kvrunahead.model.load import load_model
     from kvrunahead.model.reference import where_parted
-    from kvrunahead.runner import Verification
+    from kvrunahead.oneshot.runner import Verification
 
     lm = load_model("tiny-llama", torch.float32, torch.device("cpu"))
     ids = list(range(40, 80))

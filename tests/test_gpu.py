@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kvrunahead.kvp import merge_parts, shard_attention
+from kvrunahead.decode.kvp import merge_parts, shard_attention
 from kvrunahead.modes.attention import attend_with_lse
 from kvrunahead.modes.kvr import split_block
 from tests.helpers import run_cases

@@ -116,7 +116,7 @@ def test_grow_in_place_leaves_sliding_layers_to_transformers():
 
 
 def test_the_chains_filled_layers_grow_in_place_and_kvp_shards_keep_their_own_decode():
-    from kvrunahead.kvp import ShardCache, ShardLayer
+    from kvrunahead.decode.kvp import ShardCache, ShardLayer
     from kvrunahead.modes.kvr import RunaheadLayer
 
     chain = DynamicCache()

@@ -21,7 +21,7 @@ from kvrunahead.model.load import load_model, resolve_config
 from kvrunahead.modes import check_model, tsp
 from kvrunahead.modes.kvr import ChainLink, kvr_prefill
 from kvrunahead.partition import Partition, parse_partition
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 from tests.helpers import skewed_ratios, world_runs
 
 CONTEXT = 200

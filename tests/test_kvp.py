@@ -1,4 +1,4 @@
-"""The KVP decode (kvrunahead/kvp.py): every rank keeps its own part of the chain's cache and the partial attention
+"""The KVP decode (decode/kvp.py): every rank keeps its own part of the chain's cache and the partial attention
 outputs are merged per layer; greedy tokens and logits must be the single process's, for full and sliding-window
 models, parts shorter than the window and windows that leave a rank's part behind while decoding."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from kvrunahead.kvp import ShardCache, ShardLayer, level_shards, merge_parts, shard_attention, shard_cache
+from kvrunahead.decode.kvp import ShardCache, ShardLayer, level_shards, merge_parts, shard_attention, shard_cache
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 from tests.helpers import kvr_prefill, skewed_ratios, world_runs
 from tests.test_serve_engine import _start_ranks, ranks_ran, wait_all
 

@@ -1,4 +1,4 @@
-"""Mixed steps (serve/rows.py, serve/executor.run_step): decode rows share a prompt's or a chunk's step, and on the
+"""Mixed steps (serve/step/rows.py, serve/executor.run_step): decode rows share a prompt's or a chunk's step, and on the
 front its forward. Every request's greedy output equals transformers' on its prompt alone, whatever ran beside it,
 on real ranks: p = 1-3, chunks over the chain and on the front alone, KV-parallel rows on every rank, a
 sliding-window model (its rows in the decoder's own forward within the step)."""
@@ -13,13 +13,13 @@ from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.modes.kvr import ChainLink
-from kvrunahead.rank_setup import loaded_model
-from kvrunahead.serve import plans
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, ROW, SHARDED, Segment, StepPlan, cut_at
-from kvrunahead.serve.rows import Row, mixed_forward
+from kvrunahead.ranks.setup import loaded_model
+from kvrunahead.ranks.transport import LocalTransport
 from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, SamplingParams, Sequence
-from kvrunahead.transport import LocalTransport
+from kvrunahead.serve.step import plans
+from kvrunahead.serve.step.plans import FRONT, NOWHERE, RANKS, ROW, SHARDED, Segment, StepPlan, cut_at
+from kvrunahead.serve.step.rows import Row, mixed_forward
 from tests.helpers import wait_all
 from tests.test_serve_engine import _start_ranks
 
@@ -207,7 +207,7 @@ def test_prefill_first_holds_the_decodes_until_no_prefill_waits():
 
 def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention():
     """A model that computes attention itself (Falcon) keeps its decode rows in the decoder's own forward."""
-    from kvrunahead.serve.rows import can_mix
+    from kvrunahead.serve.step.rows import can_mix
 
     assert can_mix(loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model)
     assert not can_mix(loaded_model("tiny-falcon", torch.float32, torch.device("cpu"), 0).model)
@@ -219,9 +219,9 @@ def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_an
     those of a request decoding on a copy of its own."""
     from transformers import DynamicCache
 
-    from kvrunahead.serve.decode import BatchDecoder
     from kvrunahead.serve.prefix_cache import PrefixCache
-    from kvrunahead.serve.rows import ForkedKV
+    from kvrunahead.serve.step.batch_decode import BatchDecoder
+    from kvrunahead.serve.step.rows import ForkedKV
 
     model = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
     layout = probe_kv_layout(model)
@@ -259,11 +259,11 @@ def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_th
     them in the same step; each forks the prompt's K,V kept there, and greedy they give the first choice's
     tokens."""
     from kvrunahead.config import RunConfig
-    from kvrunahead.launcher import World
+    from kvrunahead.ranks.launcher import World
     from kvrunahead.serve.config import EngineConfig
     from kvrunahead.serve.engine import Engine
-    from kvrunahead.serve.rows import ForkedKV
     from kvrunahead.serve.sequence import TokenEvent
+    from kvrunahead.serve.step.rows import ForkedKV
 
     engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
     tokens: dict[str, list[int]] = {}

@@ -15,9 +15,9 @@ from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_model
 from kvrunahead.modes import MODES, Step
 from kvrunahead.net import liveness
+from kvrunahead.oneshot.runner import timed_prefill
 from kvrunahead.partition import Partition, parse_partition
-from kvrunahead.runner import timed_prefill
-from kvrunahead.transport import make_transport
+from kvrunahead.ranks.transport import make_transport
 from tests.helpers import skewed_ratios
 from tests.nccl_double import FakeNccl, replay, setup_problems
 

@@ -330,7 +330,7 @@ def test_a_fault_in_a_search_keeps_the_candidates_measured_before(tmp_path):
 # ---------------------------------------------------------------- the all-gather the baselines use
 
 def test_the_allgather_choice_follows_the_backend():
-    from kvrunahead.transport import LocalTransport
+    from kvrunahead.ranks.transport import LocalTransport
 
     t = LocalTransport()
     t.set_allgather("auto")

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvrunahead.pack.plan import PackedStep, cuts_after_cached, ffd_bins, packed_cuts
+from kvrunahead.modes.packing import PackedStep, cuts_after_cached, ffd_bins, packed_cuts
 from tests.helpers import world_runs
 
 

@@ -1,14 +1,14 @@
-"""Many questions on one context (kvrunahead/questions.py): the two-block attention equals attention over a copy
+"""Many questions on one context (decode/shared_prefix.py): the two-block attention equals attention over a copy
 of the prefix per sequence, and every answer equals the greedy answer of its standalone prompt."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.decode.shared_prefix import answer, context_prefixes, padded_attention, prefix_attention
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.load import load_model
 from kvrunahead.modes.attention import merge_lse
-from kvrunahead.questions import answer, context_prefixes, padded_attention, prefix_attention
 
 CPU = torch.device("cpu")
 

@@ -95,7 +95,7 @@ def test_the_engines_greedy_tokens_with_vllms_parameters_equal_transformers_gene
     """A served request with repetition_penalty, or with a stop token held back by min_tokens, gives the tokens
     transformers' ``generate`` gives with the same settings (its own logits processors and end tokens)."""
     from kvrunahead.config import RunConfig
-    from kvrunahead.launcher import World
+    from kvrunahead.ranks.launcher import World
     from kvrunahead.serve.config import EngineConfig
     from kvrunahead.serve.engine import Engine
     from kvrunahead.serve.sequence import Request, TokenEvent

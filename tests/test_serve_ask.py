@@ -12,15 +12,15 @@ from starlette.testclient import TestClient
 from transformers import DynamicCache
 
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import World
 from kvrunahead.model.forward import greedy_decode, last_token_logits
 from kvrunahead.model.rope import plan_extension
 from kvrunahead.prompt import question_prompts
-from kvrunahead.serve.app import build_app
+from kvrunahead.ranks.launcher import World
 from kvrunahead.serve.asking import asking
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
+from kvrunahead.serve.http.app import build_app
 from kvrunahead.serve.sequence import Answered, Finished, Request, SamplingParams, TokenEvent
 
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 6

@@ -9,7 +9,7 @@ import pytest
 from kvrunahead.config import RunConfig
 from kvrunahead.model.load import resolve_config
 from kvrunahead.serve.degree import DegreePolicy, parse_degree
-from kvrunahead.serve.rank import solo_threads
+from kvrunahead.serve.step.rank import solo_threads
 from kvrunahead.sim import profile
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import World, free_port
+from kvrunahead.ranks.launcher import World, free_port
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine

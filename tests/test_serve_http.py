@@ -20,10 +20,10 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from kvrunahead.serve.app import build_app
-from kvrunahead.serve.metrics import Metrics
+from kvrunahead.serve.http.app import build_app
+from kvrunahead.serve.http.metrics import Metrics
+from kvrunahead.serve.http.server import DrainingServer
 from kvrunahead.serve.sequence import Finished, QueueFull, RequestFigures, TokenEvent, TokenLogprob
-from kvrunahead.serve.server import DrainingServer
 
 pytestmark = pytest.mark.timeout(60)
 

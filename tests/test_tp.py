@@ -146,8 +146,8 @@ def _shm_rank(rank: int, port: int, out) -> None:
 
     import torch.distributed as dist
 
-    from kvrunahead.launcher import World
-    from kvrunahead.mesh import ShmCollective, chain_world
+    from kvrunahead.ranks.launcher import World
+    from kvrunahead.ranks.mesh import ShmCollective, chain_world
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -174,7 +174,7 @@ def test_the_shared_memory_all_reduce_sums_in_rank_order_in_pieces_and_half_prec
 
     import torch.multiprocessing as mp
 
-    from kvrunahead.launcher import free_port
+    from kvrunahead.ranks.launcher import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()

@@ -32,8 +32,8 @@ def rank_main(transport_name: str, repeats: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world
-    from kvrunahead.transport import make_transport
+    from kvrunahead.ranks.launcher import detect_launcher, init_world
+    from kvrunahead.ranks.transport import make_transport
 
     torch.set_num_threads(1)
     world = init_world(detect_launcher(), "gloo", 120.0)
@@ -77,9 +77,9 @@ def rank_main(transport_name: str, repeats: int, out: str) -> None:
 
 
 def launch(transport_name: str, repeats: int, net: str = "loopback") -> list[dict]:
-    from kvrunahead.launcher import free_port, rank_env
     from kvrunahead.net.session import network
     from kvrunahead.net.spec import parse_net
+    from kvrunahead.ranks.launcher import free_port, rank_env
 
     out = HERE / f".{transport_name}.json"
     cmd = [sys.executable, __file__, "--rank", transport_name, str(repeats), str(out)]

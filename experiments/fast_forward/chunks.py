@@ -19,12 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from kvrunahead.bench.peers import MODEL, Server, prompt_ids
+from kvrunahead.provenance import machine
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "serve_vs_vllm"))
-
-from single import MODEL, ROOT, Server, prompt_ids  # noqa: E402
-
-from kvrunahead.provenance import machine  # noqa: E402
+ROOT = HERE.parents[1]
 
 ROWS = HERE / "chunks.jsonl"
 
@@ -61,7 +60,7 @@ def main() -> None:
                     if (rnd, setting, n, args.dtype, args.kvr_args) not in done]
             if not todo:
                 continue
-            up = Server("kvr", 8302, tuple(settings[setting]), args.dtype)
+            up = Server("kvr", 8302, tuple(settings[setting]), args.dtype, log_dir=HERE)
             try:
                 ask(up.url, prompt_ids(512, 99))
                 for n in todo:

@@ -24,7 +24,7 @@ from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import load_model
 from kvrunahead.provenance import environment, machine
-from kvrunahead.serve.decode import BatchDecoder
+from kvrunahead.serve.step.batch_decode import BatchDecoder
 
 HERE = Path(__file__).parent
 CONTEXTS = [150 + 200 * i for i in range(8)]  # 150, 350, ..., 1550

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from kvrunahead.bench.peers import MODEL, Server, prompt_ids
+from kvrunahead.provenance import environment, machine
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "serve_vs_vllm"))
-
-from single import MODEL, Server, prompt_ids  # noqa: E402
-
-from kvrunahead.provenance import environment, machine  # noqa: E402
 
 PORT = 8311
 CACHE = Path("/tmp/kvr-fast-forward-cache")
@@ -46,7 +44,7 @@ def main() -> None:
     for setting, flag in (("eager", ()), ("compiled, cache empty", ("--compile",)),
                           ("compiled, cache filled", ("--compile",))):
         t0 = time.perf_counter()
-        up = Server("kvr", PORT, flag, args.dtype, env={"KVR_CACHE": str(CACHE)})
+        up = Server("kvr", PORT, flag, args.dtype, env={"KVR_CACHE": str(CACHE)}, log_dir=HERE)
         try:
             row = {**env, "machine": machine(), "setting": setting, "dtype": args.dtype, "command": up.command,
                    "start_s": time.perf_counter() - t0}

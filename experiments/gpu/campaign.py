@@ -376,7 +376,7 @@ def step_rank_part(setup: Setup, log: Log, deadline: float) -> None:
 
     from kvrunahead.model.layout import probe_kv_layout
     from kvrunahead.modes.kvr import LocalPrefixLink, OwnPartLink, kvr_prefill
-    from kvrunahead.transport import LocalTransport
+    from kvrunahead.ranks.transport import LocalTransport
 
     class LastRankLink(LocalPrefixLink):
         """The last rank, in one process: its prefix is local, nothing goes on, its cache keeps its own part."""

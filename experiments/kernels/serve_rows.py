@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from kvrunahead.launcher import free_port
 from kvrunahead.provenance import environment, machine
+from kvrunahead.ranks.launcher import free_port
 
 HERE = Path(__file__).parent
 ROWS_FILE = HERE / "serve_rows.jsonl"

@@ -1,5 +1,5 @@
 """Decode after a long chain prefill: the KVP decode (every rank attends its own part of the cache, the partial
-outputs merged per layer; kvrunahead/kvp.py) against the gathered decode (the last rank alone with the whole
+outputs merged per layer; kvrunahead/decode/kvp.py) against the gathered decode (the last rank alone with the whole
 cache, as kvr-serve runs it: on both cores while the other rank idles, and on one core for reference).
 
 Per context length the prompt is prefilled once over 2 ranks (KV-Runahead, the partition kvr-prefill would choose);
@@ -44,16 +44,16 @@ def kv_capacity_bytes(layers) -> int:
 def rank_main(args) -> None:
     from kvrunahead.config import RunConfig
     from kvrunahead.decide.policy import prepare
-    from kvrunahead.kvp import kvp_decode, level_shards, shard_cache
-    from kvrunahead.launcher import init_world
+    from kvrunahead.decode.kvp import kvp_decode, level_shards, shard_cache
     from kvrunahead.model.forward import greedy_decode
     from kvrunahead.model.layout import probe_kv_layout
     from kvrunahead.modes import MODES, Step
     from kvrunahead.net import liveness
+    from kvrunahead.oneshot.runner import timed_prefill
     from kvrunahead.prompt import parse_tokens
     from kvrunahead.provenance import environment
-    from kvrunahead.rank_setup import cached_transport, loaded_model
-    from kvrunahead.runner import timed_prefill
+    from kvrunahead.ranks.launcher import init_world
+    from kvrunahead.ranks.setup import cached_transport, loaded_model
 
     world = init_world("torchrun", "gloo", timeout_s=3600)
     rank, front = world.rank, world.rank == world.world_size - 1
@@ -165,7 +165,7 @@ def main() -> None:
         rank_main(args)
         return
     if not args.summary:
-        from kvrunahead.launcher import free_port, rank_env
+        from kvrunahead.ranks.launcher import free_port, rank_env
 
         port = free_port()
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", *sys.argv[1:]],

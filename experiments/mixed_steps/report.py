@@ -18,10 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mixed_workload"))
-from report import fmt, load, tpot_split  # noqa: E402 - experiments/mixed_workload/report.py
-
-from kvrunahead.bench.serve_bench import percentile  # noqa: E402
+from kvrunahead.bench.runs import fmt, load, tpot_split
+from kvrunahead.bench.serve_bench import percentile
 
 SLO_S = 2.0
 

@@ -1,4 +1,4 @@
-"""The measured traces replayed on the cost model (kvrunahead/serve/replay.py): on this machine's profile with the
+"""The measured traces replayed on the cost model (kvrunahead/bench/replay.py): on this machine's profile with the
 measured policies, to check the simulator's schedule against the measured one, and on 8 GPUs of the built-in
 h100-nvlink profile, a prediction of the same mixed workload there.
 
@@ -12,11 +12,11 @@ import argparse
 import json
 from pathlib import Path
 
+from kvrunahead.bench.replay import Arrival, replay
 from kvrunahead.bench.serve_bench import percentile
 from kvrunahead.model.load import DEFAULT_MODEL, resolve_config
-from kvrunahead.pack.batch import prompt_work
-from kvrunahead.serve.replay import Arrival, replay
 from kvrunahead.sim.costmodel import CostModel
+from kvrunahead.sim.flops import prompt_work
 from kvrunahead.sim.profile import builtin_profiles, resolve_profile
 from kvrunahead.sim.shape import shape_from_config
 

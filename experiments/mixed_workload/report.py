@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvrunahead.bench.runs import fmt, load, tpot_split
 from kvrunahead.bench.serve_bench import percentile
 from kvrunahead.sim.simulate import simulate_chunk
 
@@ -32,43 +33,8 @@ def slo_met(out: Path, rate: float, policy: str) -> str:
     return f"{float(row['short_slo_met']):.0%} within {float(row['ttft_slo_s']):g} s"
 
 
-def load(out: Path) -> dict[tuple[float, str], list[dict]]:
-    runs = {}
-    for rows in sorted(out.glob("rate*/*/rows.jsonl")):
-        policy = rows.parent.name
-        data = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
-        if data:
-            runs[(float(rows.parent.parent.name.removeprefix("rate")), policy)] = data
-    return runs
-
-
-def long_windows(rows: list[dict]) -> list[tuple[float, float]]:
-    return [(r["arrival_s"], r["arrival_s"] + r["ttft_s"]) for r in rows
-            if r["kind"] == "long" and r.get("ttft_s") is not None]
-
-
-def tpot_split(rows: list[dict]) -> tuple[list[float], list[float]]:
-    """TPOT of the short requests decoding during a long prefill, and of those decoding while none ran."""
-    windows = long_windows(rows)
-    during, idle = [], []
-    for r in rows:
-        if r["kind"] != "short" or r.get("tpot_s") is None or r.get("error"):
-            continue
-        a, e = r["arrival_s"] + r["ttft_s"], r["arrival_s"] + r["e2e_s"]
-        inside = sum(max(0.0, min(e, we) - max(a, wa)) for wa, we in windows)
-        if inside >= 0.5 * (e - a):
-            during.append(r["tpot_s"])
-        elif inside == 0:
-            idle.append(r["tpot_s"])
-    return during, idle
-
-
 def chunks(rows: list[dict]) -> list[dict]:
     return [c for r in rows for c in ((r.get("server") or {}).get("chunks") or [])]
-
-
-def fmt(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:.0f}"
 
 
 def table(runs, out: Path) -> list[str]:

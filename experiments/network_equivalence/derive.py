@@ -192,7 +192,7 @@ def measure_p2p() -> list[float]:
     """Receiver-side seconds of a 25 MB gloo isend/irecv between 2 processes on 127.0.0.1."""
     import torch.multiprocessing as mp
 
-    from kvrunahead.launcher import free_port
+    from kvrunahead.ranks.launcher import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "p2p.json")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from kvrunahead.launcher import free_port
 from kvrunahead.prompt import shipped_text
+from kvrunahead.ranks.launcher import free_port
 
 HERE = Path(__file__).parent
 

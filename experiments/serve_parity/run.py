@@ -25,10 +25,10 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from kvrunahead.launcher import free_port
 from kvrunahead.model.load import DEFAULT_MODEL, load_tokenizer
 from kvrunahead.prompt import parse_tokens, shipped_text
 from kvrunahead.provenance import environment
+from kvrunahead.ranks.launcher import free_port
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 

@@ -24,10 +24,8 @@ OUT = HERE / "exactness.jsonl"
 
 
 def main() -> None:
-    import sys
 
-    sys.path.insert(0, str(HERE))
-    from single import prompt_ids  # the ids the servers were sent
+    from kvrunahead.bench.peers import prompt_ids  # the ids the servers were sent
 
     rows = [json.loads(line) for line in (HERE / "rows.jsonl").read_text().splitlines()]
     done = {(r["round"], r["tokens"]) for r in map(json.loads, OUT.read_text().splitlines())} if OUT.exists() else set()

@@ -27,17 +27,15 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvrunahead.bench.peers import MODEL, VENV, Server, model_dir
+from kvrunahead.provenance import machine
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from single import MODEL, ROOT, VENV, Server, model_dir  # noqa: E402
-
-from kvrunahead.provenance import machine  # noqa: E402
+ROOT = HERE.parents[1]
 
 OUT = HERE / "load"
 PORT = 8302
@@ -147,7 +145,7 @@ def main(parts: list[str], families: list[str]) -> None:
             # prefix caching off on both (vLLM runs with --no-enable-prefix-caching): the seeded clients send the
             # same prompts at each rate and concurrency, which a prefix cache would answer from the last piece
             up = Server("kvr" if who.startswith("kvr") else server, PORT,
-                        ("--prefix-cache-tokens", "0", *KVR_OPTIONS.get(who, ())), DTYPE)
+                        ("--prefix-cache-tokens", "0", *KVR_OPTIONS.get(who, ())), DTYPE, log_dir=HERE)
             print(f"[{part}] {server} up in {time.monotonic() - t0:.0f} s", flush=True)
             try:
                 for _, make in todo:

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.decode.shared_prefix import answer, context_prefixes
 from kvrunahead.model.load import load_model
 from kvrunahead.prompt import question_prompts, shipped_text
 from kvrunahead.provenance import environment
-from kvrunahead.questions import answer, context_prefixes
 
 NEW_TOKENS = 32
 

@@ -1,5 +1,5 @@
 """Decode attention per step for questions sharing one context: the prefix read once for all (PAT's two blocks,
-kvrunahead/questions.py) against per-sequence attention over a copy of the prefix per sequence (one SDPA call with
+decode/shared_prefix.py) against per-sequence attention over a copy of the prefix per sequence (one SDPA call with
 a padding mask and grouped K,V heads, the best per-sequence form torch has). One layer of SmolLM2-135M (9 query
 heads, 3 K,V heads of 64), float32, 1 thread; every question's own block holds 48 slots (a 16-token question and
 32 new tokens, some left-padded). Rounds alternate the two, so drift hits both alike; medians of the rounds.
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvrunahead.decode.shared_prefix import padded_attention, prefix_attention
 from kvrunahead.modes.attention import merge_lse
 from kvrunahead.provenance import environment
-from kvrunahead.questions import padded_attention, prefix_attention
 
 HEADS, KV_HEADS, DIM, SLOTS = 9, 3, 64, 48
 

@@ -24,9 +24,9 @@ from transformers import DynamicCache
 
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
-from kvrunahead.rank_setup import loaded_model
-from kvrunahead.serve.decode import BatchDecoder
+from kvrunahead.ranks.setup import loaded_model
 from kvrunahead.serve.prefix_cache import PrefixCache
+from kvrunahead.serve.step.batch_decode import BatchDecoder
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = {"1 copy": ["copy"], "4 copies": ["copy"] * 4, "1 fork": ["fork"], "4 forks": ["fork"] * 4,

@@ -18,7 +18,7 @@ from kvrunahead.bench.plan import Job, WorldPlan, run_key, runs_in
 from kvrunahead.net import session
 from kvrunahead.net.noise import NoiseReport
 from kvrunahead.net.spec import parse_net
-from kvrunahead.supervise import supervise
+from kvrunahead.ranks.supervise import supervise
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def run_world(nproc: int, threads: int, transport: str, jobs: list[Job], config:
     sidecar, switched on and off run by run as the jobs' settings say). A failed rank ends the world within the
     timeout; the rows recorded before stay in ``workdir`` for --resume."""
     # launcher imports torch: only once a world is about to start, so that the CLI's --help stays torch-free
-    from kvrunahead.launcher import free_port, rank_env
+    from kvrunahead.ranks.launcher import free_port, rank_env
 
     spec = parse_net(net)
     tag = f"p{nproc}_t{threads}_{transport}" + ("" if spec.table_label == "loopback" else

@@ -22,7 +22,7 @@ LARGE_MESSAGE = 1 << 22
 
 def measure_link(net: str | None, repeats: int, sizes=LINK_SIZES) -> tuple[LinkProfile, float, list[dict]]:
     """Latency and bandwidth of one direction between two ranks, and the all-gather's efficiency."""
-    from kvrunahead.launcher import spawn
+    from kvrunahead.ranks.launcher import spawn
 
     spec = parse_net(net)
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,8 +50,8 @@ def main(out: str, repeats: int, sizes: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world, leave_world
-    from kvrunahead.transport import make_transport
+    from kvrunahead.ranks.launcher import detect_launcher, init_world, leave_world
+    from kvrunahead.ranks.transport import make_transport
 
     torch.set_num_threads(1)
     world = init_world(detect_launcher(), "gloo", 300.0)

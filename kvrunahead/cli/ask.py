@@ -9,8 +9,8 @@ import click
 
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
 from kvrunahead.model.load import MODEL_CHOICES
+from kvrunahead.ranks.launcher import detect_launcher, spawn, world_size_hint
 
 PROG = "kvr-ask"
 
@@ -91,15 +91,15 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
         if max_new_tokens < 1:
             raise InputError("--max-new-tokens must be at least 1")
         context, questions = common.read_prompt_file(context_file), read_questions(questions_file)
-        from kvrunahead.ask import AskJob
         from kvrunahead.config import RunConfig
         from kvrunahead.decide.policy import prepare
+        from kvrunahead.decode.shared_prefix import require_full_attention
         from kvrunahead.model.device import check_device
         from kvrunahead.model.load import load_tokenizer, resolve_config
+        from kvrunahead.oneshot.ask import AskJob
+        from kvrunahead.oneshot.on_engine import ask_on_world
+        from kvrunahead.oneshot.runner import run
         from kvrunahead.prompt import question_prompts
-        from kvrunahead.questions import require_full_attention
-        from kvrunahead.runner import run
-        from kvrunahead.serve.oneshot import ask_on_world
 
         check_device(options["device"])
         context_ids, question_ids = question_prompts(load_tokenizer(options["model"]), context, questions,

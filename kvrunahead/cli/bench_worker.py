@@ -19,13 +19,13 @@ import torch.distributed as dist
 from kvrunahead.bench.plan import Job, WorldPlan, job_groups, run_key
 from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
-from kvrunahead.mesh import chain_world
 from kvrunahead.model.device import resolve_device
 from kvrunahead.net import liveness
 from kvrunahead.net.noise import switch
 from kvrunahead.net.spec import parse_net
-from kvrunahead.runner import RunResult, leave_world, run_on_world
+from kvrunahead.oneshot.runner import RunResult, leave_world, run_on_world
+from kvrunahead.ranks.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
+from kvrunahead.ranks.mesh import chain_world
 
 
 def rotated(items: list, by: int) -> list:

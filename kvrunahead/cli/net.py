@@ -24,7 +24,7 @@ from kvrunahead.cli import common
 from kvrunahead.net.emulation import IFNAME, Emulation, leftovers, teardown_all
 from kvrunahead.net.session import network
 from kvrunahead.net.spec import NetError, parse_net
-from kvrunahead.supervise import supervise
+from kvrunahead.ranks.supervise import supervise
 
 PROG = "kvr-net"
 

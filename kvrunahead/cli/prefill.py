@@ -13,12 +13,12 @@ from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_spec, prepare, tp_groups, with_tp_mode
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
 from kvrunahead.model.load import MODEL_CHOICES
 from kvrunahead.modes import MODES
+from kvrunahead.oneshot import on_engine as oneshot
+from kvrunahead.oneshot.runner import RunResult, run
 from kvrunahead.prompt import PromptError, parse_tokens
-from kvrunahead.runner import RunResult, run
-from kvrunahead.serve import oneshot
+from kvrunahead.ranks.launcher import detect_launcher, spawn, world_size_hint
 
 log = logging.getLogger("kvrunahead")
 
@@ -248,8 +248,8 @@ def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, 
 
 
 def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, nproc, launcher, options):
-    from kvrunahead.pack.batch import check_batch, tokenize_prompts
-    from kvrunahead.serve.oneshot import run_batch
+    from kvrunahead.oneshot.batch import check_batch, tokenize_prompts
+    from kvrunahead.oneshot.on_engine import run_batch
 
     if ctx is not None or prompt_file:
         raise InputError("--prompts is a batch of whole prompts: --ctx and --prompt-file do not apply")

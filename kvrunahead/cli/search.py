@@ -104,7 +104,7 @@ def main(nproc: int, contexts: str, **options) -> None:
       kvr-search --ctx 2k --nproc 2 --criterion balance --out /tmp/t.json
       kvr-search --backend model --nproc 8 --ctx 16k --out /tmp/t.json
     """
-    from kvrunahead.launcher import detect_launcher, spawn
+    from kvrunahead.ranks.launcher import detect_launcher, spawn
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     launcher = detect_launcher()

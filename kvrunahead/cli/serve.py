@@ -85,7 +85,7 @@ def _check(options: dict, world_size: int) -> None:
         plan_stages(replace(config.run, mode="spp", stages=options["stages"]), model_config, 2 * world_size,
                     world_size, world_size)
     if options["decode"] == "kvp":
-        from kvrunahead.kvp import check_kvp
+        from kvrunahead.decode.kvp import check_kvp
 
         try:
             check_kvp(model_config)
@@ -143,10 +143,10 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     why the engine failed, None after a clean stop. The workers are told to shut down either way."""
     import uvicorn
 
-    from kvrunahead.serve.app import build_app
     from kvrunahead.serve.client import AsyncEngineClient
-    from kvrunahead.serve.metrics import Metrics
-    from kvrunahead.serve.server import DrainingServer
+    from kvrunahead.serve.http.app import build_app
+    from kvrunahead.serve.http.metrics import Metrics
+    from kvrunahead.serve.http.server import DrainingServer
 
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
@@ -175,10 +175,10 @@ def _ignore_stop_signals() -> None:
 
 def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
     """Join the world and serve: the front runs HTTP, the others the worker loop."""
-    from kvrunahead.launcher import init_world, local_rank_hint, pick_backend
-    from kvrunahead.mesh import chain_world
     from kvrunahead.model.device import resolve_device
-    from kvrunahead.runner import leave_world
+    from kvrunahead.oneshot.runner import leave_world
+    from kvrunahead.ranks.launcher import init_world, local_rank_hint, pick_backend
+    from kvrunahead.ranks.mesh import chain_world
     from kvrunahead.serve.engine import Engine
 
     config = _engine_config(options)
@@ -303,7 +303,7 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
     common.quiet(verbose)
     from kvrunahead.config import RunConfig
     from kvrunahead.decide.policy import network_spec
-    from kvrunahead.launcher import detect_launcher, spawn, world_size_hint
+    from kvrunahead.ranks.launcher import detect_launcher, spawn, world_size_hint
 
     launcher = detect_launcher()
     with common.failure_ending(PROG, rank=common.env_rank(), reraise=verbose):

@@ -16,8 +16,8 @@ import torch
 from kvrunahead.choices import ALLGATHERS, DECODES, KVR_ATTENTIONS, TRANSPORTS
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.tables import Lookup, Table, TableError, TableKey, find_table
+from kvrunahead.decode.kvp import check_kvp
 from kvrunahead.errors import InputError, ProfileError
-from kvrunahead.kvp import check_kvp
 from kvrunahead.model.attention import uses_attention_interface
 from kvrunahead.model.device import check_device, config_dtype, default_threads, dtype_name
 from kvrunahead.model.layout import soft_caps

@@ -20,7 +20,7 @@ from kvrunahead.modes import cp_allgather, ring, tsp
 from kvrunahead.modes.kvr import ChainLink, LocalPrefixLink, OwnPartLink, kvr_prefill, local_prefixes
 from kvrunahead.modes.spp import spp_prefill
 from kvrunahead.partition import Partition, last_rank, zigzag_emitter
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 
 @dataclass(frozen=True)

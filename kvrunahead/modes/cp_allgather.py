@@ -16,7 +16,7 @@ from kvrunahead.model.forward import forward_part
 from kvrunahead.modes.attention import attend, causal_mask, refuse_softcap
 from kvrunahead.modes.tsp import GatherCache, positions
 from kvrunahead.partition import zigzag_emitter
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 IMPLEMENTATION = "kvrunahead_cp_allgather"
 

@@ -21,7 +21,7 @@ from kvrunahead.model.forward import Scoring, fill_cache, forward_part
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.attention import attend, attend_with_lse, causal_mask, merge_lse, refuse_softcap
 from kvrunahead.net.faults import Fault, fault_from_env, maybe_inject
-from kvrunahead.transport import Transport, nbytes
+from kvrunahead.ranks.transport import Transport, nbytes
 
 
 @dataclass
@@ -126,7 +126,7 @@ class ChainLink:
 @dataclass
 class OwnPartLink(ChainLink):
     """A link whose full layers keep only this rank's own positions once attended (the KVP decode's shard,
-    kvrunahead/kvp.py): the prefix received dies with the layer's attention, so the last rank never holds the
+    kvrunahead/decode/kvp.py): the prefix received dies with the layer's attention, so the last rank never holds the
     whole prompt's K,V at once."""
 
     def keep(self, layer: int, kv: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from kvrunahead.model.forward import forward_part
 from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
 from kvrunahead.modes.tsp import positions
 from kvrunahead.partition import zigzag_emitter
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 IMPLEMENTATION = "kvrunahead_ring"
 

@@ -12,7 +12,7 @@ the whole prompt's cache of its layers and emits the first token.
 Per chunk a stage sends one message, ``[1, chunk, hidden]``: hidden states, never K,V. The receive of chunk c+1 is
 posted before chunk c is computed, and each send is an ``isend`` that completes while the next chunk runs.
 
-After the prompt's last chunk every stage sends its layers' K,V to the last rank (serve/segments.py), which then
+After the prompt's last chunk every stage sends its layers' K,V to the last rank (serve/step/segments.py), which then
 holds the whole cache and decodes as after any prefill: the engine's decode, served or one-shot.
 """
 
@@ -27,7 +27,7 @@ from kvrunahead.model.attention import attention_mode, require_attention_interfa
 from kvrunahead.model.forward import head_logits, with_cache
 from kvrunahead.model.growing import grow_in_place
 from kvrunahead.modes.kvr import SPLIT
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 TAGS = 1024  # chunk c travels under tag c mod TAGS: messages of one pair and tag are matched in order
 

@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 from kvrunahead.model.forward import forward_part
 from kvrunahead.model.layout import layer_windows
 from kvrunahead.partition import last_rank
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 
 class GatherLayer(DynamicLayer):

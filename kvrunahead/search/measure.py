@@ -11,9 +11,9 @@ import statistics
 from collections.abc import Callable
 
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import World
 from kvrunahead.net.liveness import gather_objects
-from kvrunahead.runner import run_on_world
+from kvrunahead.oneshot.runner import run_on_world
+from kvrunahead.ranks.launcher import World
 from kvrunahead.search.algorithm import Boundaries
 from kvrunahead.search.balance import Measurement
 

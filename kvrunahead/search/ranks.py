@@ -27,7 +27,7 @@ from kvrunahead.version import __version__
 
 if TYPE_CHECKING:
     from kvrunahead.config import RunConfig
-    from kvrunahead.launcher import World
+    from kvrunahead.ranks.launcher import World
 
 
 def run_search(opts: SearchOptions) -> None:
@@ -35,9 +35,9 @@ def run_search(opts: SearchOptions) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvrunahead.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
     from kvrunahead.model.device import oversubscribed, resolve_device
-    from kvrunahead.runner import leave_world
+    from kvrunahead.oneshot.runner import leave_world
+    from kvrunahead.ranks.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
 
     launcher = detect_launcher()
     out = check_inputs(opts, world_size_hint(launcher, 1))

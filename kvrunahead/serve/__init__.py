@@ -1,3 +1,4 @@
-"""Serving over persistent ranks (issue 26): nano-vllm's split of a request's state (``sequence``), a scheduler
-that decides (``scheduler``), an executor that runs a step on every rank (``executor``, ``decode``, ``sampling``),
-an engine whose step is schedule -> execute -> postprocess (``engine``) and its asyncio client (``client``)."""
+"""Serving over persistent ranks, as nano-vllm splits it: a request's state (``sequence``), a scheduler that
+decides (``scheduler``, the chunk's size by ``chunking``), an engine whose step is schedule -> place -> execute ->
+postprocess (``engine``, ``planner``, ``placement``) and its asyncio client (``client``); the HTTP face is ``http/``
+and what every rank runs in a step is ``step/``."""

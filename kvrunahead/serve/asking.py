@@ -10,11 +10,11 @@ import dataclasses
 import time
 
 from kvrunahead.config import RunConfig
+from kvrunahead.decode.shared_prefix import SharedContext, require_full_attention
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
-from kvrunahead.questions import SharedContext, require_full_attention
-from kvrunahead.serve.executor import StepOutcome
-from kvrunahead.serve.plans import FRONT, ROW, Segment, question_id
 from kvrunahead.serve.sequence import Answered, Answers, AskFigures, Request, SamplingParams, Sequence
+from kvrunahead.serve.step.executor import StepOutcome
+from kvrunahead.serve.step.plans import FRONT, ROW, Segment, question_id
 
 
 def asking(request_id: str, context_ids: list[int], question_ids: list[list[int]], max_tokens: int) -> Request:

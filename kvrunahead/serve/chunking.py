@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.errors import InputError
-from kvrunahead.pack.plan import cuts_after_cached
+from kvrunahead.modes.packing import cuts_after_cached
 from kvrunahead.serve.scheduler import Slack
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.simulate import simulate_chunk
@@ -42,7 +42,7 @@ class ChunkPlanner:
     cost: CostModel  # a rank of the chain (or the front alone where the world is one rank)
     world_size: int
     attention: str
-    work: Callable[[int], float]  # a prompt's first t tokens' work (pack.batch.prompt_work): the chunk's cuts
+    work: Callable[[int], float]  # a prompt's first t tokens' work (sim.flops.prompt_work): the chunk's cuts
     budget_s: float
     min_chunk: int = MIN_CHUNK
     fixed: int = 0  # chunks of this many tokens whatever they cost (Sarathi-style); 0: by the budget

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
 from kvrunahead.model.rope import max_context, plan_extension
-from kvrunahead.pack.plan import EDGE_SLACK
+from kvrunahead.modes.packing import EDGE_SLACK
 
 
 @dataclass

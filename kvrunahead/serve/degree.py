@@ -7,7 +7,7 @@ from the cost model of kvrunahead/sim (the predicted TTFT at degree 1 and at p o
 reason is returned with the choice and reported per request (``RequestFigures.degree_source``).
 
 A prompt on one rank runs while the other ranks of the node idle, so the front takes their cores
-(``solo_threads``, see serve/executor.py): the degree-1 side is priced at those threads, the chain at ``threads``
+(``solo_threads``, see serve/step/executor.py): the degree-1 side is priced at those threads, the chain at ``threads``
 per rank and at the partition the engine will run (``partition_of``: the table's where one covers the length),
 not at the cost model's own optimum, which the served partition may miss.
 """

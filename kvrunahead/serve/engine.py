@@ -2,7 +2,7 @@
 
 ``Engine.step()`` is nano-vllm's three lines, schedule -> execute -> postprocess, and returns the events of the
 step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. The one-shot tools submit their
-requests to it too (serve/oneshot.py); ``Engine.run_one(request)`` is one request to its end.
+requests to it too (oneshot/on_engine.py); ``Engine.run_one(request)`` is one request to its end.
 """
 
 from __future__ import annotations
@@ -15,25 +15,27 @@ import torch
 
 from kvrunahead.decide.policy import resolve_attention
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
-from kvrunahead.pack.batch import prompt_work, why_not_packable
-from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.serve import asking, executor, warm, workers
+from kvrunahead.modes.packed import why_not_packable
+from kvrunahead.ranks.launcher import World
+from kvrunahead.ranks.setup import set_up_rank
+from kvrunahead.ranks.stats import RankStats
+from kvrunahead.serve import asking, warm
 from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.decode import BatchDecoder, VariantDecoders
-from kvrunahead.serve.executor import PrefillOutcome, PrefillRecord, StepOutcome
 from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
 from kvrunahead.serve.planner import StepPlanner
-from kvrunahead.serve.plans import PEERS, Drop, Segment, Shutdown, StepPlan
-from kvrunahead.serve.rank import RankContext, solo_threads
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
 from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
-from kvrunahead.stats import RankStats
+from kvrunahead.serve.step import executor, workers
+from kvrunahead.serve.step.batch_decode import BatchDecoder, VariantDecoders
+from kvrunahead.serve.step.executor import PrefillOutcome, PrefillRecord, StepOutcome
+from kvrunahead.serve.step.plans import PEERS, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.step.rank import RankContext, solo_threads
+from kvrunahead.sim.flops import prompt_work
 
 log = logging.getLogger(__name__)
 

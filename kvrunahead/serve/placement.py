@@ -2,7 +2,7 @@
 spares of it. The engine asks; the executor runs what is decided here.
 
 With ``--decode kvp`` a prompt prefilled over the chain leaves each rank its own part of the cache to decode on
-(kvrunahead/kvp.py); packed, prefix-cached and one-rank prefills end with the whole cache on the front.
+(kvrunahead/decode/kvp.py); packed, prefix-cached and one-rank prefills end with the whole cache on the front.
 
 With ``--prefill spp`` a prompt (or chunk) over the ranks runs through the stream pipeline instead of the chain
 (modes/spp.py): each rank its stage of layers, the stages' K,V sent to the front at the prompt's end. Prompts
@@ -24,16 +24,19 @@ from dataclasses import dataclass
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import choose_partition, plan_stages
 from kvrunahead.decide.tables import TableError
+from kvrunahead.decode.kvp import why_not_kvp
 from kvrunahead.errors import InputError
-from kvrunahead.kvp import why_not_kvp
 from kvrunahead.modes import MODES, check_model
-from kvrunahead.pack.plan import EDGE_SLACK, cuts_after_cached, packed_cuts
+from kvrunahead.modes.packing import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
-from kvrunahead.serve import learning, workers
+from kvrunahead.serve import learning
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreeChoice, DegreePolicy, layout_learner
-from kvrunahead.serve.executor import PrefillOutcome
-from kvrunahead.serve.plans import (
+from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
+from kvrunahead.serve.sequence import RequestFigures
+from kvrunahead.serve.step import workers
+from kvrunahead.serve.step.executor import PrefillOutcome
+from kvrunahead.serve.step.plans import (
     CHAIN,
     FRONT,
     KV_PARALLEL,
@@ -47,9 +50,7 @@ from kvrunahead.serve.plans import (
     Segment,
     cut_at,
 )
-from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
-from kvrunahead.serve.rank import RankContext
-from kvrunahead.serve.sequence import RequestFigures
+from kvrunahead.serve.step.rank import RankContext
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import layer_cost
 

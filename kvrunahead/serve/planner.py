@@ -1,4 +1,4 @@
-"""The scheduler's pick made into what every rank runs: a ``StepPlan`` of segments (serve/plans.py), on the front,
+"""The scheduler's pick made into what every rank runs: a ``StepPlan`` of segments (serve/step/plans.py), on the front,
 before any rank takes part.
 
 Every running request's next tokens become decode rows; the prefill's tokens (several prompts packed, a whole
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from kvrunahead.errors import InputError
 from kvrunahead.serve import asking
 from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget
-from kvrunahead.serve.executor import PrefillOutcome
 from kvrunahead.serve.placement import Placement
-from kvrunahead.serve.plans import FRONT, ROW, SHARDED, SHARDED_ROW, Segment, StepPlan
-from kvrunahead.serve.rank import RankContext
 from kvrunahead.serve.scheduler import Scheduler, Step
 from kvrunahead.serve.sequence import RequestFigures, Sequence
+from kvrunahead.serve.step.executor import PrefillOutcome
+from kvrunahead.serve.step.plans import FRONT, ROW, SHARDED, SHARDED_ROW, Segment, StepPlan
+from kvrunahead.serve.step.rank import RankContext
 
 log = logging.getLogger(__name__)
 

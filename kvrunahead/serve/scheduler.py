@@ -35,7 +35,7 @@ from kvrunahead.serve.sequence import QueueFull, Sequence
 @dataclass
 class Step:
     """One engine step, plain data: the running requests whose next tokens it computes, and the waiting ones it
-    prefills (none; one, whole or its next chunk; several packed end to end, kvrunahead/pack; or those the prefix
+    prefills (none; one, whole or its next chunk; several packed end to end, modes/packing.py; or those the prefix
     cache answers whole, which need no prefill: the other choices of ``n``). The prefilled requests are out of the
     queue; a decode's are still in ``running``."""
 

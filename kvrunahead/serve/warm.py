@@ -17,8 +17,8 @@ import torch
 
 from kvrunahead.model.compiled import is_compiled
 from kvrunahead.partition import Partition
-from kvrunahead.serve import executor, workers
-from kvrunahead.serve.plans import CHAIN, Segment, StepPlan
+from kvrunahead.serve.step import executor, workers
+from kvrunahead.serve.step.plans import CHAIN, Segment, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -136,7 +136,7 @@ class CostModel:
     def decode_step_s(self, contexts: list[int], parts: int = 1) -> float:
         """One decode step of ``len(contexts)`` requests, each new token attending its context: on one rank
         (``parts`` 1), or KV-cache parallel over ``parts`` ranks, each attending its share of every context and
-        exchanging (output, log-sum-exp) per layer with the others (kvrunahead/kvp.py), latency-bound. A step of a
+        exchanging (output, log-sum-exp) per layer with the others (decode/kvp.py), latency-bound. A step of a
         few tokens is bound by reading the weights and the K,V, not by its FLOPs: each part takes the longer."""
         s = self.shape
         b = len(contexts)

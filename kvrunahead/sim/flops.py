@@ -20,6 +20,7 @@ profile (``kvrunahead.sim``), replaces it where one exists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrunahead.partition import Partition, equal_level_sizes
@@ -47,6 +48,12 @@ class LayerCost:
 
 
 _COSTS: dict[str, LayerCost] = {}
+
+
+def prompt_work(config) -> Callable[[int], float]:
+    """The FLOP estimate of a prompt's first t tokens (split attention: no masked pair), what packed cuts balance."""
+    cost = layer_cost(config)
+    return lambda t: cost.rank_flops(0, t, "split")
 
 
 def layer_cost(config) -> LayerCost:

@@ -161,7 +161,7 @@ class SharedContext:
     """Questions after one context, decoding together: ``prefill`` runs them packed (IPPD) and gives each one's
     first-token logits; ``step`` then advances every unfinished question by one token in one forward, the context
     read once for them all (PAT). The serving engine keeps one per shared-context request beside its decode batch
-    (serve/decode.py), so the questions' tokens are decode rows of its steps like any request's."""
+    (serve/step/batch_decode.py), so the questions' tokens are decode rows of its steps like any request's."""
 
     def __init__(self, model: torch.nn.Module, prefixes: list[torch.Tensor], questions: list[list[int]]) -> None:
         if not questions or any(not q for q in questions):

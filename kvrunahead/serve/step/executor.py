@@ -2,11 +2,11 @@
 
 The front is the LAST rank (p - 1): the KV chain leaves the full cache and the first token there (section 4.1), so
 decode needs no transfer. With ``--tp`` the ranks here are TP groups (mesh.py): the front is the first TP rank of
-the last group, and its TP peers run every step it runs (serve/workers.py). A step's prompt runs the way its
+the last group, and its TP peers run every step it runs (serve/step/workers.py). A step's prompt runs the way its
 segment says (plans.Segment.way), through this module's ``WAYS``: alone or over the chain (modes/kvr.py), through
-the pipeline or KV-parallel (serve/segments.py), packed (kvrunahead/pack), or as one of the peers (tsp, ring,
+the pipeline or KV-parallel (serve/step/segments.py), packed (modes/packing.py), or as one of the peers (tsp, ring,
 cp-allgather: their ``modes.MODES`` entries). ``kvr-prefill`` runs its prompt as a request to the engine
-(serve/oneshot.py), so a served prompt and a one-shot one take the same step. Non-front ranks run
+(oneshot/on_engine.py), so a served prompt and a one-shot one take the same step. Non-front ranks run
 ``workers.worker_loop``: receive a plan, run their part, drop their cache, repeat.
 
 Plans travel as pickled bytes broadcast from the front on the patient gloo group, and every wait for one is
@@ -29,25 +29,25 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.kvp import kvp_forward, level_shards, shard_cache
+from kvrunahead.decode.kvp import kvp_forward, level_shards, shard_cache
 from kvrunahead.model.device import reset_peak_memory, synchronize
 from kvrunahead.model.forward import Scoring
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes import MODES
 from kvrunahead.modes.kvr import kvr_prefill, send_held_prefix
+from kvrunahead.modes.packed import PackedLink, packed_link, packed_prefill
+from kvrunahead.modes.packing import PackedStep
 from kvrunahead.net import liveness
-from kvrunahead.pack.chain import PackedLink, packed_link, packed_prefill
-from kvrunahead.pack.plan import PackedStep
 from kvrunahead.partition import Partition
-from kvrunahead.serve import plans
-from kvrunahead.serve.links import SegmentLink
-from kvrunahead.serve.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan, question_id
-from kvrunahead.serve.rank import RankContext
-from kvrunahead.serve.rows import can_mix, mixed_forward
-from kvrunahead.serve.segments import kv_parallel, pipelined
+from kvrunahead.ranks.stats import RankStats, rank_stats
 from kvrunahead.serve.sequence import TokenLogprob
-from kvrunahead.stats import RankStats, rank_stats
+from kvrunahead.serve.step import plans
+from kvrunahead.serve.step.links import SegmentLink
+from kvrunahead.serve.step.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan, question_id
+from kvrunahead.serve.step.rank import RankContext
+from kvrunahead.serve.step.rows import can_mix, mixed_forward
+from kvrunahead.serve.step.segments import kv_parallel, pipelined
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,13 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
              ) -> StepOutcome | None:
     """This rank's part of a step (every rank where ``plan.needs_workers``, else the front alone): the KV-parallel
     rows on every rank's shard, then the prompt, chunk or packed prompts the way they run (``WAYS``), with the
-    front's decode rows in the same forward where they can share it (serve/rows.py), then a shared context's
+    front's decode rows in the same forward where they can share it (serve/step/rows.py), then a shared context's
     questions packed behind it on the front, then the rows that cannot share the prompt's forward (another RoPE
     variant, a sliding-window model, a question's, no prompt in the step) in the decoder's own batch. The front
     gets the outcome.
 
     ``held`` (front): the K,V of a prompt's positions held on the front (the prefix cache's, per layer, stacked);
-    ``decoder`` (front): the decode batch (serve/decode.py) whose requests the rows are."""
+    ``decoder`` (front): the decode batch (serve/step/batch_decode.py) whose requests the rows are."""
     front, way, seg = ctx.rank == ctx.front, plan.way, plan.prompt
     together = plan.needs_workers and ctx.world_size > 1
     ctx.use_threads(solo=not plan.sharded and (way in (None, plans.ALONE) or (way == plans.PACKED and not together)))
@@ -221,7 +221,7 @@ def _chain(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) ->
 
 
 def _every_rank(run):
-    """A way in which every rank runs all the segment's positions (serve/segments.py: the pipeline, KV-parallel)."""
+    """A way in which every rank runs all the segment's positions (step/segments.py: the pipeline, KV-parallel)."""
     def way(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
         seg = plan.prompt
         logits, cache, kinds = run(ctx, seg, plan.attention)
@@ -283,7 +283,7 @@ def _catch_up(ctx: RankContext, seg: Segment, layout: KVLayout, whole: list[Grow
 
 
 def _packed(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> Part:
-    """This rank's part of several prompts packed end to end (kvrunahead/pack): over the chain every rank hands on
+    """This rank's part of several prompts packed end to end (modes/packing.py): over the chain every rank hands on
     all it holds (a relaying chain), so the front ends with every prompt's cache; prompts kept nowhere (each ends at
     its first token) hand on only the prompt cut at the rank's end, and the ranks their prompts' logits. On the front
     alone a chain of one."""
@@ -308,4 +308,4 @@ def _packed(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -
 
 WAYS = {plans.ALONE: _chain, plans.CHAIN: _chain, plans.KV_PARALLEL: _every_rank(kv_parallel),
         plans.PIPELINE: _every_rank(pipelined), plans.PACKED: _packed, **dict.fromkeys(plans.PEERS, _peer)}
-"""How each way of a segment (serve/plans.py) runs on a rank: a prompt's, a chunk's, packed prompts'."""
+"""How each way of a segment (serve/step/plans.py) runs on a rank: a prompt's, a chunk's, packed prompts'."""

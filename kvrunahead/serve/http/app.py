@@ -18,12 +18,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvrunahead.prompt import question_prompts
-from kvrunahead.serve import inputs, streams
-from kvrunahead.serve import protocol as p
-from kvrunahead.serve import responses as r
-from kvrunahead.serve.ask_shapes import AskRequest, AskResponse
-from kvrunahead.serve.inputs import ApiError
-from kvrunahead.serve.metrics import Metrics
+from kvrunahead.serve.http import inputs, streams
+from kvrunahead.serve.http import protocol as p
+from kvrunahead.serve.http import responses as r
+from kvrunahead.serve.http.ask_shapes import AskRequest, AskResponse
+from kvrunahead.serve.http.inputs import ApiError
+from kvrunahead.serve.http.metrics import Metrics
 from kvrunahead.serve.sequence import new_request_id
 from kvrunahead.version import __version__
 

@@ -1,4 +1,4 @@
-"""What the front tells every rank to run next (serve/executor.py broadcasts them): a step of segments (a prompt, a
+"""What the front tells every rank to run next (serve/step/executor.py broadcasts them): a step of segments (a prompt, a
 chunk of one or packed prompts, over the chain or on the front; decode rows; KV-parallel decode tokens), state to
 drop, a heartbeat, the end. Pickled, so plain data only."""
 
@@ -8,13 +8,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvrunahead.model.rope import RopeExtension
-from kvrunahead.pack.plan import PackedStep
+from kvrunahead.modes.packing import PackedStep
 
 NOWHERE, FRONT, RANKS, SHARDED, STAGED = "nowhere", "front", "ranks", "sharded", "staged"
 PLACES = (NOWHERE, FRONT, RANKS, SHARDED, STAGED)
 
 # How a segment runs (``Segment.way``), set by the placement; the executor runs each through its entry of
-# serve/executor.py ``WAYS``, as the one-shot modes run through modes.MODES.
+# serve/step/executor.py ``WAYS``, as the one-shot modes run through modes.MODES.
 ALONE = "alone"  # the front (one rank, or one TP group) computes every token
 CHAIN = "chain"  # KV-Runahead: cut over the chain at ``cuts``, each rank handing on the K,V before its successor
 KV_PARALLEL = "kv-parallel"  # every rank all the tokens against its own shard; rank ``owner`` keeps their K,V
@@ -51,7 +51,7 @@ class Segment:
       where they were made;
     - ``front``: on the front alone (the prefix cache's entry; a request decoding there);
     - ``ranks``: on every rank (the chunks before this one of a chunked prefill);
-    - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/kvp.py);
+    - ``sharded``: each rank its own part (a request decoding KV-cache parallel, kvrunahead/decode/kvp.py);
     - ``staged``: each rank its pipeline stage's layers (the chunks before this one of a pipelined prefill).
 
     The ways' own fields: ``cuts``, the rank boundaries (absolute positions, ``cuts[0] == start``, ``cuts[-1] ==
@@ -64,7 +64,7 @@ class Segment:
     sampler.
 
     ``questions``: a shared context's questions. After the segment's prefill the front prefills them packed behind
-    its whole cache (kvrunahead/questions.py); each one's first-token logits are emitted under ``question_id``, and
+    its whole cache (decode/shared_prefix.py); each one's first-token logits are emitted under ``question_id``, and
     its later tokens are decode rows of that id.
 
     ``score``: every rank scores its own part's positions against the tokens that follow them (the LM head on each
@@ -156,7 +156,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step on every rank (serve/executor.py ``run_step``): the prompt segments (one prompt or a chunk of
+    """One engine step on every rank (executor.py ``run_step``): the prompt segments (one prompt or a chunk of
     one, over the chain or on the front alone; or several prompts packed end to end and cut at ``packed``, the
     packed sequence's rank boundaries: Prepacking), the decode rows that ride along on the front, and the
     KV-parallel requests' decode tokens, which every rank runs on its shard."""
@@ -190,7 +190,7 @@ class StepPlan:
 
     @property
     def packed_step(self) -> PackedStep | None:
-        """The packed prompts' step (pack/plan.py), if packed."""
+        """The packed prompts' step (modes/packing.py), if packed."""
         if self.packed is None:
             return None
         prompts = self.prompts

@@ -10,12 +10,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvrunahead import kernels, launcher
+from kvrunahead import kernels
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import Prepared, network_label, prepare, tp_groups
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.mesh import chain_world
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.device import (
     oversubscribed,
@@ -33,9 +31,12 @@ from kvrunahead.model.stage import StageSpec
 from kvrunahead.modes import MODES, Mode, Step
 from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
-from kvrunahead.rank_setup import forget_transports, set_up_rank
-from kvrunahead.stats import RankStats, rank_stats
-from kvrunahead.transport import Transport
+from kvrunahead.ranks import launcher
+from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.ranks.mesh import chain_world
+from kvrunahead.ranks.setup import forget_transports, set_up_rank
+from kvrunahead.ranks.stats import RankStats, rank_stats
+from kvrunahead.ranks.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
 def _new_tokens(cfg: RunConfig) -> int:
     """The tokens the runner gives: the greedy continuation where the emitting rank ends with the whole cache, else
     the first token alone. The pipeline's last stage holds its own layers' K,V and a KV-parallel rank its own part;
-    their decode runs in the serving engine (``kvrunahead.run_on_world``, serve/oneshot.py), so the runner, which
+    their decode runs in the serving engine (``kvrunahead.run_on_world``, oneshot/on_engine.py), so the runner, which
     times prefills for kvr-bench and the search, refuses to continue them."""
     if not MODES[cfg.mode].decodes:
         return 1

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrunahead.serve.protocol import Reply, Usage
+from kvrunahead.serve.http.protocol import Reply, Usage
 
 MAX_QUESTIONS = 256
 
@@ -48,7 +48,7 @@ class AskFiguresModel(BaseModel):
 
 
 class AskResponse(Reply):
-    object: Literal["kvrunahead.ask"] = "kvrunahead.ask"
+    object: Literal["kvrunahead.oneshot.ask"] = "kvrunahead.oneshot.ask"
     answers: list[Answer]
     usage: Usage  # the context and every question once (prompt), every answer's tokens (completion)
     kvrunahead: AskFiguresModel

@@ -4,7 +4,7 @@ sampling parameters, checked against the model's positions; anything wrong is an
 from __future__ import annotations
 
 from kvrunahead.prompt import PromptError, build_prompt
-from kvrunahead.serve import protocol as p
+from kvrunahead.serve.http import protocol as p
 from kvrunahead.serve.sequence import SamplingParams
 
 

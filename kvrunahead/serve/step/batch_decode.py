@@ -1,7 +1,7 @@
 """Continuous batching of the decode on the front rank: every decoding request advances in one forward per step.
 
 Unpadded (models whose attention goes through transformers' interface): a step is the rows of a mixed step
-(serve/rows.py) with no prompt beside them. Every request keeps its own K,V, grown in place by each token
+(serve/step/rows.py) with no prompt beside them. Every request keeps its own K,V, grown in place by each token
 (model/growing.py); the step's tokens go through the model as one sequence, and each row's query attends its own
 request's keys, at its own length. A request joins or leaves without touching the others' K,V: there is no batch
 to rebuild and no pad to compute.
@@ -24,15 +24,15 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from kvrunahead.decode.shared_prefix import SharedContext
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.modes.kvr import ChainLink
-from kvrunahead.questions import SharedContext
-from kvrunahead.serve.plans import question_id
-from kvrunahead.serve.rows import ForkedKV, Row, can_mix, mixed_forward
-from kvrunahead.transport import LocalTransport
+from kvrunahead.ranks.transport import LocalTransport
+from kvrunahead.serve.step.plans import question_id
+from kvrunahead.serve.step.rows import ForkedKV, Row, can_mix, mixed_forward
 
 log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
@@ -82,7 +82,7 @@ class BatchDecoder:
 
     def riders(self, segments) -> dict[str, Row]:
         """The decode rows ``segments`` (serve/plans.Segment, one token each) as ``Row`` s that share a prompt's
-        forward (serve/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
+        forward (serve/step/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
         that forward (the batch is rebuilt when a decode step next runs alone). None for a sliding-window model."""
         if not self.batched:
             return {}
@@ -157,7 +157,7 @@ class BatchDecoder:
 class VariantDecoders:
     """One ``BatchDecoder`` per RoPE variant (see ``rank.RankContext``): requests whose prompts run different
     rotary embeddings advance in separate forwards, one per variant in use, each batched. Beside them, the
-    shared-context requests' questions (kvrunahead/questions.py): one forward per request for all its questions
+    shared-context requests' questions (decode/shared_prefix.py): one forward per request for all its questions
     still answering, its context read once."""
 
     def __init__(self, decoder_for: Callable[[object], BatchDecoder], record: bool = False) -> None:

@@ -7,7 +7,7 @@ model or of the cache:
   prompt's last chunk every stage sends the front its layers' K,V, so the front holds the whole cache and decodes
   as after any prefill.
 - KV-parallel (``owner``): Medha's KVP for prefill chunks. Every rank runs the chunk through the whole model,
-  attending its own shard of the positions before it (kvrunahead/kvp.py, the KVP decode's attention for a block of
+  attending its own shard of the positions before it (decode/kvp.py, the KVP decode's attention for a block of
   queries), and rank ``owner`` appends the chunk's K,V to its shard.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvrunahead.kvp import empty_shards, kvp_forward
+from kvrunahead.decode.kvp import empty_shards, kvp_forward
 from kvrunahead.modes.spp import spp_prefill
-from kvrunahead.serve.plans import STAGED, Segment
+from kvrunahead.serve.step.plans import STAGED, Segment
 
 
 def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None, dict]:

@@ -1,5 +1,5 @@
 """What one rank reports of a timed prefill or step: its seconds (compute, waiting, sending), its bytes and its
-peak memory. The one-shot runner (runner.py), the serving engine's steps (serve/executor.py) and kvr-bench's rows
+peak memory. The one-shot runner (runner.py), the serving engine's steps (serve/step/executor.py) and kvr-bench's rows
 report the same figures."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrunahead.model.device import peak_memory_bytes
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 
 @dataclass

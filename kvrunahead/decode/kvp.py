@@ -31,7 +31,7 @@ from kvrunahead.modes.attention import (
     refuse_softcap,
     why_not_inserted,
 )
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 IMPLEMENTATION = "kvrunahead_kvp"
 

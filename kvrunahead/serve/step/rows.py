@@ -39,7 +39,7 @@ class ForkedKV:
     """One layer's K,V of a request decoding after a prompt it shares (the prefix cache's entry: ``prefix``, read
     and never copied or written) and its own tokens after it (``own``, grown in place). The requests forked from
     one entry (``n`` choices of a prompt) attend it in one product per step, their queries stacked (PAT's decode
-    attention, kvrunahead/questions.py), each its own tokens apart, the two merged by their log-sum-exp."""
+    attention, kvrunahead/decode/shared_prefix.py), each its own tokens apart, the two merged by their log-sum-exp."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.prefix = keys, values

@@ -2,14 +2,14 @@
 batch) and ``kvr-ask`` (a shared context and its questions) start an engine on ranks that have joined, submit their
 requests, step it until every one has ended and report what the engine recorded. A served request and a one-shot
 run share their planning (policy.choose_partition: a one-shot prompt's plan is made once by ``prepare`` and handed
-to the engine), their steps (serve/executor.py) and their decode (serve/decode.py); only the report differs.
+to the engine), their steps (serve/step/executor.py) and their decode (step/batch_decode.py); only the report differs.
 
-``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/executor.py
+``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/step/executor.py
 ``WAYS``); the single process, the no-communication bound, TP (``--mode tp``) and the peers over TP groups keep the
 runner's path
 (``runner.run_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
 padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
-(pack/batch.py).
+(oneshot/batch.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvrunahead.ask import AskJob, AskResult, QuestionResult, verify_answers
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import prepare
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.model.device import oversubscribed, peak_memory_bytes, resolve_device, weight_bytes
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.load import resolve_config
 from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import MODES
+from kvrunahead.modes.packing import EDGE_SLACK, PackedStep, ffd_bins
 from kvrunahead.net import liveness
-from kvrunahead.pack.batch import (
+from kvrunahead.oneshot.ask import AskJob, AskResult, QuestionResult, verify_answers
+from kvrunahead.oneshot.batch import (
     DEFAULT_STEP_TOKENS,
     BatchResult,
     PromptResult,
@@ -40,14 +40,14 @@ from kvrunahead.pack.batch import (
     padded_on_world,
     verify_prompts,
 )
-from kvrunahead.pack.plan import EDGE_SLACK, PackedStep, ffd_bins
-from kvrunahead.runner import Ran, RunResult, finish_result, leave_world
-from kvrunahead.runner import run_on_world as run_on_runner
+from kvrunahead.oneshot.runner import Ran, RunResult, finish_result, leave_world
+from kvrunahead.oneshot.runner import run_on_world as run_on_runner
+from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
-from kvrunahead.serve.plans import PEERS, question_id
 from kvrunahead.serve.sequence import Answered, EngineDead, Event, Finished, Request, SamplingParams, TokenEvent
+from kvrunahead.serve.step.plans import PEERS, question_id
 
 T = TypeVar("T")
 
@@ -106,7 +106,7 @@ ENGINE_MODES = {"kvr": "chain", "spp": "spp", **{peer: peer for peer in PEERS}}
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result.
     KV-Runahead, the pipeline and the peers run as one request to the engine, through the step a served prompt
-    takes (serve/executor.py); the single process, the no-communication bound, TP and the peers over TP groups
+    takes (serve/step/executor.py); the single process, the no-communication bound, TP and the peers over TP groups
     (``--tp`` with tsp, ring or cp-allgather: a TP front's peers mirror its steps, which the peers' ways do not
     take part in) keep the runner's path."""
     if cfg.mode not in ENGINE_MODES or (cfg.mode in PEERS and world.tp > 1):  # the peers over TP groups too

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from kvrunahead.serve import protocol as p
+from kvrunahead.serve.http import protocol as p
 from kvrunahead.serve.sequence import Finished, TokenEvent, TokenLogprob
 
 

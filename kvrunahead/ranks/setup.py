@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from kvrunahead.config import RunConfig
-from kvrunahead.launcher import World, pick_backend
-from kvrunahead.mesh import TpCollective, forget_collectives, tp_collective
 from kvrunahead.model.compiled import COMPILE_WAIT_S, compile_model
 from kvrunahead.model.device import config_dtype, default_threads, resolve_device, resolve_dtype
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
@@ -18,7 +16,9 @@ from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.model.tp import TpSpec
 from kvrunahead.net.spec import parse_net
-from kvrunahead.transport import Transport, make_transport
+from kvrunahead.ranks.launcher import World, pick_backend
+from kvrunahead.ranks.mesh import TpCollective, forget_collectives, tp_collective
+from kvrunahead.ranks.transport import Transport, make_transport
 
 _MODELS: dict = {}
 _TRANSPORTS: dict = {}

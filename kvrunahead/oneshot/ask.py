@@ -1,6 +1,6 @@
 """``kvr-ask``'s job and its report: a shared context prefilled once (over the KV chain when there are several
-ranks), then many questions answered after it on the last rank (kvrunahead/questions.py), each checked on request
-against its standalone prompt. The job runs as one request to the serving engine (serve/oneshot.py)."""
+ranks), then many questions answered after it on the last rank (decode/shared_prefix.py), each checked on request
+against its standalone prompt. The job runs as one request to the serving engine (oneshot/on_engine.py)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from kvrunahead.net import liveness
 from kvrunahead.net.session import network
 from kvrunahead.net.spec import NetSpec
-from kvrunahead.supervise import supervise
-from kvrunahead.transport import import_mpi
+from kvrunahead.ranks.supervise import supervise
+from kvrunahead.ranks.transport import import_mpi
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvrunahead.serve import protocol as p
-from kvrunahead.serve import responses as r
-from kvrunahead.serve.inputs import ApiError
-from kvrunahead.serve.metrics import Metrics
+from kvrunahead.serve.http import protocol as p
+from kvrunahead.serve.http import responses as r
+from kvrunahead.serve.http.inputs import ApiError
+from kvrunahead.serve.http.metrics import Metrics
 from kvrunahead.serve.sequence import Answered, EngineDead, Finished, QueueFull, SamplingParams, TokenEvent
 
 DISCONNECT_POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there

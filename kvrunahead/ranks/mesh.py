@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from kvrunahead.errors import PeerTimeout
-from kvrunahead.launcher import World
-from kvrunahead.transport import import_mpi
+from kvrunahead.ranks.launcher import World
+from kvrunahead.ranks.transport import import_mpi
 
 
 def chain_world(world: World, tp: int) -> World:

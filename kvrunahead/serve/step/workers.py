@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from kvrunahead.net import liveness
-from kvrunahead.serve.executor import run_step
-from kvrunahead.serve.plans import Drop, Mirrored, Ping, Plan, Shutdown, StepPlan
-from kvrunahead.serve.rank import RankContext
+from kvrunahead.serve.step.executor import run_step
+from kvrunahead.serve.step.plans import Drop, Mirrored, Ping, Plan, Shutdown, StepPlan
+from kvrunahead.serve.step.rank import RankContext
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,15 @@ from transformers import DynamicCache
 from kvrunahead.model.attention import attention_mode, current_state, register, require_attention_interface
 from kvrunahead.model.forward import fill_cache, with_cache
 from kvrunahead.model.layout import KVLayout
-from kvrunahead.modes.attention import refuse_softcap
+from kvrunahead.modes.attention import refuse_softcap, why_not_inserted
 from kvrunahead.modes.kvr import ChainLink, RunaheadLayer, split_block
+from kvrunahead.modes.packing import PackedStep
 from kvrunahead.net.faults import fault_from_env
-from kvrunahead.pack.plan import PackedStep
+
+
+def why_not_packable(config) -> str | None:
+    """Why the packed attention cannot run this model, or None."""
+    return why_not_inserted(config, "the packed attention")
 
 
 @dataclass

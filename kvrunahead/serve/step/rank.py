@@ -14,7 +14,7 @@ from kvrunahead.model.layout import KVLayout, probe_kv_layout
 from kvrunahead.model.load import LoadedModel
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec, stage_view
-from kvrunahead.transport import Transport
+from kvrunahead.ranks.transport import Transport
 
 log = logging.getLogger(__name__)
 

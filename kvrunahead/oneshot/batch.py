@@ -1,7 +1,7 @@
 """A batch of prompts: packed over the KV chain (Prepacking), one prompt at a time over it (sequential), or, in one
 process, transformers' usual padded batch; each prompt's first token, TTFT and greedy continuation, and with
 ``verify`` each checked against the prompt prefilled alone in one process. The packed and sequential batches run as
-requests to the serving engine (serve/oneshot.py); this module holds the batch's checks, its report and the padded
+requests to the serving engine (oneshot/on_engine.py); this module holds the batch's checks, its report and the padded
 baseline."""
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ from transformers import DynamicCache
 
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
-from kvrunahead.launcher import World
 from kvrunahead.model.device import check_device, oversubscribed, peak_memory_bytes, reset_peak_memory
 from kvrunahead.model.forward import with_cache
 from kvrunahead.model.load import load_tokenizer, resolve_config
 from kvrunahead.model.reference import check_alone
 from kvrunahead.model.rope import plan_extension
-from kvrunahead.modes.attention import why_not_inserted
+from kvrunahead.modes.packed import why_not_packable
 from kvrunahead.prompt import chat_prompt
-from kvrunahead.rank_setup import set_up_rank
-from kvrunahead.sim.flops import layer_cost
+from kvrunahead.ranks.launcher import World
+from kvrunahead.ranks.setup import set_up_rank
 
 BATCHINGS = ("packed", "sequential", "padded")
 DEFAULT_STEP_TOKENS = 8192  # tokens per packed step: larger batches are bin-packed into several
@@ -91,17 +90,6 @@ class BatchResult:
             p.pop("first_logits")
         return {**d, "prefill_s": self.prefill_s, "verified": self.verified,
                 "mismatches": sum(not p.matches for p in self.prompts) if self.atol is not None else None}
-
-
-def prompt_work(config) -> Callable[[int], float]:
-    """The FLOP estimate of a prompt's first t tokens (split attention: no masked pair), what packed cuts balance."""
-    cost = layer_cost(config)
-    return lambda t: cost.rank_flops(0, t, "split")
-
-
-def why_not_packable(config) -> str | None:
-    """Why the packed attention cannot run this model, or None."""
-    return why_not_inserted(config, "the packed attention")
 
 
 def check_batch(cfg: RunConfig, batching: str, world_size: int) -> None:
