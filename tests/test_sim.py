@@ -222,7 +222,7 @@ def test_without_a_table_a_capped_run_is_partitioned_on_its_cap(tmp_path, monkey
     from kvrunahead.decide.policy import prepare
 
     monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)  # no table: the cost model decides
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))  # the shipped profile, not one calibrated here
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))  # the shipped profile, not one calibrated here
     source = prepare(RunConfig(model="tiny-llama", context_len=2048, net="cap=400MB/s", threads=1), 2).partition_source
     assert "link cap=400MB/s (the measured cap=650MB/s rescaled)" in source
 
@@ -294,7 +294,7 @@ def test_malformed_profiles_are_refused(tmp_path):
 
 
 def test_without_a_local_profile_the_shipped_cpu_profile_is_used(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVRUNAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))
     prof, which = resolve_profile(None)
     assert which.startswith("the shipped CPU profile")
     assert prof.device_kind == "cpu" and prof.threads == 1 and set(prof.links) >= {"loopback", "cap=650MB/s"}

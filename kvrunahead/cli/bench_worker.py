@@ -23,7 +23,7 @@ from kvrunahead.model.device import resolve_device
 from kvrunahead.net import liveness
 from kvrunahead.net.noise import switch
 from kvrunahead.net.spec import parse_net
-from kvrunahead.oneshot.runner import RunResult, leave_world, run_on_world
+from kvrunahead.oneshot.runner import RunResult, leave_world, prefill_on_world
 from kvrunahead.ranks.launcher import World, detect_launcher, init_world, local_rank_hint, pick_backend
 from kvrunahead.ranks.mesh import chain_world
 
@@ -107,15 +107,15 @@ class BenchRank:
     def _one_run(self, cfg: RunConfig, job: Job) -> RunResult | None:
         if job.mode == "tp":  # the world's ranks as one TP group (its transport and collective made untimed)
             p = self.world.world_size
-            return run_on_world(dataclasses.replace(cfg, tp=p), chain_world(self.world, p))
+            return prefill_on_world(dataclasses.replace(cfg, tp=p), chain_world(self.world, p))
         if job.mode != "single" or self.world.world_size == 1:
-            return run_on_world(cfg, self.world)
+            return prefill_on_world(cfg, self.world)
         # A single process among the timed runs of the ranks (interleaved): rank 0 runs it alone at the job's
         # threads while the other ranks wait idle in a barrier, so it has the cores a lone process would.
         result = None
         if self.world.rank == 0:
             cfg.threads = job.threads
-            result = run_on_world(cfg, World(0, 1, 0, 1, "single"))
+            result = prefill_on_world(cfg, World(0, 1, 0, 1, "single"))
         liveness.patient_barrier("rank 0's single-process run")
         return result
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvrunahead.choices import ATTENTION_KERNEL_ENV, ATTENTION_KERNELS
+from kvrunahead.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _state: dict = {}  # "loaded": bool once tried, "error": why it could not be bui
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("KVR_CACHE", Path.home() / ".cache" / "kvrunahead"))
+    root = cache_root()
     import torch
 
     tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]

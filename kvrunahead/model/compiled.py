@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvrunahead.config import cache_root
 from kvrunahead.model.linears import unpack
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,7 @@ COMPILE_WAIT_S = 1800.0  # how long a rank waits on a compiled peer's K,V: its f
 
 
 def inductor_cache_dir() -> Path:
-    root = Path(os.environ.get("KVR_CACHE", Path.home() / ".cache" / "kvrunahead"))
-    return root / "inductor"
+    return cache_root() / "inductor"
 
 
 def configure() -> None:

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from kvrunahead import kernels
+from kvrunahead.config import cache_root
 from kvrunahead.model.attention import CPU_KERNEL
 from kvrunahead.model.linears import prepack
 from kvrunahead.model.rope import RopeExtension, extended
@@ -180,10 +181,6 @@ def decode(tokenizer, ids: list[int], skip_special_tokens: bool = False) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVRUNAHEAD_CACHE", Path.home() / ".cache" / "kvrunahead"))
-
-
 def gguf_path(name: str = DEFAULT_MODEL) -> Path:
     """The GGUF file of a real model, from its package (assembled into the cache where the package ships chunks)."""
     g = GGUF_MODELS[name]
@@ -192,7 +189,7 @@ def gguf_path(name: str = DEFAULT_MODEL) -> Path:
         raise ModelError(f"the model {name} needs its package: {g.install}")
     if g.assembled:
         package = importlib.import_module(g.package)
-        target = cache_dir() / "gguf" / g.file
+        target = cache_root() / "gguf" / g.file
         try:
             return package.assemble(target)
         except (FileNotFoundError, FileExistsError, ValueError) as e:
@@ -209,7 +206,7 @@ def default_model_dir() -> Path:
 
 def converted_model_dir(name: str) -> Path:
     """Convert a real model's GGUF once into a safetensors directory (later loads take about a second)."""
-    target = cache_dir() / GGUF_MODELS[name].cache_name
+    target = cache_root() / GGUF_MODELS[name].cache_name
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -290,9 +287,6 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
         eos = _eos(model.generation_config)
     model.to(device).eval()
     prepack(model)  # the CPU's linears on oneDNN with their weights packed once (model/linears.py)
-    if os.environ.get('KVR_COMPILE'):
-        from kvrunahead.model.compiled import compile_model
-        compile_model(model)
     return LoadedModel(name=name, model=model, tokenizer=load_tokenizer(name), eos_token_ids=eos)
 
 

@@ -7,7 +7,7 @@ to the engine), their steps (serve/step/executor.py) and their decode (step/batc
 ``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/step/executor.py
 ``WAYS``); the single process, the no-communication bound, TP (``--mode tp``) and the peers over TP groups keep the
 runner's path
-(``runner.run_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
+(``runner.prefill_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
 padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
 (oneshot/batch.py).
 """
@@ -40,8 +40,7 @@ from kvrunahead.oneshot.batch import (
     padded_on_world,
     verify_prompts,
 )
-from kvrunahead.oneshot.runner import Ran, RunResult, finish_result, leave_world
-from kvrunahead.oneshot.runner import run_on_world as run_on_runner
+from kvrunahead.oneshot.runner import Ran, RunResult, finish_result, leave_world, prefill_on_world
 from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
@@ -110,7 +109,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     (``--tp`` with tsp, ring or cp-allgather: a TP front's peers mirror its steps, which the peers' ways do not
     take part in) keep the runner's path."""
     if cfg.mode not in ENGINE_MODES or (cfg.mode in PEERS and world.tp > 1):  # the peers over TP groups too
-        return run_on_runner(cfg, world)
+        return prefill_on_world(cfg, world)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     if world.world_size == 1:  # a whole prompt on one rank runs the model's own forward: nothing to split
         prepared = dataclasses.replace(prepared, kvr_attention="masked",

@@ -132,7 +132,7 @@ def full_chain_bytes(layout: KVLayout, partition: Partition) -> int:
 
 
 def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunResult | None:
-    """Check the input, join the ranks, run one prefill (``on_world``, default ``run_on_world``); the emitting rank
+    """Check the input, join the ranks, run one prefill (``on_world``, default ``prefill_on_world``); the emitting rank
     returns the result, others None."""
     prepare(cfg, tp_groups(cfg, world_size))
     if cfg.transport == "mpi" and launcher != "mpi" and world_size > 1:
@@ -140,7 +140,7 @@ def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunRes
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
     try:
-        result = (on_world or run_on_world)(cfg, chain_world(world, cfg.tp))  # with --tp: a chain of TP groups
+        result = (on_world or prefill_on_world)(cfg, chain_world(world, cfg.tp))  # with --tp: a chain of TP groups
         # rank 0 hosts the rendezvous store: a rank that left while the last one still decodes or verifies would
         # take the store of its heartbeat away (torch prints a C++ trace for it), so the ranks leave together
         liveness.patient_barrier("the emitting rank to finish its report")
@@ -155,7 +155,7 @@ def leave_world() -> None:
     launcher.leave_world()
 
 
-def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
+def prefill_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill on ranks that have already joined (a notebook or a harness may call it repeatedly)."""
     new_tokens = _new_tokens(cfg)
     prepared = prepare(cfg, world.world_size, world.local_world_size)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvrunahead.config import RunConfig
 from kvrunahead.net.liveness import gather_objects
-from kvrunahead.oneshot.runner import run_on_world
+from kvrunahead.oneshot.runner import prefill_on_world
 from kvrunahead.ranks.launcher import World
 from kvrunahead.search.algorithm import Boundaries
 from kvrunahead.search.balance import Measurement
@@ -38,7 +38,7 @@ def ttft_on_ranks(base: RunConfig, world: World, context_len: int, repeats: int,
         cfg = dataclasses.replace(base, context_len=context_len, partition=",".join(map(str, b)))
         times = []
         for i in range(warm["runs"] + repeats):
-            result = run_on_world(cfg, world)
+            result = prefill_on_world(cfg, world)
             t = share(result.ttft_s if result is not None else None, world)
             if i >= warm["runs"]:
                 times.append(t)
@@ -58,9 +58,9 @@ def busy_on_ranks(base: RunConfig, world: World, context_len: int,
     def measure(b: Boundaries) -> Measurement:
         cfg = dataclasses.replace(base, context_len=context_len, partition=",".join(map(str, b)))
         for _ in range(warm["runs"]):
-            run_on_world(cfg, world)
+            prefill_on_world(cfg, world)
         warm["runs"] = 0
-        result = run_on_world(cfg, world)
+        result = prefill_on_world(cfg, world)
         mine = Measurement(result.ttft_s, tuple(r.compute_s for r in result.ranks)) if result is not None else None
         return share(mine, world)
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from kvrunahead.config import RunConfig
+from kvrunahead.config import RunConfig, cache_root
 from kvrunahead.decide.policy import network_label, table_key
 from kvrunahead.decide.tables import Table, TableError, find_table, table_filename
 from kvrunahead.errors import ProfileError
-from kvrunahead.model.load import cache_dir
 from kvrunahead.provenance import cpu_name, machine
 from kvrunahead.serve.learning import LayoutLearner
 from kvrunahead.sim.costmodel import CostModel
@@ -95,7 +94,7 @@ def layout_learner(spec: str, cfg: RunConfig, config, world_size: int, local_wor
 
 def learned_folder() -> Path:
     """Where ``--learn auto`` keeps its files, one per setting."""
-    return cache_dir() / "learned"
+    return cache_root() / "learned"
 
 
 STEP_TOKENS = 64  # lengths within one step share their choice: pricing a length costs the front milliseconds

@@ -235,9 +235,9 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"  # calibrated profile
 
 def local_profile_path(threads: int = 1) -> Path:
     """Where ``kvr-calibrate`` writes this machine's profile by default."""
-    from kvrunahead.model.load import cache_dir
+    from kvrunahead.config import cache_root
 
-    return cache_dir() / "profiles" / f"cpu-t{threads}.json"
+    return cache_root() / "profiles" / f"cpu-t{threads}.json"
 
 
 def resolve_profile(name_or_path: str | None, threads: int = 1) -> tuple[HardwareProfile, str]:
