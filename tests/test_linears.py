@@ -16,7 +16,11 @@ from kvrunahead.model.load import load_model
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not linears.bf16_supported(),
+                                                             reason="no oneDNN bfloat16 on this CPU (AVX2 only)"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 130])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_linear_matches_the_float64_product(dtype, rows, bias):
@@ -33,6 +37,18 @@ def test_a_packed_linear_matches_the_float64_product(dtype, rows, bias):
     eps = torch.finfo(dtype).eps
     bound = eps * exact.abs() + 96 * torch.finfo(torch.float32).eps * (x.double().abs() @ layer.weight.double().abs().T)
     assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+
+
+def test_without_onednn_bfloat16_a_bfloat16_layer_stays_on_f_linear(monkeypatch):
+    """An AVX2-only CPU: oneDNN's bfloat16 reorder raises there, so its bfloat16 layers are not packed (float32 ones
+    still are) and compute as F.linear does."""
+    monkeypatch.setattr(linears, "bf16_supported", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 8).to(torch.bfloat16), torch.nn.Linear(32, 8))
+    assert linears.prepack(model) == 1
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[1], linears.PackedLinear)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
 
 
 def test_every_decode_row_takes_the_packed_path_in_float32():

@@ -9,7 +9,8 @@ stream from memory, as a forward's do (each layer's weights read once a step, 14
 float32 weight called again while it sits in the caches (one row through k or v, hot) is faster on ``F.linear``,
 which no forward does; so every layer takes the packed path.
 
-Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32 or bfloat16; the weights
+Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32, and in bfloat16 where the
+CPU has oneDNN's bfloat16 path (AVX-512: an AVX2-only CPU keeps its bfloat16 layers on ``F.linear``); the weights
 stay as they are (state dicts, TP cuts and tied embeddings read them), the packed copy beside them.
 ``KVR_LINEARS=torch`` (or ``--linears torch``) leaves every layer on ``F.linear``; ``torch.compile`` unpacks first
 (inductor chooses its own GEMMs).
@@ -49,8 +50,15 @@ class PackedLinear(torch.nn.Linear):
 
 
 def packable(module: torch.nn.Module) -> bool:
-    return (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-            and module.weight.dtype in (torch.float32, torch.bfloat16))
+    """A CPU ``nn.Linear`` in float32, or in bfloat16 where oneDNN computes it (AVX-512 or AMX: on an AVX2-only CPU
+    its bfloat16 reorder raises, and the layer stays on ``F.linear``)."""
+    if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
+        return False
+    return module.weight.dtype == torch.float32 or (module.weight.dtype == torch.bfloat16 and bf16_supported())
+
+
+def bf16_supported() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @torch.no_grad()
