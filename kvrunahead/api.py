@@ -18,7 +18,7 @@ from kvrunahead.cli import common
 from kvrunahead.config import RunConfig
 from kvrunahead.decide.policy import network_spec, prepare
 from kvrunahead.errors import LaunchError
-from kvrunahead.oneshot import on_engine as oneshot
+from kvrunahead.oneshot import on_engine
 from kvrunahead.oneshot.runner import RunResult, run
 from kvrunahead.ranks.launcher import spawn
 
@@ -32,7 +32,7 @@ def prefill(cfg: RunConfig, nproc: int = 1) -> RunResult:
     """
     prepare(cfg, nproc)  # one clear error here rather than one per rank
     if nproc == 1:
-        return run(cfg, "single", 1, oneshot.run_on_world)
+        return run(cfg, "single", 1, on_engine.run_on_world)
     with tempfile.TemporaryDirectory(prefix="kvrunahead-") as tmp:
         plan, out = Path(tmp) / "config.json", Path(tmp) / "result.pt"
         plan.write_text(json.dumps(asdict(cfg)))
@@ -46,7 +46,7 @@ def _rank_main(plan: str, out: str) -> None:
     """One spawned rank of ``prefill``: the emitting rank saves the result where the caller reads it."""
     with common.failure_ending("kvrunahead", rank=os.environ["RANK"]):
         result = run(RunConfig(**json.loads(Path(plan).read_text())), "spawn", int(os.environ["WORLD_SIZE"]),
-                     oneshot.run_on_world)
+                     on_engine.run_on_world)
         if result is not None:
             torch.save(result, out)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -27,6 +29,14 @@ def machine() -> str:
     except (ValueError, OSError):
         gib = 0.0
     return f"{os.cpu_count()}-vCPU {cpu_name()}, {gib:.0f} GiB"
+
+
+def command() -> str:
+    """This process's command line as it was typed: a console script by its name (``kvr-bench --ctx 4k``), else
+    ``python`` and the script."""
+    argv = sys.argv or [""]
+    head = [Path(argv[0]).name] if Path(argv[0]).name.startswith("kvr-") else ["python", argv[0]]
+    return shlex.join([*head, *argv[1:]])
 
 
 def environment(model: str, transport: str, threads: int, network: str) -> dict:

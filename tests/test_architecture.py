@@ -68,3 +68,42 @@ def test_from_the_engines_step_to_the_models_forward_is_at_most_five_calls():
     assert len(chains) == 3 and None not in chains  # the prompt, then two decode steps
     assert chains[0][-1] == "executor.py:run_step" and chains[0][0] == "forward.py:last_token_logits", chains[0]
     assert max(map(len, chains)) <= 5, chains
+
+
+def test_a_plain_completion_from_the_route_to_the_forward_touches_at_most_22_serving_files():
+    """Every file of serve/ whose code runs while one /v1/completions request is served in one process, counted with
+    a profiler on every thread (the route's, the engine's). 22 today; the house's target is 12."""
+    import sys
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from kvrunahead.config import RunConfig
+    from kvrunahead.ranks.launcher import World
+    from kvrunahead.serve.client import AsyncEngineClient
+    from kvrunahead.serve.config import EngineConfig
+    from kvrunahead.serve.engine import Engine
+    from kvrunahead.serve.http.app import build_app
+
+    serve, on, touched = str(PACKAGE / "serve"), [False], set()
+
+    def profile(frame, event, arg):
+        if on[0] and event == "call" and frame.f_code.co_filename.startswith(serve):
+            touched.add(Path(frame.f_code.co_filename).relative_to(PACKAGE).as_posix())
+
+    threading.setprofile(profile)  # the threads started from here on: the engine's, the test client's
+    sys.setprofile(profile)
+    try:
+        engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), prefix_cache_tokens=0),
+                        World(0, 1, 0, 1, "single"))
+        body = {"model": "tiny-llama", "prompt": "hello there, how are you", "max_tokens": 3, "temperature": 0}
+        with TestClient(build_app(AsyncEngineClient(engine, "tiny-llama"))) as http:
+            assert http.post("/v1/completions", json=body).status_code == 200  # the first: its one-time work
+            on[0] = True
+            assert http.post("/v1/completions", json=body).status_code == 200
+            on[0] = False
+    finally:
+        threading.setprofile(None)
+        sys.setprofile(None)
+    assert "serve/http/app.py" in touched and "serve/step/executor.py" in touched, touched
+    assert len(touched) <= 22, sorted(touched)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -24,6 +23,7 @@ from transformers import DynamicCache
 
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.provenance import machine
 from kvrunahead.ranks.setup import loaded_model
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.step.batch_decode import BatchDecoder
@@ -69,7 +69,7 @@ def main() -> None:
             row = {"round": rnd + 1, "layout": name, "step_ms": step_ms(model, layout, prefixes, entry, len(ids),
                                                                           LAYOUTS[name]),
                    "context": args.context, "threads": args.threads, "model": "smollm2-135m",
-                   "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
+                   "machine": machine(), "cpus": os.cpu_count(), "commit": commit,
                    "command": f"python experiments/vllm_clients/fork_step.py --rounds {args.rounds} "
                               f"--threads {args.threads} --context {args.context}",
                    "date": time.strftime("%Y-%m-%d")}

@@ -9,7 +9,6 @@ Usage: python experiments/vllm_clients/lm_head.py  (prints and appends a row to 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvrunahead.model.forward import SCORE_ROWS
+from kvrunahead.provenance import machine
 
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, POSITIONS, REPEATS = 49152, 576, 2048, 5
@@ -53,7 +53,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     row = {"positions": POSITIONS, "vocab": VOCAB, "hidden": HIDDEN, "threads": 1, "matmul_s": timed(matmul),
-           "scored_s": timed(scored), "machine": platform.processor() or platform.machine(), "commit": commit,
+           "scored_s": timed(scored), "machine": machine(), "commit": commit,
            "command": "python experiments/vllm_clients/lm_head.py", "date": time.strftime("%Y-%m-%d")}
     with (HERE / "lm_head.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")

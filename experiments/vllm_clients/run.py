@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from kvrunahead.provenance import machine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -119,7 +120,7 @@ def run(pair: str, rounds: int) -> None:
                 asks = {**tokens, **(extra if name == arm else {})}
                 row = {"round": rnd, "arm": name, **asks, **one(url, prompt_ids(url, 2 * rnd + (name == arm)), asks,
                                                                   rnd),
-                       "context": CONTEXT, "model": MODEL, "machine": platform.processor() or platform.machine(),
+                       "context": CONTEXT, "model": MODEL, "machine": machine(),
                        "cpus": os.cpu_count(), "commit": commit,
                        "command": f"python experiments/vllm_clients/run.py --pair {pair}",
                        "date": time.strftime("%Y-%m-%d")}

@@ -3,11 +3,21 @@ network (``ttft_{transport}[_{network}].png``), and the noise overhead (``noise_
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvrunahead.bench.report import SummaryRow
+from kvrunahead.bench.report import SummaryRow
+
+log = logging.getLogger(__name__)
+
+
+def write_plots(summary: list[SummaryRow], out: Path) -> None:
+    """A sweep's plots beside its summary; none, with a warning, where matplotlib is not installed."""
+    try:
+        plot(summary, out)
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots (pip install 'kvrunahead[bench]')")
+
 
 
 def plot(summary: list[SummaryRow], out: Path) -> None:

@@ -10,7 +10,6 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvrunahead.bench.plots import plot
 from kvrunahead.net.spec import parse_net
 
 log = logging.getLogger(__name__)
@@ -108,10 +107,6 @@ def write_outputs(rows: list[dict], summary: list[SummaryRow], out: Path) -> Non
     _csv(out / "runs.csv", flat)
     _csv(out / "summary.csv", [asdict(s) for s in summary])
     (out / "summary.md").write_text(markdown_table(summary))
-    try:
-        plot(summary, out)
-    except ImportError:
-        log.warning("matplotlib is not installed: no plots (pip install 'kvrunahead[bench]')")
 
 
 def _csv(path: Path, rows: list[dict]) -> None:

@@ -26,13 +26,14 @@ from kvrunahead.bench.plan import (
     net_worlds,
     runs_in,
 )
+from kvrunahead.bench.plots import write_plots
 from kvrunahead.bench.report import add_bounds, markdown_table, summarize, write_outputs
 from kvrunahead.cli import common
 from kvrunahead.errors import InputError
 from kvrunahead.net.emulation import check_permission
 from kvrunahead.net.spec import NetError, parse_net
 from kvrunahead.prompt import PromptError, parse_tokens
-from kvrunahead.provenance import environment
+from kvrunahead.provenance import command, environment
 
 PROG = "kvr-bench"
 
@@ -135,7 +136,7 @@ def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, thr
                     singles_left -= {1, p}
                 click.echo(f"world p={p} threads={threads} transport={transport} network {world_net}: "
                            f"{runs_in(jobs)} runs", err=True)
-                env = environment(model, transport, threads, world_net)
+                env = {**environment(model, transport, threads, world_net), "command": command()}
                 try:
                     rows += run_world(p, threads, transport, jobs, config, env, out, timeout_s, resume,
                                       interleave, net=world_net)
@@ -144,8 +145,8 @@ def cli(model, contexts, nprocs, modes, transports, repeats, warmup, shares, thr
     for t in sorted(singles_left):
         jobs = [Job(f"single-{t}t", "single", c, "even", repeats, warmup) for c in ctxs]
         click.echo(f"single process, {t} thread(s): {runs_in(jobs)} runs", err=True)
-        rows += run_world(1, t, "torch", jobs, config, environment(model, "none", t, "loopback"), out,
-                          timeout_s, resume)
+        env = {**environment(model, "none", t, "loopback"), "command": command()}
+        rows += run_world(1, t, "torch", jobs, config, env, out, timeout_s, resume)
     _report(rows, out)
     clean_partial_rows(out)
     click.echo(f"wrote {out}/runs.csv, summary.md and plots", err=True)
@@ -190,6 +191,7 @@ def _report(rows: list[dict], out: Path) -> None:
     summary = summarize(rows)
     add_bounds(summary)
     write_outputs(rows, summary, out)
+    write_plots(summary, out)
     click.echo(markdown_table(summary))
 
 

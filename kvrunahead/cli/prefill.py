@@ -15,7 +15,7 @@ from kvrunahead.decide.policy import network_spec, prepare, tp_groups, with_tp_m
 from kvrunahead.errors import InputError
 from kvrunahead.model.load import MODEL_CHOICES
 from kvrunahead.modes import MODES
-from kvrunahead.oneshot import on_engine as oneshot
+from kvrunahead.oneshot import on_engine
 from kvrunahead.oneshot.runner import RunResult, run
 from kvrunahead.prompt import PromptError, parse_tokens
 from kvrunahead.ranks.launcher import detect_launcher, spawn, world_size_hint
@@ -237,7 +237,7 @@ def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, 
             sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
         if launcher == "single" and network_spec(cfg).emulated:
             raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
-        result = run(cfg, launcher, world_size, oneshot.run_on_world)
+        result = run(cfg, launcher, world_size, on_engine.run_on_world)
     if result is None:
         return
     if result.partition_warning:

@@ -11,7 +11,7 @@ are asked too (a stage has no LM head to score with).
 
 A prompt whose start the prefix cache holds prefills only its new tokens: on the front alone where the degree
 policy puts that many tokens on one rank, else over the chain, the new tokens cut so that every rank has the same
-share of their work with the cached prefix they attend to priced in (``pack.plan.cuts_after_cached``); the front
+share of their work with the cached prefix they attend to priced in (``modes.packing.cuts_after_cached``); the front
 sends the cached K,V to rank 0 as its prefix, and the chain carries it on as it carries any prefix.
 """
 
