@@ -232,7 +232,7 @@ def test_two_hosts_each_with_its_own_torchrun_verify(nothing_left_behind):
 # ---------------------------------------------------------------- faults end every rank in bounded time
 
 TIMEOUT = 8
-BOUND = 25  # start-up of the tiny model and the launcher's grace, beyond --timeout
+BOUND = 40  # start-up of the tiny model and the launcher's grace, beyond --timeout (34 s in all on an AVX2-only EPYC)
 
 
 def _faulty_prefill(fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
