@@ -91,8 +91,9 @@ def test_tiny_sweep_writes_rows_summary_and_plot(tmp_path):
     recorded = {r["commit"] for r in rows}
     assert recorded <= {before, _checkout_commit()}, recorded
     assert all(r["torch"] and r["cpu"] for r in rows)
-    assert {r["command"] for r in rows} == {f"kvr-bench --model tiny-llama --ctx 128 --repeats 2 --warmup 1 --modes "
-                                            f"single,tsp,ring,kvr,kvr-best,kvr-nocomm --shares 0.5,0.6 --out {tmp_path}"}
+    command = (f"kvr-bench --model tiny-llama --ctx 128 --repeats 2 --warmup 1 --modes "
+               f"single,tsp,ring,kvr,kvr-best,kvr-nocomm --shares 0.5,0.6 --out {tmp_path}")
+    assert {r["command"] for r in rows} == {command}
     summary = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert {s["label"] for s in summary} == {"single-1t", "single-2t", "tsp", "ring", "kvr-even", "kvr-best",
                                              "kvr-nocomm"}
