@@ -411,7 +411,7 @@ def test_kvr_calibrate_on_a_machine_without_a_gpu_says_so_before_any_work():
 
 def test_a_gpu_profile_is_named_by_its_gpu_and_keeps_the_builtin_nvlink_saying_so():
     from kvrunahead.calibrate.calibrate import gpu_profile_name
-    from kvrunahead.cli.sim import keep_builtin_links
+    from kvrunahead.sim.profile import keep_builtin_links
 
     assert gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100-measured"
     assert gpu_profile_name("NVIDIA A100-SXM4-80GB") == "a100-measured"

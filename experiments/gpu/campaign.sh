@@ -8,4 +8,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" "$root/experiments/gpu/campaign.py" "$@"
+exec "${PYTHON:-python3}" -m kvrunahead.bench.gpu.campaign "$@"

@@ -20,7 +20,14 @@ from kvrunahead.prompt import PromptError, parse_tokens
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.links import NoiseModel
 from kvrunahead.sim.plan import Option, plan
-from kvrunahead.sim.profile import SHIPPED_DIR, HardwareProfile, local_profile_path, resolve_profile
+from kvrunahead.sim.profile import (
+    SHIPPED_DIR,
+    HardwareProfile,
+    describe_profile,
+    keep_builtin_links,
+    local_profile_path,
+    resolve_profile,
+)
 from kvrunahead.sim.shape import DTYPE_BYTES, PAPER_SHAPES, ModelShape, shape_from_config
 from kvrunahead.sim.simulate import MODES, SimError
 from kvrunahead.sim.timeline import plot_timeline
@@ -129,36 +136,8 @@ def calibrate_main(model, dtype, threads, nets, no_link, repeats, quick, concurr
         profile.links, profile.default_link = base.links, base.default_link
         profile.sources["links"] = f"from the shipped profile ({base.device}, {base.date[:10]})"
     profile.save(target)
-    click.echo(describe(profile))
+    click.echo(describe_profile(profile))
     click.echo(f"wrote {target} in {time.perf_counter() - start:.0f} s")
-
-
-def keep_builtin_links(profile: HardwareProfile) -> None:
-    """A GPU profile measured on one GPU takes its links from the built-in profile of its GPU's family (NVLink
-    figures from the data sheet: one GPU has no peer to measure a link against), and says so."""
-    from kvrunahead.sim.profile import builtin_profiles
-
-    family = "a100-nvlink" if "A100" in profile.device.upper() else "h100-nvlink"
-    base = builtin_profiles()[family]
-    profile.links, profile.default_link = dict(base.links), base.default_link
-    profile.sources["links"] = f"not measured (one GPU): the built-in {family} profile's, {base.sources['peak']}"
-
-
-def describe(profile) -> str:
-    lines = [f"profile {profile.name}: {profile.device}, {profile.threads} thread(s), {profile.dtype}",
-             f"  projections/MLP {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, layer overhead "
-             f"{profile.layer_s * 1e3:.2f} ms, copies {profile.memory_Bps / 1e9:.1f} GB/s"]
-    for name, k in profile.attention.items():
-        growth = f", +{k.pair_growth_s * 1e9:.2f} ns per pair per key doubling" if k.pair_growth_s else ""
-        lines.append(f"  attention {name:<6} {k.flops_per_s / 1e9:.1f} GFLOP/s on the pairs it computes, "
-                     f"{k.call_s * 1e3:.2f} ms per call{growth}")
-    for name, link in profile.links.items():
-        lines.append(f"  link {name}: {link.bandwidth_Bps / 1e6:.0f} MB/s, {link.latency_s * 1e6:.0f} us, "
-                     f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}, "
-                     f"{link.compute_s_per_byte * 1e9:.2f} ns of compute per byte moved")
-    if profile.fit:
-        lines.append("  worst fit residual: " + ", ".join(f"{k} {v:.1%}" for k, v in profile.fit.items()))
-    return "\n".join(lines)
 
 
 @click.command(context_settings=common.SETTINGS)

@@ -265,3 +265,30 @@ def resolve_profile(name_or_path: str | None, threads: int = 1) -> tuple[Hardwar
         return HardwareProfile.load(Path(name_or_path)), f"profile {name_or_path}"
     raise ProfileError(f"no profile {name_or_path!r}: use one of cpu, {', '.join(builtins)} or a file written by "
                        f"kvr-calibrate")
+
+
+def keep_builtin_links(profile: HardwareProfile) -> None:
+    """A GPU profile measured on one GPU takes its links from the built-in profile of its GPU's family (NVLink
+    figures from the data sheet: one GPU has no peer to measure a link against), and says so."""
+    family = "a100-nvlink" if "A100" in profile.device.upper() else "h100-nvlink"
+    base = builtin_profiles()[family]
+    profile.links, profile.default_link = dict(base.links), base.default_link
+    profile.sources["links"] = f"not measured (one GPU): the built-in {family} profile's, {base.sources['peak']}"
+
+
+def describe_profile(profile: HardwareProfile) -> str:
+    """The profile in a few lines: its compute, attention and link figures, and the fit's worst residual."""
+    lines = [f"profile {profile.name}: {profile.device}, {profile.threads} thread(s), {profile.dtype}",
+             f"  projections/MLP {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, layer overhead "
+             f"{profile.layer_s * 1e3:.2f} ms, copies {profile.memory_Bps / 1e9:.1f} GB/s"]
+    for name, k in profile.attention.items():
+        growth = f", +{k.pair_growth_s * 1e9:.2f} ns per pair per key doubling" if k.pair_growth_s else ""
+        lines.append(f"  attention {name:<6} {k.flops_per_s / 1e9:.1f} GFLOP/s on the pairs it computes, "
+                     f"{k.call_s * 1e3:.2f} ms per call{growth}")
+    for name, link in profile.links.items():
+        lines.append(f"  link {name}: {link.bandwidth_Bps / 1e6:.0f} MB/s, {link.latency_s * 1e6:.0f} us, "
+                     f"all-gather {link.allgather} at {link.allgather_efficiency:.2f}, "
+                     f"{link.compute_s_per_byte * 1e9:.2f} ns of compute per byte moved")
+    if profile.fit:
+        lines.append("  worst fit residual: " + ", ".join(f"{k} {v:.1%}" for k, v in profile.fit.items()))
+    return "\n".join(lines)
