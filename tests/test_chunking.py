@@ -16,12 +16,12 @@ from kvrunahead.errors import InputError
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
 from kvrunahead.ranks.launcher import World
-from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, WHOLE_CAP, ChunkPlanner, chunk_budget, yielded_share
+from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, ChunkPlanner, Slack, relative_slack
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.placement import kvp_predicted_faster
 from kvrunahead.serve.prefix_cache import PrefixCache
-from kvrunahead.serve.scheduler import Scheduler, Slack, relative_slack
+from kvrunahead.serve.scheduler import WHOLE_CAP, Scheduler, yielded_share
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.flops import prompt_work
@@ -98,8 +98,7 @@ def test_decodes_run_between_a_long_prompts_chunks():
     engine.add(Request("long", list(range(3, 60)), SamplingParams(max_tokens=2)))
     kinds = []
     while engine.has_work():
-        with engine._lock:
-            prefilling = bool(engine.scheduler.prefilling)
+        prefilling = bool(engine.scheduler.prefilling)
         events = engine.step()
         kinds.append(("long" in engine.ctx.partial or prefilling, any(e.request_id == "short" for e in events)))
     # while the long prompt was between chunks, every other step advanced the short request
@@ -250,14 +249,14 @@ def test_a_prefill_yields_to_shorter_waiting_ones_only():
     """Under LARS the long prompt's chunk shrinks while a short one waits; the short one's keeps the whole budget
     with the long one waiting (a yield to a longer prompt would only cut the short one into more chunks)."""
     planner = ChunkPlanner(_cost(), 2, "split", prompt_work(resolve_config("smollm2-135m")), 1.0)
-    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(100.0))
+    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(100.0), chunks=planner)
     long, short = _seq("long", 16000, 0.0, 2000), _seq("short", 600, 1.0)
     scheduler.resume(long)
     scheduler.add(short)
-    assert chunk_budget(planner, scheduler, long, 2.0) == pytest.approx(0.5)  # slack 100 s: the floor
-    assert chunk_budget(planner, scheduler, short, 2.0) == 1.0
+    assert scheduler.chunk_budget(long, 2.0) == pytest.approx(0.5)  # slack 100 s: the floor
+    assert scheduler.chunk_budget(short, 2.0) == 1.0
     scheduler.policy = "fcfs"  # first come, first served never yields
-    assert chunk_budget(planner, scheduler, long, 2.0) == 1.0
+    assert scheduler.chunk_budget(long, 2.0) == 1.0
 
 
 def test_lars_runs_a_prefill_whole_where_its_chunks_would_miss_its_deadline_and_cuts_it_where_they_would_not():
@@ -267,17 +266,18 @@ def test_lars_runs_a_prefill_whole_where_its_chunks_would_miss_its_deadline_and_
     decoding = _seq("decoding", 4000, 0.0)
     gap = planner.cost.decode_step_s([decoding.next_position])  # its 3 chunks have 2 decode steps between them
     for target, whole in ((rest + gap, True), (rest + 3 * gap, False)):  # the chunks end after (before) the deadline
-        scheduler = Scheduler(8, policy="lars", slack=_linear_slack(target))
+        scheduler = Scheduler(8, policy="lars", slack=_linear_slack(target), chunks=planner)
         scheduler.start_decoding(decoding)
         short = _seq("short", n, 1.0)
         scheduler.add(short)
-        budget = chunk_budget(planner, scheduler, short, 1.0)
-        assert (budget, planner.end(n, 0, budget)) == ((rest, n) if whole else (1.0, planner.end(n, 0)))
+        step = scheduler.schedule(1.0)  # the scheduler sizes the step: its chunk ends where the budget says
+        assert step.prefills == [short] and step.decodes == [decoding]
+        assert (step.budget_s, step.chunk_end) == ((rest, n) if whole else (1.0, planner.end(n, 0)))
         assert planner.end(n, 0) < n
     too_long = next(n for n in range(64, 65536, 256) if planner.predict_s(0, n) > WHOLE_CAP)
-    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(0.1))
+    scheduler = Scheduler(8, policy="lars", slack=_linear_slack(0.1), chunks=planner)
     scheduler.add(_seq("long", too_long, 1.0))
-    assert chunk_budget(planner, scheduler, scheduler.waiting[0], 1.0) == 1.0  # cut, whatever its deadline
+    assert scheduler.chunk_budget(scheduler.waiting[0], 1.0) == 1.0  # cut, whatever its deadline
 
 
 @pytest.mark.timeout(180)

@@ -4,6 +4,7 @@ on real ranks: p = 1-3, chunks over the chain and on the front alone, KV-paralle
 sliding-window model (its rows in the decoder's own forward within the step)."""
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,23 @@ from kvrunahead.ranks.setup import loaded_model
 from kvrunahead.ranks.transport import LocalTransport
 from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, SamplingParams, Sequence
-from kvrunahead.serve.step import plans
-from kvrunahead.serve.step.plans import FRONT, NOWHERE, RANKS, ROW, SHARDED, Segment, StepPlan, cut_at
+from kvrunahead.serve.step import executor
+from kvrunahead.serve.step.plans import (
+    FRONT,
+    NOWHERE,
+    RANKS,
+    SHARDED,
+    Alone,
+    Chain,
+    DecodeRow,
+    KvParallel,
+    Packed,
+    Peer,
+    Pipeline,
+    ShardedRow,
+    StepPlan,
+    over,
+)
 from kvrunahead.serve.step.rows import Row, mixed_forward
 from tests.helpers import wait_all
 from tests.test_serve_engine import _start_ranks
@@ -111,70 +127,82 @@ def test_rows_in_a_prompts_forward_get_the_logits_they_get_alone():
 
 
 def test_a_shared_contexts_questions_ride_on_its_segment_and_stay_on_the_front():
-    context = Segment("c", tuple(range(10)), way=plans.CHAIN, cuts=(0, 6, 10), questions=((1, 2), (3,)))
+    context = Chain("c", tuple(range(10)), cuts=(0, 6, 10), questions=((1, 2), (3,)))
     plan = StepPlan((context,))
     assert plan.workers_plan.segments[0].questions == () and plan.prompt.questions == ((1, 2), (3,))
     with pytest.raises(ValueError, match="questions follow a prompt kept whole on the front"):
-        Segment("c", tuple(range(10)), way=plans.CHAIN, cuts=(0, 6, 10), keep=SHARDED, questions=((1,),))
+        Chain("c", tuple(range(10)), cuts=(0, 6, 10), keep=SHARDED, questions=((1,),))
     with pytest.raises(ValueError, match="at least one token"):
-        Segment("c", (1, 2), questions=((),))
+        Alone("c", (1, 2), questions=((),))
 
 
 def test_a_step_is_one_prompt_or_chunk_with_decode_rows_and_tells_the_workers_only_what_they_run():
-    chunk = Segment("long", tuple(range(10)), 20, held=RANKS, keep=RANKS, **cut_at((20, 25, 30)))
-    row = Segment("a", (5,), 7, ROW, held=FRONT, keep=FRONT)
-    kvp = Segment("b", (6,), 9, plans.SHARDED_ROW, held=SHARDED, keep=SHARDED)
+    chunk = over((20, 25, 30))("long", tuple(range(10)), 20, held=RANKS, keep=RANKS, cuts=(20, 25, 30))
+    row = DecodeRow("a", (5,), 7)
+    kvp = ShardedRow("b", (6,), 9)
     plan = StepPlan((row, kvp, chunk))
-    assert chunk.way == plans.CHAIN and plan.way == plans.CHAIN
+    assert type(chunk) is Chain and plan.way is Chain and (row.held, row.keep, kvp.held) == (FRONT, FRONT, SHARDED)
     assert plan.prompt is chunk and plan.rows == (row,) and plan.sharded == (kvp,)
     assert plan.needs_workers and plan.workers_plan.segments == (kvp, chunk)
     assert chunk.part(0, 2) == (20, 25) and chunk.part(1, 2) == (25, 30)
-    alone = Segment("x", (1, 2, 3), **cut_at((0, 0, 3)))
-    assert alone.way == plans.ALONE and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
+    alone = over((0, 0, 3))("x", (1, 2, 3), cuts=(0, 0, 3))
+    assert type(alone) is Alone and alone.part(0, 2) == (0, 0) and alone.part(1, 2) == (0, 3)
     assert not StepPlan((row, alone)).needs_workers  # a whole prompt on the front: the workers are not told
     assert StepPlan((row,)).way is None and not StepPlan((row,)).needs_workers
-    after_cache = Segment("x", (1,), 3, held=FRONT, **cut_at((3, 3, 4)))
-    assert StepPlan((after_cache,)).prompt.way == plans.ALONE and not StepPlan((after_cache,)).needs_workers
+    after_cache = Alone("x", (1,), 3, held=FRONT, cuts=(3, 3, 4))
+    assert StepPlan((after_cache,)).way is Alone and not StepPlan((after_cache,)).needs_workers
     # a chunk alone on the front after every rank held the positions before it: the workers catch up
-    assert StepPlan((Segment("y", (1,), 3, held=RANKS, keep=RANKS),)).needs_workers
+    assert StepPlan((Alone("y", (1,), 3, held=RANKS, keep=RANKS),)).needs_workers
     with pytest.raises(ValueError, match="one prompt or chunk, or several prompts packed"):
         StepPlan((chunk, alone))
     with pytest.raises(ValueError, match="packed prompts \\(way packed\\)"):
         StepPlan((chunk, alone), packed=(0, 5, 13))
-    packed = StepPlan((row, Segment("p", (1, 2, 3), way=plans.PACKED), Segment("q", (4, 5), way=plans.PACKED)),
-                      packed=(0, 3, 5))
+    packed = StepPlan((row, Packed("p", (1, 2, 3)), Packed("q", (4, 5))), packed=(0, 3, 5))
     assert packed.prompt is None and [s.request_id for s in packed.prompts] == ["p", "q"]
-    assert packed.packed_step.lengths == (3, 2) and packed.needs_workers and packed.way == plans.PACKED
+    assert packed.packed_step.lengths == (3, 2) and packed.needs_workers and packed.way is Packed
     assert packed.workers_plan.packed == (0, 3, 5) and packed.workers_plan.rows == ()
     assert not StepPlan(packed.segments, packed=(0, 0, 5)).needs_workers  # packed on the front alone
     with pytest.raises(ValueError, match="packed prompts \\(way packed\\)"):
-        StepPlan((Segment("p", (1, 2, 3), way=plans.PACKED),))
+        StepPlan((Packed("p", (1, 2, 3)),))
     with pytest.raises(ValueError, match="exactly when"):
-        Segment("x", (1,), 0, held=FRONT)
-    with pytest.raises(ValueError, match="decode row"):
-        Segment("x", (1, 2), 4, ROW, held=FRONT, keep=FRONT)
-    assert NOWHERE == Segment("x", (1,)).held
+        Alone("x", (1,), 0, held=FRONT)
+    with pytest.raises(ValueError, match="one token"):
+        DecodeRow("x", (1, 2), 4)
+    assert NOWHERE == Alone("x", (1,)).held
 
 
 def test_a_segment_says_how_it_runs_and_carries_only_that_ways_fields():
-    with pytest.raises(ValueError, match="ways"):
-        Segment("x", (1, 2), way="sideways")
-    with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=plans.CHAIN)  # the chain without its cuts
-    with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=plans.ALONE, cuts=(0, 1, 2))  # alone, yet cut
-    with pytest.raises(ValueError, match="cut at their cuts"):
-        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 3))  # cuts past its end
-    with pytest.raises(ValueError, match="its stages"):
-        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 2), stages=(0, 10, 30))
-    with pytest.raises(ValueError, match="its owner"):
-        Segment("x", (1, 2), way=plans.KV_PARALLEL, keep=SHARDED)
-    with pytest.raises(ValueError, match="keep nothing"):
-        Segment("x", (1, 2), way=plans.CHAIN, cuts=(0, 1, 2), keep=NOWHERE)
-    with pytest.raises(ValueError, match="scored"):
-        Segment("x", (1, 2), way=plans.PIPELINE, stages=(0, 10, 30), score=1)
-    assert Segment("x", (1, 2), way="ring", cuts=(0, 1, 2), keep=NOWHERE).part(1, 2) == (1, 2)
-    assert Segment("x", (1, 2), way=plans.PIPELINE, stages=(0, 10, 30)).part(0, 2) == (0, 2)
+    """One class per way, each with its own fields: a field of another way is no argument at all, and each way
+    names where it may be held and kept."""
+    with pytest.raises(ValueError, match="cut at its cuts"):
+        Chain("x", (1, 2))  # the chain without its cuts
+    with pytest.raises(ValueError, match="every part but the last empty"):
+        Alone("x", (1, 2), cuts=(0, 1, 2))  # alone, yet cut
+    with pytest.raises(ValueError, match="from its start to its end"):
+        Chain("x", (1, 2), cuts=(0, 1, 3))  # cuts past its end
+    with pytest.raises(TypeError, match="stages"):
+        Chain("x", (1, 2), cuts=(0, 1, 2), stages=(0, 10, 30))
+    with pytest.raises(TypeError, match="owner"):
+        KvParallel("x", (1, 2), keep=SHARDED)
+    with pytest.raises(ValueError, match="chain is held 'nowhere' .* and kept 'nowhere'"):
+        Chain("x", (1, 2), cuts=(0, 1, 2), keep=NOWHERE)
+    with pytest.raises(TypeError, match="score"):
+        Pipeline("x", (1, 2), stages=(0, 10, 30), score=1)
+    with pytest.raises(ValueError, match="only ring attention keeps nothing"):
+        Peer("x", (1, 2), peer="tsp", cuts=(0, 1, 2), keep=NOWHERE)
+    with pytest.raises(ValueError, match="one of tsp, ring, cp-allgather"):
+        Peer("x", (1, 2), peer="sideways", cuts=(0, 1, 2))
+    with pytest.raises(ValueError, match="kv-parallel is held 'nowhere' .* kept 'front'"):
+        KvParallel("x", (1, 2), owner=0)
+    with pytest.raises(ValueError, match="scored segment holds nothing on the front"):
+        Chain("x", (1,), 3, held=FRONT, cuts=(3, 3, 4), score=1)
+    assert Peer("x", (1, 2), peer="ring", cuts=(0, 1, 2), keep=NOWHERE).part(1, 2) == (1, 2)
+    assert Pipeline("x", (1, 2), stages=(0, 10, 30)).part(0, 2) == (0, 2)
+    assert Chain("x", (1, 2), cuts=(0, 1, 2), score=3, follows=9).targets(0, 2) == [2, 9]
+    ways = set(executor.WAYS)
+    assert ways == {Alone, Chain, Peer, Pipeline, KvParallel, Packed}  # every prompt way runs, keyed by its class
+    plan = StepPlan((DecodeRow("a", (5,), 7), Chain("c", (1, 2), cuts=(0, 1, 2))))
+    assert pickle.loads(pickle.dumps(plan)) == plan  # plans travel pickled
 
 
 def test_mixed_steps_carry_every_running_request_beside_the_next_prefill():
@@ -247,8 +275,7 @@ def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_an
     assert isinstance(forked, ForkedKV) and forked.prefix[0].data_ptr() == entry.kv[0][0].data_ptr()
     assert forked.own.n == 4 and all(torch.equal(a, b) for a, b in zip(before, entry.kv[0]))
     # riding a prompt's forward: the forked rows attend the shared prompt the same way
-    rows = decoder.riders([Segment(rid, (tokens[rid],), len(ids) + 4, ROW, held=FRONT, keep=FRONT)
-                           for rid in ("copy", "fork-1")])
+    rows = decoder.riders([DecodeRow(rid, (tokens[rid],), len(ids) + 4) for rid in ("copy", "fork-1")])
     link = ChainLink(LocalTransport(), 0, layout, torch.device("cpu"))
     _, row_logits, _ = mixed_forward(model, SHORTS[0], link, list(rows.values()), emit=True)
     assert torch.allclose(row_logits[0], row_logits[1], atol=1e-5)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +224,53 @@ def test_cancel_frees_the_request_at_the_next_step(engine):
     events = engine.step()
     assert [e.finish_reason for e in events if isinstance(e, Finished)] == ["cancelled"]
     assert "c" not in engine.decoder and engine.in_flight == 0
+
+
+def test_a_request_cancelled_before_any_step_ends_cancelled_without_a_prefill(engine):
+    engine.add(Request("early", PROMPTS[0], SamplingParams(max_tokens=5)))
+    engine.cancel("early")
+    assert engine.in_flight == 1 and engine.has_work()  # in the inbox: the scheduler has not seen it
+    events = engine.step()
+    assert [(type(e).__name__, e.finish_reason) for e in events] == [("Finished", "cancelled")]
+    assert engine.in_flight == 0 and not engine.has_work()
+
+
+def test_requests_added_and_cancelled_from_other_threads_while_the_engine_steps_each_end_once(engine):
+    """The HTTP side's threads only put into the engine's inbox; the stepping thread alone touches the scheduler."""
+    ended: list = []
+    stop = threading.Event()
+
+    def stepping() -> None:
+        while not stop.is_set() or engine.has_work():
+            ended.extend(e for e in engine.step() if isinstance(e, Finished))
+
+    def adding(k: int) -> None:
+        for i in range(3):
+            rid = f"t{k}-{i}"
+            while True:
+                try:
+                    engine.add(Request(rid, PROMPTS[i % 3], SamplingParams(max_tokens=3)))
+                    break
+                except QueueFull:  # max_queue 4: wait for room, as a client retrying a 429
+                    time.sleep(0.01)
+            if i == 1:
+                engine.cancel(rid)
+
+    stepper = threading.Thread(target=stepping)
+    stepper.start()
+    adders = [threading.Thread(target=adding, args=(k,)) for k in range(3)]
+    for t in adders:
+        t.start()
+    for t in adders:
+        t.join(120)
+    stop.set()
+    stepper.join(120)
+    ids = [e.request_id for e in ended]
+    assert sorted(ids) == sorted(f"t{k}-{i}" for k in range(3) for i in range(3))  # each once
+    assert all(e.finish_reason in ("length", "cancelled") for e in ended)
+    assert {e.request_id for e in ended if e.finish_reason == "length"} >= {f"t{k}-{i}" for k in range(3)
+                                                                            for i in (0, 2)}
+    assert engine.in_flight == 0
 
 
 def test_queue_full_is_refused_at_once(engine):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget, lars_slack
+from kvrunahead.serve.chunking import ChunkPlanner, lars_slack
 from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Request, Sequence
 from kvrunahead.sim.costmodel import CostModel
@@ -82,7 +82,7 @@ def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callabl
     planner = ChunkPlanner(cost, world_size, attention, work, budget_s)
     engine = _Engine(cost, world_size, attention, planner)
     slack = lars_slack(planner, slo or SloConfig()) if policy == "lars" else None
-    scheduler = Scheduler(len(trace) + 1, 0, policy, slack, mixed=mixed)
+    scheduler = Scheduler(len(trace) + 1, 0, policy, slack, mixed=mixed, chunks=planner)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     out = [Replayed(a.kind, a.arrival_s) for a in trace]
     seqs: dict[str, int] = {}
@@ -113,8 +113,8 @@ def replay(trace: list[Arrival], cost: CostModel, world_size: int, work: Callabl
             continue
         [seq] = step.prefills  # packing is off
         n = seq.prompt_len
-        if seq.prefilled or planner.chunked(n):
-            end = planner.end(n, seq.prefilled, chunk_budget(planner, scheduler, seq, now))
+        if step.chunk_end is not None:  # sized by the scheduler, as the engine's
+            end = step.chunk_end
             now += planner.predict_s(seq.prefilled, end)
             seq.prefilled = end
             if end < n:

@@ -150,7 +150,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
 
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
-    metrics.track(lambda: len(engine.scheduler.waiting), lambda: len(engine.scheduler.running))
+    metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running))
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes), host=host, port=port, lifespan="off",
                             log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=5)

@@ -14,7 +14,7 @@ from kvrunahead.decode.shared_prefix import SharedContext, require_full_attentio
 from kvrunahead.model.rope import ContextError, RopeExtension, plan_extension
 from kvrunahead.serve.sequence import Answered, Answers, AskFigures, Request, SamplingParams, Sequence
 from kvrunahead.serve.step.executor import StepOutcome
-from kvrunahead.serve.step.plans import FRONT, ROW, Segment, question_id
+from kvrunahead.serve.step.plans import FRONT, DecodeRow, Prompt, question_id
 
 
 def asking(request_id: str, context_ids: list[int], question_ids: list[list[int]], max_tokens: int) -> Request:
@@ -52,7 +52,7 @@ def ask_rope(ask: Request, model_config, run: RunConfig) -> RopeExtension | None
     return plan_extension(model_config, longest(ask), run.allow_long_context, run.model)
 
 
-def with_questions(seg: Segment, ask: Request) -> Segment:
+def with_questions(seg: Prompt, ask: Request) -> Prompt:
     """The context's segment carrying the questions, kept whole on the front where they decode."""
     return dataclasses.replace(seg, keep=FRONT, questions=tuple(map(tuple, ask.questions)))
 
@@ -78,11 +78,10 @@ def going(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
             if len(a) < seq.request.params.max_tokens and a[-1] not in eos_token_ids]
 
 
-def question_rows(seq: Sequence, shared: SharedContext, eos_token_ids: set[int]) -> list[Segment]:
+def question_rows(seq: Sequence, shared: SharedContext, eos_token_ids: set[int]) -> list[DecodeRow]:
     """The unfinished questions' next tokens, as decode rows on the front."""
     tokens = seq.answers.tokens
-    return [Segment(question_id(seq.request_id, i), (tokens[i][-1],), shared.position(i, len(tokens[i]) - 1),
-                    ROW, held=FRONT, keep=FRONT)
+    return [DecodeRow(question_id(seq.request_id, i), (tokens[i][-1],), shared.position(i, len(tokens[i]) - 1))
             for i in going(seq, eos_token_ids)]
 
 

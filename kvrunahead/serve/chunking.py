@@ -15,7 +15,6 @@ Responses report the model's own prediction beside the correction in force.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvrunahead.errors import InputError
 from kvrunahead.modes.packing import cuts_after_cached
-from kvrunahead.serve.scheduler import Slack
+from kvrunahead.serve.sequence import Sequence
 from kvrunahead.sim.costmodel import CostModel
 from kvrunahead.sim.simulate import simulate_chunk
 
@@ -31,10 +30,28 @@ MIN_CHUNK = 16  # tokens: the shortest chunk; past a few thousand positions a ch
 #                  them, so the budget, not this floor, sizes the chunks (a chunk over the budget delays every
 #                  short prompt that arrives during it)
 ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
-YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
-WHOLE_CAP = 3.0  # the most step budgets a prefill takes in one step where its deadline needs it whole (LARS)
 LEARN_CHUNKS = 8  # the last chunks whose measured / predicted seconds correct the next predictions
 CORRECTION_CAP = 4.0  # the correction stays within [1 / CAP, CAP] of the model
+
+
+def relative_slack(arrival_s: float, target_s: float, remaining_s: float, total_s: float, now: float) -> float:
+    """LARS's priority (lower goes first): the seconds to spare before the TTFT deadline ``arrival + target`` once
+    the predicted remaining work is done, per second of the request's whole predicted work."""
+    return (arrival_s + target_s - now - remaining_s) / max(total_s, 1e-9)
+
+
+@dataclass(frozen=True)
+class Slack:
+    """What LARS needs of a request, from the engine's cost model: its TTFT target, its whole predicted prefill and
+    what is left of it (seconds)."""
+
+    target_s: Callable[[Sequence], float]
+    total_s: Callable[[Sequence], float]
+    remaining_s: Callable[[Sequence], float]
+
+    def of(self, seq: Sequence, now: float) -> float:
+        return relative_slack(seq.request.arrival_s, self.target_s(seq), self.remaining_s(seq), self.total_s(seq),
+                              now)
 
 
 @dataclass
@@ -123,39 +140,6 @@ class ChunkPlanner:
             else:
                 hi = mid
         return lo
-
-
-def chunk_budget(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
-    """The seconds ``seq``'s next chunk may take (``scheduler``: the serve.scheduler.Scheduler deciding): the step
-    budget; under LARS less what a long prefill yields by its relative slack while shorter prefills wait, and more
-    where cutting the rest of a prefill would miss its TTFT deadline (``whole_if_due``)."""
-    if scheduler.policy != "lars":
-        return planner.budget_s
-    if scheduler.shorter_waiting(seq):
-        return planner.budget_s * yielded_share(scheduler.slack.of(seq, now))
-    return max(planner.budget_s, whole_if_due(planner, scheduler, seq, now))
-
-
-def whole_if_due(planner: ChunkPlanner, scheduler, seq, now: float) -> float:
-    """The predicted seconds of the rest of ``seq``'s prefill where it should run in one step, else 0: where its
-    chunks, each followed by a decode step of the running requests, would end after its TTFT deadline, and the rest
-    takes at most ``WHOLE_CAP`` step budgets (what it then holds the decodes back by). A prompt of a few hundred
-    tokens cut into chunks pays each step's fixed costs and a decode step between them; a long document with its
-    deadline minutes away is still cut to the budget."""
-    rest = planner.predict_s(seq.prefilled, seq.prompt_len)
-    if not planner.budget_s < rest <= WHOLE_CAP * planner.budget_s:
-        return 0.0
-    running = [s.next_position for s in scheduler.running]
-    gap = planner.cost.decode_step_s(running) if running else 0.0
-    chunked_end = now + rest + (math.ceil(rest / planner.budget_s) - 1) * gap
-    deadline = seq.request.arrival_s + scheduler.slack.target_s(seq)
-    return rest if chunked_end > deadline else 0.0
-
-
-def yielded_share(relative_slack: float) -> float:
-    """The share of the step's budget a long prefill takes while others wait (Medha's space sharing): ``1 - rho``
-    of it, between ``YIELD_FLOOR`` and all of it; a request behind its deadline keeps all."""
-    return min(1.0, max(YIELD_FLOOR, 1.0 - relative_slack))
 
 
 def pack_limit(planner: ChunkPlanner | None, pack_tokens: int, max_len: int) -> int:

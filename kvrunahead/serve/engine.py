@@ -1,14 +1,16 @@
 """The serving engine: owns the world, the model (loaded once per rank), the scheduler and the caches in flight.
 
 ``Engine.step()`` is nano-vllm's three lines, schedule -> execute -> postprocess, and returns the events of the
-step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. The one-shot tools submit their
+step. The front (last) rank steps; every other rank runs ``Engine.worker_loop()``. Other threads (the HTTP side)
+only ``add`` and ``cancel``: both go into an inbox that the step drains first (vLLM v1's input queue), so the
+scheduler and the caches are the stepping thread's alone and no lock is shared. The one-shot tools submit their
 requests to it too (oneshot/on_engine.py); ``Engine.run_one(request)`` is one request to its end.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 import time
 
 import torch
@@ -29,11 +31,20 @@ from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
 from kvrunahead.serve.planner import StepPlanner
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
-from kvrunahead.serve.sequence import EngineDead, Event, Finished, Request, RequestFigures, Sequence, TokenEvent
+from kvrunahead.serve.sequence import (
+    EngineDead,
+    Event,
+    Finished,
+    QueueFull,
+    Request,
+    RequestFigures,
+    Sequence,
+    TokenEvent,
+)
 from kvrunahead.serve.step import executor, workers
 from kvrunahead.serve.step.batch_decode import BatchDecoder, VariantDecoders
 from kvrunahead.serve.step.executor import PrefillOutcome, PrefillRecord, StepOutcome
-from kvrunahead.serve.step.plans import PEERS, Drop, Segment, Shutdown, StepPlan
+from kvrunahead.serve.step.plans import PEERS, Drop, Scorable, Shutdown, StepPlan
 from kvrunahead.serve.step.rank import RankContext, solo_threads
 from kvrunahead.sim.flops import prompt_work
 
@@ -72,17 +83,17 @@ class Engine:
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
                                    lars_slack(self.chunks, config) if config.schedule == "lars" else None,
                                    mixed=config.mixed_steps, prefill_first=config.prefill_first,
-                                   cached=self.placement.holds_start, answered=self.placement.answers)
+                                   cached=self.placement.holds_start, answered=self.placement.answers,
+                                   chunks=self.chunks)
         self.samplers: dict[str, Sampler] = {}
         self.healthy = True
         self.error: str | None = None
         self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
         self.prefills: list[PrefillRecord] | None = [] if record else None
-        self._lock = threading.Lock()
-        self._cancelled: set[str] = set()
+        self._arrivals: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # added, not yet taken by a step
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids cancelled, not yet freed
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
-        self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.scheduler, self.decoder, self.attention,
-                                   self._lock)
+        self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.decoder, self.attention)
         warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -99,10 +110,16 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        return self.scheduler.in_flight
+        """The requests added and not yet ended (waiting, prefilling or decoding)."""
+        return self._arrivals.qsize() + self.scheduler.in_flight
+
+    @property
+    def waiting(self) -> int:
+        """The requests waiting for their prefill (read from any thread: the metrics)."""
+        return self._arrivals.qsize() + len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.in_flight or self._cancelled)
+        return bool(self.in_flight or not self._cancels.empty())
 
     def add(self, request: Request) -> None:
         """Queue a request (one carrying questions ends with Answered, any other with Finished); raises QueueFull,
@@ -122,20 +139,20 @@ class Engine:
                     else plan_extension(self.model_config, n, cfg.allow_long_context, cfg.model))
         except ContextError as e:
             raise ValueError(str(e)) from None
-        with self._lock:
-            self.scheduler.add(Sequence(request, rope=rope))
+        # the arrivals read first: one that the step takes meanwhile counts twice, never none
+        self.scheduler.check_room(self._arrivals.qsize() + self.scheduler.queued)
+        self._arrivals.put(Sequence(request, rope=rope))
 
     def cancel(self, request_id: str) -> None:
         """Free the request (waiting or decoding) at the next step; it ends with Finished('cancelled')."""
-        with self._lock:
-            self._cancelled.add(request_id)
+        self._cancels.put(request_id)
 
     def step(self) -> list[Event]:
-        """schedule -> execute -> update: the scheduler's pick, its segments run on every rank that takes part
-        (the workers told first), the outcome taken into the requests. An idle step keeps the workers' heartbeat."""
-        events = self._reap_cancelled()
-        with self._lock:
-            step = self.scheduler.schedule() if self.healthy else None
+        """inbox -> schedule -> execute -> update: the requests added and cancelled since the last step taken in,
+        the scheduler's pick, its segments run on every rank that takes part (the workers told first), the outcome
+        taken into the requests. An idle step keeps the workers' heartbeat."""
+        events = self._take_inbox()
+        step = self.scheduler.schedule() if self.healthy else None
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
             drafted = self.planner.plan(step)
             step, plan, held, ready = drafted.step, drafted.plan, drafted.held, drafted.ready
@@ -184,7 +201,7 @@ class Engine:
             seq = prompts[0]
             seq.prompt_logprobs += outcome.scores.get(seq.request_id, [])
             try:
-                if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step.decodes):
+                if seq.chunked and not self._chunk_done(seq, plan.prompt, outcome.seconds, step):
                     prompts = []  # the rest waits for its turn
             except Exception as e:  # noqa: BLE001 - one request's output, not a fault of the ranks
                 events.append(self._failed_taking(seq, e))
@@ -213,17 +230,16 @@ class Engine:
         asking.take_tokens(seq, outcome, self.ctx.lm.eos_token_ids)
         return self._answered(seq)
 
-    def _chunk_done(self, seq: Sequence, seg: Segment, seconds: float, decodes: list[Sequence]) -> bool:
+    def _chunk_done(self, seq: Sequence, seg: Scorable, seconds: float, step: Step) -> bool:
         """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
         (else the rest waits for its turn, every rank holding its positions so far)."""
         n = seq.prompt_len
-        seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, self.planner.budget_s,
+        seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, step.budget_s,
                                                      learn=0 < seg.start and seg.end < n,
-                                                     beside_s=self._rows_s(decodes)))
+                                                     beside_s=self._rows_s(step.decodes)))
         seq.prefilled = seg.end
         if seg.end < n:
-            with self._lock:
-                self.scheduler.resume(seq)
+            self.scheduler.resume(seq)
             return False
         return True
 
@@ -245,16 +261,14 @@ class Engine:
             self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.prompt_ids),),
                                                tuple(seq.figures.boundaries), outcome.ranks,
                                                asking.first_logits(ask, outcome)))
-        with self._lock:
-            self.scheduler.start_decoding(seq)
+        self.scheduler.start_decoding(seq)
         return self._answered(seq)
 
     def _answered(self, seq: Sequence) -> list[Event]:
         """The request's Answered once every question has ended (EOS or max_tokens), its questions freed."""
         if asking.going(seq, self.ctx.lm.eos_token_ids):
             return []
-        with self._lock:
-            self.scheduler.finish(seq)
+        self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
         return [asking.answered(seq)]
 
@@ -277,8 +291,7 @@ class Engine:
                 self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
             # the prefix cache's answers decode forked from its entry; a prefill's own cache is the request's alone
             self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
-        with self._lock:
-            self.scheduler.start_decoding(seq)
+        self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
 
     def _advance(self, seq: Sequence, token: int) -> list[Event]:
@@ -297,8 +310,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, bad_input: bool = False) -> Event:
         """The request ended early or as it should: its Finished (Answered for one carrying questions), its state
         freed here and, with the next plan, on the workers."""
-        with self._lock:
-            self.scheduler.finish(seq)
+        self.scheduler.finish(seq)
         self.decoder.remove(seq.request_id)
         if seq.request.questions:
             return asking.answered(seq, error or reason, bad_input)
@@ -315,19 +327,28 @@ class Engine:
             self.heartbeat.sent()
         self._unfreed = []
 
-    def _reap_cancelled(self) -> list[Event]:
-        with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
-            seqs = [s for s in (self.scheduler.remove(rid) for rid in cancelled) if s is not None]
-        return [self._finish(seq, "cancelled") for seq in seqs]
+    def _take_inbox(self) -> list[Event]:
+        """The requests added since the last step into the scheduler's queue (where it has no room after all, or
+        the engine has failed, they end here), then those cancelled out of it, ended."""
+        events = []
+        for seq in _drained(self._arrivals):
+            try:
+                if not self.healthy:
+                    raise EngineDead(f"the engine has failed: {self.error}")
+                self.scheduler.add(seq)
+            except (QueueFull, EngineDead) as e:
+                events.append(self._finish(seq, "error", str(e)))
+        for request_id in _drained(self._cancels):
+            if (seq := self.scheduler.remove(request_id)) is not None:
+                events.append(self._finish(seq, "cancelled"))
+        return events
 
     def _fail(self, e: Exception, step: Step | None, level: int = logging.ERROR) -> list[Event]:
         """A step failed (a rank died, stopped or cut off): the engine is dead, every request in flight errs."""
         self.healthy = False
         self.error = f"{type(e).__name__}: {e}"
         log.log(level, "engine step failed: %s", self.error)
-        with self._lock:
-            seqs = self.scheduler.drain_all()
+        seqs = [*_drained(self._arrivals), *self.scheduler.drain_all()]
         seqs += [seq for seq in (step.prefills if step is not None else []) if seq not in seqs]
         return [self._finish(seq, "error", self.error) for seq in seqs]
 
@@ -357,3 +378,13 @@ class Engine:
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False
         self.error = self.error or "shut down"
+
+
+def _drained(inbox: queue.SimpleQueue) -> list:
+    """What ``inbox`` holds now, taken out in order."""
+    items = []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items

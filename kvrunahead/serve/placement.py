@@ -37,18 +37,20 @@ from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.serve.step import workers
 from kvrunahead.serve.step.executor import PrefillOutcome
 from kvrunahead.serve.step.plans import (
-    CHAIN,
     FRONT,
-    KV_PARALLEL,
     NOWHERE,
-    PACKED,
     PEERS,
-    PIPELINE,
     RANKS,
     SHARDED,
     STAGED,
-    Segment,
-    cut_at,
+    Alone,
+    Chain,
+    KvParallel,
+    Packed,
+    Peer,
+    Pipeline,
+    Prompt,
+    over,
 )
 from kvrunahead.serve.step.rank import RankContext
 from kvrunahead.sim.costmodel import CostModel
@@ -166,10 +168,10 @@ class Placement:
         return placed, PrefillOutcome(entry.logits, cache, shared=True)
 
     def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
-               ) -> tuple[Segment, Placed, list | None]:
+               ) -> tuple[Prompt, Placed, list | None]:
         """Where one prompt's prefill runs, as a segment: its new tokens only where the prefix cache holds its
         start (the held K,V, per layer, for the front), else on one rank or over the chain as the degree policy
-        says. A prompt scored (``score``, plans.Segment) prefills whole: a cached position has no logits."""
+        says. A prompt scored (``score``, plans.Scorable) prefills whole: a cached position has no logits."""
         cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) and score is None else (0, None)
         if entry is not None:
             return self._after_cached(request_id, ids, cached, entry)
@@ -184,25 +186,25 @@ class Placement:
         if choice.degree == 1:
             return (*self.alone(request_id, ids, rope, score, choice.source, choice.basis), None)
         if self.peer is not None:  # the partition of the peer's own (policy.prepare: even)
-            seg = Segment(request_id, tuple(ids), way=self.peer, cuts=tuple(partition.boundaries), rope=rope,
-                          keep=NOWHERE if not MODES[self.peer].decodes else FRONT)
+            seg = Peer(request_id, tuple(ids), peer=self.peer, cuts=tuple(partition.boundaries), rope=rope,
+                       keep=NOWHERE if not MODES[self.peer].decodes else FRONT)
             return seg, Placed(choice.degree, partition.boundaries, source, choice.source, basis=choice.basis), None
         if self.pipeline is not None and score is None:
             stages, chunk, source = self.stages(len(ids))
-            seg = Segment(request_id, tuple(ids), way=PIPELINE, rope=rope, stages=stages, pipeline_chunk=chunk)
+            seg = Pipeline(request_id, tuple(ids), rope=rope, stages=stages, pipeline_chunk=chunk)
             return seg, Placed(choice.degree, (0, len(ids)), source, choice.source, basis=choice.basis), None
         kvp = self.decodes_kvp(len(ids))
-        seg = Segment(request_id, tuple(ids), way=CHAIN, cuts=tuple(partition.boundaries), rope=rope,
-                      keep=SHARDED if kvp else FRONT, score=score)
+        seg = Chain(request_id, tuple(ids), cuts=tuple(partition.boundaries), rope=rope,
+                    keep=SHARDED if kvp else FRONT, score=score)
         return seg, Placed(choice.degree, partition.boundaries, source, choice.source,
                            decode="kvp" if kvp else "gathered", basis=choice.basis), None
 
     @staticmethod
     def alone(request_id: str, ids: list[int], rope, score: int | None, why: str, basis: str = "fixed"
-              ) -> tuple[Segment, Placed]:
+              ) -> tuple[Alone, Placed]:
         """A whole prompt on the front alone: what the degree chose, or the safe layout of a prompt whose placement
         failed (``why`` says so in the response)."""
-        return (Segment(request_id, tuple(ids), rope=rope, score=score),
+        return (Alone(request_id, tuple(ids), rope=rope, score=score),
                 Placed(1, (0, len(ids)), "one rank", why, basis=basis))
 
     def timed(self, figures: RequestFigures, n: int, seconds: float, scored: bool) -> None:
@@ -254,22 +256,22 @@ class Placement:
         return self._kvp[n]
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
-                      ) -> tuple[Segment, Placed, list]:
+                      ) -> tuple[Prompt, Placed, list]:
         choice = self.degrees.choose(len(ids) - cached, explore=False)
         what = f"prefix cache: {cached} of {len(ids)} tokens cached"
         why = f"prefix cache; the {len(ids) - cached} new tokens: {choice.source}"
         held = self.prefixes.held(entry, cached)
         new = tuple(ids[cached:])
         if choice.degree == 1:
-            return (Segment(request_id, new, cached, held=FRONT),
+            return (Alone(request_id, new, cached, held=FRONT),
                     Placed(1, (0, len(ids)), what, why, cached, basis=choice.basis), held)
         boundaries = cuts_after_cached(cached, len(ids), self.ctx.world_size, self.work)
-        return (Segment(request_id, new, cached, held=FRONT, **cut_at(boundaries)),
+        return (over(boundaries)(request_id, new, cached, held=FRONT, cuts=tuple(boundaries)),
                 Placed(choice.degree, boundaries, f"{what}; the new tokens cut by their work", why, cached,
                        basis=choice.basis), held)
 
     def chunk(self, request_id: str, ids: list[int], cuts: tuple[int, ...], rope, score: int | None = None
-              ) -> Segment:
+              ) -> Prompt:
         """One chunk of a chunked prefill (serve/chunking.py): positions [cuts[0], cuts[-1]) of ``ids`` cut over
         the chain at ``cuts``, every rank holding the positions before them; every rank keeps [0, cuts[-1]) for
         the next chunk, the front alone after the last. A prompt that decodes KV-parallel has its chunks computed
@@ -280,25 +282,25 @@ class Placement:
             # KVP for prefill chunks: the prompt's K,V fill rank 0's shard first, then the next rank's, an even
             # share each (Medha's progressive scaling), so no rank holds every earlier position
             share = -(-len(ids) // self.ctx.world_size)
-            return Segment(request_id, tuple(ids[start:end]), start, KV_PARALLEL, held=SHARDED if start else NOWHERE,
-                           keep=SHARDED, rope=rope, owner=min(start // share, self.ctx.world_size - 1))
+            return KvParallel(request_id, tuple(ids[start:end]), start, held=SHARDED if start else NOWHERE,
+                              keep=SHARDED, rope=rope, owner=min(start // share, self.ctx.world_size - 1))
         if path == "spp":
             stages, chunk, _ = self.stages(len(ids))
-            return Segment(request_id, tuple(ids[start:end]), start, PIPELINE, held=STAGED if start else NOWHERE,
-                           keep=FRONT if end == len(ids) else STAGED, rope=rope, stages=stages,
-                           pipeline_chunk=min(chunk, end - start))
-        return Segment(request_id, tuple(ids[start:end]), start, held=RANKS if start else NOWHERE,
-                       keep=FRONT if end == len(ids) else RANKS, **cut_at(cuts), rope=rope, score=score,
-                       follows=ids[end] if score is not None and end < len(ids) else None)
+            return Pipeline(request_id, tuple(ids[start:end]), start, held=STAGED if start else NOWHERE,
+                            keep=FRONT if end == len(ids) else STAGED, rope=rope, stages=stages,
+                            pipeline_chunk=min(chunk, end - start))
+        return over(cuts)(request_id, tuple(ids[start:end]), start, held=RANKS if start else NOWHERE,
+                          keep=FRONT if end == len(ids) else RANKS, cuts=tuple(cuts), rope=rope, score=score,
+                          follows=ids[end] if score is not None and end < len(ids) else None)
 
     def packed(self, prompts: list[list[int]], request_ids: tuple[str, ...], first_only: bool = False,
-               alone: str | None = None) -> tuple[list[Segment], tuple[int, ...], Placed]:
+               alone: str | None = None) -> tuple[list[Packed], tuple[int, ...], Placed]:
         """Several prompts packed into one prefill: their segments and the packed sequence's cuts, over the chain
         cut by the packed work at prompt edges, or on the front alone where the degree policy puts that many tokens
         on one rank (or ``alone`` says why they must: the safe layout). ``first_only``: every one ends at its first
         token, so none is kept (no K,V relayed to the front, no cache cut)."""
         lengths = [len(x) for x in prompts]
-        segments = [Segment(rid, tuple(ids), way=PACKED, keep=NOWHERE if first_only else FRONT)
+        segments = [Packed(rid, tuple(ids), keep=NOWHERE if first_only else FRONT)
                     for rid, ids in zip(request_ids, prompts)]
         choice = (self.degrees.choose(sum(lengths), explore=False) if alone is None
                   else DegreeChoice(1, alone, "fixed"))

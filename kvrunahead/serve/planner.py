@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
 from kvrunahead.errors import InputError
 from kvrunahead.serve import asking
-from kvrunahead.serve.chunking import ChunkPlanner, chunk_budget
+from kvrunahead.serve.chunking import ChunkPlanner
 from kvrunahead.serve.placement import Placement
-from kvrunahead.serve.scheduler import Scheduler, Step
+from kvrunahead.serve.scheduler import Step
 from kvrunahead.serve.sequence import RequestFigures, Sequence
 from kvrunahead.serve.step.executor import PrefillOutcome
-from kvrunahead.serve.step.plans import FRONT, ROW, SHARDED, SHARDED_ROW, Segment, StepPlan
+from kvrunahead.serve.step.plans import Decode, DecodeRow, Prompt, ShardedRow, StepPlan
 from kvrunahead.serve.step.rank import RankContext
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,12 @@ class Drafted:
 
 
 class StepPlanner:
-    """``lock``: the engine's, under which the scheduler is read (LARS's budget for a chunk)."""
+    """Places the scheduler's step, as sized there (a prompt whole, or its chunk up to ``Step.chunk_end``)."""
 
-    def __init__(self, ctx: RankContext, placement: Placement, chunks: ChunkPlanner | None, scheduler: Scheduler,
-                 decoder, attention: str, lock: threading.Lock) -> None:
-        self.ctx, self.placement, self.chunks, self.scheduler = ctx, placement, chunks, scheduler
-        self.decoder, self.attention, self.lock = decoder, attention, lock
-        self.budget_s = 0.0  # the budget the last chunk was sized to
+    def __init__(self, ctx: RankContext, placement: Placement, chunks: ChunkPlanner | None, decoder,
+                 attention: str) -> None:
+        self.ctx, self.placement, self.chunks = ctx, placement, chunks
+        self.decoder, self.attention = decoder, attention
 
     def plan(self, step: Step) -> Drafted:
         rows = tuple(row for seq in step.decodes for row in self._rows(seq))
@@ -72,7 +70,7 @@ class StepPlanner:
                 segments, cuts = planned
         elif prompts:
             seq = prompts[0]
-            planned, refused = self._guarded(prompts, lambda: self._segment(seq),
+            planned, refused = self._guarded(prompts, lambda: self._segment(seq, step.chunk_end),
                                              None if seq.prefilled else lambda why: self._alone(seq, why))
             if planned is not None:
                 seg, held = planned
@@ -108,13 +106,13 @@ class StepPlanner:
                 log.exception("placing %s on the front alone failed too", names)
                 return None, [(seq, again) for seq in seqs]
 
-    def _rows(self, seq: Sequence) -> list[Segment]:
+    def _rows(self, seq: Sequence) -> list[Decode]:
         """A running request's next tokens as segments: one per unfinished question, else its next token on the
         front or on every rank's shard (KVP)."""
         if seq.answers is not None:
             return asking.question_rows(seq, self.decoder.shared[seq.request_id], self.ctx.lm.eos_token_ids)
-        way, place = (SHARDED_ROW, SHARDED) if seq.request_id in self.ctx.shards else (ROW, FRONT)
-        return [Segment(seq.request_id, (seq.output_ids[-1],), seq.next_position, way, held=place, keep=place)]
+        row = ShardedRow if seq.request_id in self.ctx.shards else DecodeRow
+        return [row(seq.request_id, (seq.output_ids[-1],), seq.next_position)]
 
     def _ready(self, seq: Sequence) -> PrefillOutcome | None:
         """The outcome of a prompt the prefix cache answers whole (its first-token logits kept), else None."""
@@ -125,7 +123,7 @@ class StepPlanner:
         seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
         return outcome
 
-    def _alone(self, seq: Sequence, why: str) -> tuple[Segment, None]:
+    def _alone(self, seq: Sequence, why: str) -> tuple[Prompt, None]:
         """The safe layout of a prompt not yet started: whole, on the front alone (its questions after it)."""
         request = seq.request
         seq.prefill_start_s, seq.chunked = time.monotonic(), False
@@ -134,13 +132,11 @@ class StepPlanner:
         seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
         return (asking.with_questions(seg, request) if request.questions else seg), None
 
-    def _segment(self, seq: Sequence) -> tuple[Segment, list | None]:
-        """The prefill's segment: the whole prompt where it is not chunked (placed by the prefix cache and the
-        degree policy; a context carries its questions), else its next chunk, sized to the step's budget (the
-        decode rows beside it add their own time: a step takes its chunk's budget plus one decode token of every
-        running request)."""
+    def _segment(self, seq: Sequence, chunk_end: int | None) -> tuple[Prompt, list | None]:
+        """The prefill's segment: the whole prompt where the scheduler did not chunk it (placed by the prefix cache
+        and the degree policy; a context carries its questions), else its next chunk, up to ``chunk_end``."""
         n, request = seq.prompt_len, seq.request
-        if not seq.prefilled and not (self.chunks is not None and self.chunks.chunked(n) and not request.questions):
+        if chunk_end is None:
             seq.prefill_start_s = time.monotonic()
             seg, placed, held = self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope,
                                                       request.params.prompt_logprobs)
@@ -152,15 +148,11 @@ class StepPlanner:
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - request.arrival_s, self.ctx.world_size,
                                          [0, n], self.placement.chunked_source(seq), self.chunks.describe(),
                                          decode=self.placement.chunked_decode(seq))
-        with self.lock:  # LARS: a long prefill yields part of the budget by its slack while others wait
-            budget = chunk_budget(self.chunks, self.scheduler, seq, time.monotonic())
-        self.budget_s = budget
-        end = self.chunks.end(n, done, budget)
-        seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, end), seq.rope,
+        seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, chunk_end), seq.rope,
                                    request.params.prompt_logprobs)
         return seg, None
 
-    def _packed(self, seqs: list[Sequence], alone: str | None = None) -> tuple[list[Segment], tuple[int, ...]]:
+    def _packed(self, seqs: list[Sequence], alone: str | None = None) -> tuple[list[Prompt], tuple[int, ...]]:
         """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
         start = time.monotonic()
         segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],

@@ -23,12 +23,14 @@ Which prefill goes first is the policy's:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.choices import SCHEDULES
+from kvrunahead.serve.chunking import ChunkPlanner, Slack
 from kvrunahead.serve.sequence import QueueFull, Sequence
 
 
@@ -41,36 +43,23 @@ class Step:
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[Sequence] = field(default_factory=list)
+    chunk_end: int | None = None  # a chunked prefill's next chunk: its positions [prefilled, chunk_end); None: whole
+    budget_s: float = 0.0  # the seconds that chunk was sized to (the step budget, LARS's share or its whole rest)
 
 
 STARVE_AFTER = 8  # prefill steps a request may be passed over in a row before it goes next
-
-
-def relative_slack(arrival_s: float, target_s: float, remaining_s: float, total_s: float, now: float) -> float:
-    """LARS's priority (lower goes first): the seconds to spare before the TTFT deadline ``arrival + target`` once
-    the predicted remaining work is done, per second of the request's whole predicted work."""
-    return (arrival_s + target_s - now - remaining_s) / max(total_s, 1e-9)
-
-
-@dataclass(frozen=True)
-class Slack:
-    """What LARS needs of a request, from the engine's cost model: its TTFT target, its whole predicted prefill and
-    what is left of it (seconds)."""
-
-    target_s: Callable[[Sequence], float]
-    total_s: Callable[[Sequence], float]
-    remaining_s: Callable[[Sequence], float]
-
-    def of(self, seq: Sequence, now: float) -> float:
-        return relative_slack(seq.request.arrival_s, self.target_s(seq), self.remaining_s(seq), self.total_s(seq),
-                              now)
+YIELD_FLOOR = 0.5  # the least share of a step's budget a long prefill keeps while others wait (LARS)
+WHOLE_CAP = 3.0  # the most step budgets a prefill takes in one step where its deadline needs it whole (LARS)
 
 
 class Scheduler:
+    """``chunks``: how long a prompt's steps are (serve/chunking.py; None: every prompt whole). The scheduler sizes
+    each step: which requests it carries and, for a chunked prefill, where its next chunk ends."""
+
     def __init__(self, max_queue: int, pack_tokens: int = 0, policy: str = "fcfs", slack: Slack | None = None,
                  starve_after: int = STARVE_AFTER, mixed: bool = True, prefill_first: bool = False,
                  cached: Callable[[list[int], object], bool] | None = None,
-                 answered: Callable[[Sequence], bool] | None = None) -> None:
+                 answered: Callable[[Sequence], bool] | None = None, chunks: ChunkPlanner | None = None) -> None:
         if policy not in SCHEDULES:
             raise ValueError(f"unknown schedule {policy!r}; policies: {', '.join(SCHEDULES)}")
         if policy == "lars" and slack is None:
@@ -81,38 +70,90 @@ class Scheduler:
         self.mixed, self.prefill_first = mixed, prefill_first
         self.cached = cached or (lambda ids, rope: False)  # a prompt whose start is cached prefills alone
         self.answered = answered or (lambda seq: False)  # one the prefix cache holds whole: nothing to compute
+        self.chunks = chunks
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.running: list[Sequence] = []
         self._last_was_prefill = False
 
-    def add(self, seq: Sequence) -> None:
-        queued = len(self.waiting) + len(self.prefilling)
+    @property
+    def queued(self) -> int:
+        """The requests waiting for a prefill or their next chunk."""
+        return len(self.waiting) + len(self.prefilling)
+
+    def check_room(self, queued: int) -> None:
+        """Raise QueueFull where ``queued`` requests waiting leave no room for one more."""
         if queued >= self.max_queue:
             raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue})")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_room(self.queued)
         self.waiting.append(seq)
 
     def schedule(self, now: float | None = None) -> Step | None:
         """The next step, or None when idle. A prefilled sequence leaves ``waiting`` (or ``prefilling``) here; a
         chunk's sequence comes back through ``resume``."""
+        now = time.monotonic() if now is None else now
         decoding = bool(self.running)
         if self.prefill_first and (self.waiting or self.prefilling):
-            return Step(prefills=self._prefill(now))
+            return self._sized([], self._prefill(now), now)
         if self.mixed:
             prefills = self._prefill(now)
-            return Step(list(self.running), prefills) if prefills or decoding else None
+            return self._sized(list(self.running), prefills, now) if prefills or decoding else None
         decode_due = decoding and (self._last_was_prefill or not (self.waiting or self.prefilling))
         if decode_due:
             self._last_was_prefill = False
             return Step(list(self.running))
         prefills = self._prefill(now)
         self._last_was_prefill = bool(prefills)
-        return Step(prefills=prefills) if prefills else None
+        return self._sized([], prefills, now) if prefills else None
 
-    def _prefill(self, now: float | None) -> list[Sequence]:
+    def _sized(self, decodes: list[Sequence], prefills: list[Sequence], now: float) -> Step:
+        """The step, its prefill's chunk sized: a prompt whose one-step prefill would overrun the budget (never one
+        carrying questions, nor one the prefix cache answers whole) runs its next chunk, the longest expected to
+        fit this chunk's budget."""
+        step = Step(decodes, prefills)
+        if self.chunks is None or len(prefills) != 1:
+            return step
+        seq = prefills[0]
+        if not seq.prefilled and (seq.request.questions or not self.chunks.chunked(seq.prompt_len)
+                                  or self.answered(seq)):
+            return step
+        step.budget_s = self.chunk_budget(seq, now)
+        step.chunk_end = self.chunks.end(seq.prompt_len, seq.prefilled, step.budget_s)
+        return step
+
+    def chunk_budget(self, seq: Sequence, now: float) -> float:
+        """The seconds ``seq``'s next chunk may take: the step budget; under LARS less what a long prefill yields by
+        its relative slack while shorter prefills wait, and more where cutting the rest of a prefill would miss its
+        TTFT deadline (``whole_if_due``)."""
+        budget_s = self.chunks.budget_s
+        if self.policy != "lars":
+            return budget_s
+        if self.shorter_waiting(seq):
+            return budget_s * yielded_share(self.slack.of(seq, now))
+        return max(budget_s, self.whole_if_due(seq, now))
+
+    def whole_if_due(self, seq: Sequence, now: float) -> float:
+        """The predicted seconds of the rest of ``seq``'s prefill where it should run in one step, else 0: where its
+        chunks, each followed by a decode step of the running requests, would end after its TTFT deadline, and the
+        rest takes at most ``WHOLE_CAP`` step budgets (what it then holds the decodes back by). A prompt of a few
+        hundred tokens cut into chunks pays each step's fixed costs and a decode step between them; a long document
+        with its deadline minutes away is still cut to the budget."""
+        chunks = self.chunks
+        rest = chunks.predict_s(seq.prefilled, seq.prompt_len)
+        if not chunks.budget_s < rest <= WHOLE_CAP * chunks.budget_s:
+            return 0.0
+        running = [s.next_position for s in self.running]
+        gap = chunks.cost.decode_step_s(running) if running else 0.0
+        chunked_end = now + rest + (math.ceil(rest / chunks.budget_s) - 1) * gap
+        deadline = seq.request.arrival_s + self.slack.target_s(seq)
+        return rest if chunked_end > deadline else 0.0
+
+    def _prefill(self, now: float) -> list[Sequence]:
         """The next prefill's requests, taken out of the queue (none when nothing waits)."""
         if self.waiting or self.prefilling:
-            order = self.order(time.monotonic() if now is None else now)
+            order = self.order(now)
             first = order[0]
             for seq in order[1:]:
                 seq.passed_over += 1
@@ -201,3 +242,9 @@ class Scheduler:
     @property
     def in_flight(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+
+def yielded_share(relative_slack: float) -> float:
+    """The share of the step's budget a long prefill takes while others wait (Medha's space sharing): ``1 - rho``
+    of it, between ``YIELD_FLOOR`` and all of it; a request behind its deadline keeps all."""
+    return min(1.0, max(YIELD_FLOOR, 1.0 - relative_slack))

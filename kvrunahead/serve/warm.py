@@ -18,7 +18,7 @@ import torch
 from kvrunahead.model.compiled import is_compiled
 from kvrunahead.partition import Partition
 from kvrunahead.serve.step import executor, workers
-from kvrunahead.serve.step.plans import CHAIN, Segment, StepPlan
+from kvrunahead.serve.step.plans import Alone, Chain, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ def warm_up(placement, attention: str) -> None:
         t0 = time.perf_counter()
         for extra in (0, 5):
             n = WARM_UP_TOKENS * degree + extra
-            over = {"way": CHAIN, "cuts": tuple(Partition.even(n, degree).boundaries)} if degree > 1 else {}
-            seg = Segment("warm-up", (0,) * n, **over)
+            seg = (Chain("warm-up", (0,) * n, cuts=tuple(Partition.even(n, degree).boundaries)) if degree > 1
+                   else Alone("warm-up", (0,) * n))
             plan = StepPlan((seg,), attention)
             workers.tell(ctx, plan, None, placement.heartbeat)
             executor.run_step(ctx, plan)

@@ -81,7 +81,7 @@ class BatchDecoder:
         return request_id in self.own
 
     def riders(self, segments) -> dict[str, Row]:
-        """The decode rows ``segments`` (serve/plans.Segment, one token each) as ``Row`` s that share a prompt's
+        """The decode rows ``segments`` (serve/step/plans.DecodeRow, one token each) as ``Row`` s that share a prompt's
         forward (serve/step/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
         that forward (the batch is rebuilt when a decode step next runs alone). None for a sliding-window model."""
         if not self.batched:

@@ -3,9 +3,9 @@
 The front is the LAST rank (p - 1): the KV chain leaves the full cache and the first token there (section 4.1), so
 decode needs no transfer. With ``--tp`` the ranks here are TP groups (mesh.py): the front is the first TP rank of
 the last group, and its TP peers run every step it runs (serve/step/workers.py). A step's prompt runs the way its
-segment says (plans.Segment.way), through this module's ``WAYS``: alone or over the chain (modes/kvr.py), through
-the pipeline or KV-parallel (serve/step/segments.py), packed (modes/packing.py), or as one of the peers (tsp, ring,
-cp-allgather: their ``modes.MODES`` entries). ``kvr-prefill`` runs its prompt as a request to the engine
+segment's class says (serve/step/plans.py), through this module's ``WAYS``: alone or over the chain (modes/kvr.py),
+through the pipeline or KV-parallel (serve/step/segments.py), packed (modes/packing.py), or as one of the peers
+(tsp, ring, cp-allgather: their ``modes.MODES`` entries). ``kvr-prefill`` runs its prompt as a request to the engine
 (oneshot/on_engine.py), so a served prompt and a one-shot one take the same step. Non-front ranks run
 ``workers.worker_loop``: receive a plan, run their part, drop their cache, repeat.
 
@@ -44,7 +44,7 @@ from kvrunahead.ranks.stats import RankStats, rank_stats
 from kvrunahead.serve.sequence import TokenLogprob
 from kvrunahead.serve.step import plans
 from kvrunahead.serve.step.links import SegmentLink
-from kvrunahead.serve.step.plans import FRONT, NOWHERE, RANKS, SHARDED, Segment, StepPlan, question_id
+from kvrunahead.serve.step.plans import FRONT, NOWHERE, RANKS, SHARDED, Scorable, StepPlan, question_id
 from kvrunahead.serve.step.rank import RankContext
 from kvrunahead.serve.step.rows import can_mix, mixed_forward
 from kvrunahead.serve.step.segments import kv_parallel, pipelined
@@ -126,11 +126,11 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
     ``decoder`` (front): the decode batch (serve/step/batch_decode.py) whose requests the rows are."""
     front, way, seg = ctx.rank == ctx.front, plan.way, plan.prompt
     together = plan.needs_workers and ctx.world_size > 1
-    ctx.use_threads(solo=not plan.sharded and (way in (None, plans.ALONE) or (way == plans.PACKED and not together)))
+    ctx.use_threads(solo=not plan.sharded and (way in (None, plans.Alone) or (way is plans.Packed and not together)))
     ctx.transport.reset_stats()
     for rope in {s.rope for s in plan.prompts}:  # a model variant first used here loads untimed
         ctx.model(rope)
-    if way == plans.PIPELINE:
+    if way is plans.Pipeline:
         ctx.stage(seg.rope, seg.stages)
     if together:
         liveness.patient_barrier("the other ranks to start the step")
@@ -159,7 +159,7 @@ def run_step(ctx: RankContext, plan: StepPlan, held: list[torch.Tensor] | None =
                 out.scores.setdefault(request_id, []).extend(positions)
     else:
         out.ranks = [RankStats.alone(ctx.rank, sum(e - a for a, e in part.ranges), total_s)]
-    if way == plans.CHAIN and seg.keep == SHARDED:  # after the prefill's figures: an even share each
+    if way is plans.Chain and seg.keep == SHARDED:  # after the prefill's figures: an even share each
         level_shards(ctx.shards[seg.request_id][0], seg.cuts, ctx.transport)
     if front and seg is not None and seg.questions:  # behind the whole cache, they join the decode
         ctx.use_threads(solo=True)
@@ -181,7 +181,7 @@ def _chain(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) ->
     """A prompt or chunk alone on the front or over the chain (KV-Runahead, modes/kvr.py): this rank's cut after
     the K,V its predecessor hands on (or held: the prefix cache's on the front, a chunked prefill's earlier
     positions on every rank), the front's decode rows riding in the same forward where they can."""
-    seg, front, alone = plan.prompt, ctx.rank == ctx.front, plan.way == plans.ALONE
+    seg, front, alone = plan.prompt, ctx.rank == ctx.front, plan.way is plans.Alone
     lm, layout = ctx.model(seg.rope)
     start, end = seg.part(ctx.rank, ctx.world_size)
     base = None
@@ -237,7 +237,7 @@ def _peer(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -> 
     logits come to the front (run_step gathers them); the front keeps the whole K,V where the mode leaves it there
     (not ring)."""
     seg = plan.prompt
-    mode = MODES[seg.way]
+    mode = MODES[seg.peer]
     lm, layout = ctx.model(seg.rope)
     step = mode.step(lm.model, list(seg.tokens), Partition(seg.cuts), ctx.transport, layout, plan.attention)
     logits, cache = mode.prefill(step, mode.setup(step))
@@ -255,7 +255,7 @@ def scored(score: Scoring) -> list[TokenLogprob]:
             for t, lp, ids, lps in zip(score.targets, score.logprobs.tolist(), top_ids, top_logprobs)]
 
 
-def _catch_up(ctx: RankContext, seg: Segment, layout: KVLayout, whole: list[GrowingKV] | None, held: int
+def _catch_up(ctx: RankContext, seg: Scorable, layout: KVLayout, whole: list[GrowingKV] | None, held: int
               ) -> list[GrowingKV]:
     """The front sends each worker the segment's positions after those it holds ([held, end), every layer);
     every rank returns its K,V of [0, end) per layer, appended in place to what it held."""
@@ -306,6 +306,7 @@ def _packed(ctx: RankContext, plan: StepPlan, held, decoder, out: StepOutcome) -
     return Part(link, [(step.boundaries[rank], step.boundaries[rank + 1])])
 
 
-WAYS = {plans.ALONE: _chain, plans.CHAIN: _chain, plans.KV_PARALLEL: _every_rank(kv_parallel),
-        plans.PIPELINE: _every_rank(pipelined), plans.PACKED: _packed, **dict.fromkeys(plans.PEERS, _peer)}
-"""How each way of a segment (serve/step/plans.py) runs on a rank: a prompt's, a chunk's, packed prompts'."""
+WAYS = {plans.Alone: _chain, plans.Chain: _chain, plans.KvParallel: _every_rank(kv_parallel),
+        plans.Pipeline: _every_rank(pipelined), plans.Packed: _packed, plans.Peer: _peer}
+"""How each way of a segment (its class, serve/step/plans.py) runs on a rank: a prompt's, a chunk's, packed
+prompts'."""

@@ -1,4 +1,4 @@
-"""The chain link of a step's prompt segment (serve/plans.Segment): what its placement adds to the paper's chain.
+"""The chain link of a step's prompt segment (serve/step/plans.py): what its placement adds to the paper's chain.
 
 - A segment held on the front (a prefix cache hit) over the chain: rank 0 receives the held positions from the front
   as its prefix (``send_held_prefix``) instead of computing them, and the chain goes on as usual.

@@ -1,14 +1,14 @@
-"""A step's segments that every rank runs whole (serve/plans.Segment), each rank holding a different part of the
+"""A step's segments that every rank runs whole (serve/step/plans.py), each rank holding a different part of the
 model or of the cache:
 
-- pipelined (``stages``): Medha's stream pipeline in the engine. Each rank runs the segment's positions through its
-  stage of the model (a view sharing the weights the rank holds, model/stage.py) in chunks handed stage to stage
+- pipelined (plans.Pipeline): Medha's stream pipeline in the engine. Each rank runs the segment's positions through
+  its stage of the model (a view sharing the weights the rank holds, model/stage.py) in chunks handed stage to stage
   (modes/spp.py); a chunked prefill's stages keep their layers' K,V between its steps (``ctx.staged``); after the
   prompt's last chunk every stage sends the front its layers' K,V, so the front holds the whole cache and decodes
   as after any prefill.
-- KV-parallel (``owner``): Medha's KVP for prefill chunks. Every rank runs the chunk through the whole model,
-  attending its own shard of the positions before it (decode/kvp.py, the KVP decode's attention for a block of
-  queries), and rank ``owner`` appends the chunk's K,V to its shard.
+- KV-parallel (plans.KvParallel): Medha's KVP for prefill chunks. Every rank runs the chunk through the whole
+  model, attending its own shard of the positions before it (decode/kvp.py, the KVP decode's attention for a block
+  of queries), and rank ``owner`` appends the chunk's K,V to its shard.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from transformers import DynamicCache
 
 from kvrunahead.decode.kvp import empty_shards, kvp_forward
 from kvrunahead.modes.spp import spp_prefill
-from kvrunahead.serve.step.plans import STAGED, Segment
+from kvrunahead.serve.step.plans import STAGED, KvParallel, Pipeline
 
 
-def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None, dict]:
+def pipelined(ctx, seg: Pipeline, attention: str) -> tuple[torch.Tensor | None, DynamicCache | None, dict]:
     """A pipelined segment on this rank (``ctx``: its rank.RankContext): its positions through this rank's
     stage in chunks (modes/spp.py), after the stage's K,V of the earlier chunks; kept staged for the next chunk, or
     sent to the front. Returns, on the front, the first token's logits and (kept there) the whole cache; on every
@@ -39,7 +39,7 @@ def pipelined(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, D
     return logits, whole, {"hidden states": hidden, "K,V to the front": ctx.transport.stats.bytes_sent - hidden}
 
 
-def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None:
+def gather_stages(ctx, seg: Pipeline, cache: DynamicCache) -> DynamicCache | None:
     """Every stage's layers' K,V of [0, end) to the front (what a sliding layer keeps of them), one message per
     layer; the front's whole cache, its own stage's layers taken as they are."""
     lm, layout = ctx.model(seg.rope)
@@ -66,7 +66,7 @@ def gather_stages(ctx, seg: Segment, cache: DynamicCache) -> DynamicCache | None
     return whole
 
 
-def kv_parallel(ctx, seg: Segment, attention: str) -> tuple[torch.Tensor | None, object, dict]:
+def kv_parallel(ctx, seg: KvParallel, attention: str) -> tuple[torch.Tensor | None, object, dict]:
     """A KV-parallel chunk on this rank (``ctx``: its rank.RankContext; the chunk's attention is KVP's whatever
     ``attention``): its shard of the request, made empty by the first chunk, kept in ``ctx.shards`` for the next
     chunk and the decode. Returns, on the front, the last token's logits and the front's shard (no bytes by kind:

@@ -1,0 +1,147 @@
+"""One-shot and serving TTFT before and after a restructure, interleaved: ``kvr-prefill`` and ``kvr-serve`` of the
+default model (SmolLM2-135M-Instruct, float32, 2 ranks of 1 thread) at 4k and 16k tokens, each run from a checkout
+of the commit before (``--before``, a ``git worktree``) and from this one, the order alternating by round.
+
+    git worktree add /tmp/before a0c3433^
+    python experiments/house/timing.py --before /tmp/before --rounds 3
+
+Each tree runs as ``python -m kvrunahead.cli.*`` with its folder first on PYTHONPATH, so the ranks it starts import
+it too. Rows are appended as they are measured (a run cut short keeps them); the medians and the after / before
+ratios are printed at the end, and by ``--report``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kvrunahead import provenance
+from kvrunahead.bench.peers import MODEL, prompt_ids
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _env(tree: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+
+
+def prefill_s(tree: Path, tokens: int) -> float:
+    """A ``kvr-prefill`` of ``tokens`` from ``tree``: its reported TTFT."""
+    args = [sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--threads", "1", "--model", MODEL,
+            "--ctx", str(tokens), "--json"]
+    done = subprocess.run(args, env=_env(tree), cwd="/tmp", capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"kvr-prefill from {tree} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout[done.stdout.index("{"):])["ttft_s"]
+
+
+class Serving:
+    """``kvr-serve`` from ``tree``, answering /health."""
+
+    def __init__(self, tree: Path, port: int) -> None:
+        import httpx
+
+        args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
+                "--port", str(port)]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/house_serve_{port}.log", "w")
+        self.proc = subprocess.Popen(args, env=_env(tree), cwd="/tmp", stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"kvr-serve from {tree} exited {self.proc.returncode}: see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"kvr-serve from {tree} not up in 600 s: see {self.log.name}")
+
+    def stop(self) -> None:
+        import signal
+
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(120)
+        self.log.close()
+
+
+def _row(out: Path, **row) -> None:
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def report(out: Path) -> None:
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["tool"], r["tokens"], r["tree"]), []).append(r["ttft_s"])
+    print(f"{'tool':<12} {'tokens':>6} {'before s':>9} {'after s':>8} {'after/before':>12} runs")
+    for tool, tokens in sorted({(t, n) for t, n, _ in cells}):
+        before, after = cells.get((tool, tokens, "before"), []), cells.get((tool, tokens, "after"), [])
+        if before and after:
+            b, a = statistics.median(before), statistics.median(after)
+            print(f"{tool:<12} {tokens:>6} {b:>9.3f} {a:>8.3f} {a / b:>12.3f} {len(before)}+{len(after)}")
+
+
+@click.command()
+@click.option("--before", "before", type=click.Path(exists=True, file_okay=False), required=True,
+              help="A checkout of the commit before the change (git worktree add DIR COMMIT).")
+@click.option("--rounds", type=int, default=3, show_default=True)
+@click.option("--tokens", default="4096,16384", show_default=True)
+@click.option("--tools", default="kvr-prefill,kvr-serve", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default=str(HERE / "rows.jsonl"), show_default=True)
+@click.option("--report", "only_report", is_flag=True, help="Print the medians of the rows there and stop.")
+def main(before, rounds, tokens, tools, out, only_report) -> None:
+    out = Path(out)
+    if only_report:
+        report(out)
+        return
+    trees = {"before": Path(before).resolve(), "after": ROOT}
+    commits = {name: _git(tree, "rev-parse", "--short", "HEAD") for name, tree in trees.items()}
+    lengths = [int(t) for t in tokens.split(",")]
+    chosen = tools.split(",")
+    common = {"cpu": provenance.cpu_name(), "machine": provenance.machine(), "command": provenance.command(),
+              "model": MODEL, "dtype": "float32", "ranks": 2, "threads_per_rank": 1, "commit": commits["after"],
+              "before_commit": commits["before"]}
+    for tree in trees.values():  # untimed: the kernel built or found, the model converted, caches warm
+        prefill_s(tree, 512)
+    for rnd in range(rounds):
+        order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+        if "kvr-prefill" in chosen:
+            for n in lengths:
+                for name in order:
+                    _row(out, **common, tool="kvr-prefill", tree=name, tree_commit=commits[name], round=rnd,
+                         tokens=n, ttft_s=prefill_s(trees[name], n))
+        if "kvr-serve" in chosen:
+            from kvrunahead.bench.peers import one
+
+            for name in order:
+                server = Serving(trees[name], 8411)
+                try:
+                    one(server.url, prompt_ids(512, rnd))  # the server's first request: its one-time work
+                    for n in lengths:
+                        got = one(server.url, prompt_ids(n, rnd))
+                        _row(out, **common, tool="kvr-serve", tree=name, tree_commit=commits[name], round=rnd,
+                             tokens=n, ttft_s=got["ttft_s"], text=got["text"])
+                finally:
+                    server.stop()
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
