@@ -117,7 +117,7 @@ def main(before, rounds, tokens, tools, out, only_report) -> None:
     chosen = tools.split(",")
     common = {"cpu": provenance.cpu_name(), "machine": provenance.machine(), "command": provenance.command(),
               "model": MODEL, "dtype": "float32", "ranks": 2, "threads_per_rank": 1, "commit": commits["after"],
-              "before_commit": commits["before"]}
+              "before_commit": commits["before"], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for tree in trees.values():  # untimed: the kernel built or found, the model converted, caches warm
         prefill_s(tree, 512)
     for rnd in range(rounds):
