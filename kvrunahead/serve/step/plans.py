@@ -92,29 +92,45 @@ class Prompt(Segment):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Scorable(Prompt):
+class Cut(Prompt):
+    """A prompt or chunk cut over the ranks at ``cuts``, its rank boundaries (absolute positions, ``cuts[0] ==
+    start``, ``cuts[-1] == end``): rank r computes [cuts[r], cuts[r+1])."""
+
+    CUT_REQUIRED: ClassVar[bool] = True  # whether the way always has its cuts
+    cuts: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cuts = self.cuts
+        if cuts is None:
+            if self.CUT_REQUIRED:
+                raise ValueError(f"the {self.way()} is cut at its cuts")
+        elif cuts[0] != self.start or cuts[-1] != self.end:
+            raise ValueError("a segment's cuts run from its start to its end")
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return self.cuts or (self.start, self.end)
+
+    def part(self, rank: int, world_size: int) -> tuple[int, int]:
+        return self.cuts[rank], self.cuts[rank + 1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scorable(Cut):
     """A prompt or chunk that may be scored (``score``): every rank scores its own part's positions against the
     tokens that follow them (the LM head on each position, in the same forward, model/forward.py ``Scoring``),
     ``follows`` being the prompt's token after a chunk; the front gathers them. A scored segment holds nothing
-    before it on the front (no prefix cache: a cached position has no logits). ``cuts``: its rank boundaries
-    (absolute positions, ``cuts[0] == start``, ``cuts[-1] == end``)."""
+    before it on the front (no prefix cache: a cached position has no logits)."""
 
     HOLDS: ClassVar[tuple[str, ...]] = (NOWHERE, FRONT, RANKS)
-    cuts: tuple[int, ...] | None = None
     score: int | None = None  # the prompt's log-probabilities with this many alternatives; None: none
     follows: int | None = None  # the prompt's token after this segment (a chunk's), scored by its last position
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        cuts = self.cuts
-        if cuts is not None and (cuts[0] != self.start or cuts[-1] != self.end):
-            raise ValueError("a segment's cuts run from its start to its end")
         if self.score is not None and self.held == FRONT:
             raise ValueError("a scored segment holds nothing on the front alone")
-
-    @property
-    def bounds(self) -> tuple[int, ...]:
-        return self.cuts or (self.start, self.end)
 
     def targets(self, start: int, end: int) -> list[int]:
         """The tokens that positions [start, end) of this segment predict: the next ones of the prompt (none after
@@ -130,6 +146,7 @@ class Alone(Scorable):
     """The front (one rank, or one TP group) computes every token. ``cuts``, if any, say where the chain would
     have cut: every part but the last empty (a chunk shorter than the ranks)."""
 
+    CUT_REQUIRED: ClassVar[bool] = False
     KEEPS: ClassVar[tuple[str, ...]] = (FRONT, RANKS)
 
     def __post_init__(self) -> None:
@@ -147,14 +164,6 @@ class Chain(Scorable):
 
     KEEPS: ClassVar[tuple[str, ...]] = (FRONT, RANKS, SHARDED)
 
-    def __post_init__(self) -> None:
-        if self.cuts is None:
-            raise ValueError("the chain is cut at its cuts")
-        super().__post_init__()
-
-    def part(self, rank: int, world_size: int) -> tuple[int, int]:
-        return self.cuts[rank], self.cuts[rank + 1]
-
 
 def over(cuts) -> type[Chain] | type[Alone]:
     """The way of a prompt or chunk cut at ``cuts``: over the chain, or on the front alone where every part but
@@ -163,29 +172,19 @@ def over(cuts) -> type[Chain] | type[Alone]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Peer(Prompt):
+class Peer(Cut):
     """A whole prompt through one of the peer prefills of modes/ (``peer``: tsp, ring, cp-allgather), cut by its
     own partition (``cuts``); ring attention's is kept nowhere (its K,V stay where they were made)."""
 
     KEEPS: ClassVar[tuple[str, ...]] = (FRONT, NOWHERE)
     peer: str
-    cuts: tuple[int, ...]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.peer not in PEERS:
             raise ValueError(f"a peer prefill is one of {', '.join(PEERS)}, not {self.peer!r}")
-        if self.cuts[0] != self.start or self.cuts[-1] != self.end:
-            raise ValueError("a segment's cuts run from its start to its end")
         if self.keep == NOWHERE and self.peer != "ring":
             raise ValueError("of the peers only ring attention keeps nothing")
-
-    @property
-    def bounds(self) -> tuple[int, ...]:
-        return self.cuts
-
-    def part(self, rank: int, world_size: int) -> tuple[int, int]:
-        return self.cuts[rank], self.cuts[rank + 1]
 
 
 @dataclass(frozen=True, kw_only=True)
