@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from kvrunahead import provenance
-from kvrunahead.bench.peers import MODEL, prompt_ids
+from kvrunahead.bench.peers import MODEL, Server, one, prompt_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -47,36 +47,11 @@ def prefill_s(tree: Path, tokens: int) -> float:
     return json.loads(done.stdout[done.stdout.index("{"):])["ttft_s"]
 
 
-class Serving:
-    """``kvr-serve`` from ``tree``, answering /health."""
-
-    def __init__(self, tree: Path, port: int) -> None:
-        import httpx
-
-        args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
-                "--port", str(port)]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(f"/tmp/house_serve_{port}.log", "w")
-        self.proc = subprocess.Popen(args, env=_env(tree), cwd="/tmp", stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"kvr-serve from {tree} exited {self.proc.returncode}: see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"kvr-serve from {tree} not up in 600 s: see {self.log.name}")
-
-    def stop(self) -> None:
-        import signal
-
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(120)
-        self.log.close()
+def serving(tree: Path, name: str, port: int) -> Server:
+    """``kvr-serve`` from ``tree``, answering /health (its output in /tmp/server_kvr-NAME.log)."""
+    args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
+            "--port", str(port)]
+    return Server(f"kvr-{name}", port, log_dir="/tmp", command=(args, _env(tree)))
 
 
 def _row(out: Path, **row) -> None:
@@ -128,10 +103,8 @@ def main(before, rounds, tokens, tools, out, only_report) -> None:
                     _row(out, **common, tool="kvr-prefill", tree=name, tree_commit=commits[name], round=rnd,
                          tokens=n, ttft_s=prefill_s(trees[name], n))
         if "kvr-serve" in chosen:
-            from kvrunahead.bench.peers import one
-
             for name in order:
-                server = Serving(trees[name], 8411)
+                server = serving(trees[name], name, 8411)
                 try:
                     one(server.url, prompt_ids(512, rnd))  # the server's first request: its one-time work
                     for n in lengths:

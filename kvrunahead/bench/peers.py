@@ -65,10 +65,12 @@ def server_command(server: str, port: int, kvr_args: tuple[str, ...] = (), dtype
 
 class Server:
     def __init__(self, server: str, port: int, kvr_args: tuple[str, ...] = (), dtype: str = "float32",
-                 env: dict | None = None, log_dir: Path | str = ".") -> None:
+                 env: dict | None = None, log_dir: Path | str = ".", command: tuple[list[str], dict] | None = None
+                 ) -> None:
         """Started and answering /health (``env``: more environment variables for it; its output in
-        ``log_dir``/server_NAME.log)."""
-        args, base = server_command(server, port, kvr_args, dtype)
+        ``log_dir``/server_NAME.log). ``command``: the arguments and environment to start it with instead of
+        ``server``'s own (another checkout's kvr-serve, say)."""
+        args, base = command or server_command(server, port, kvr_args, dtype)
         env = {**base, **(env or {})}
         self.command = " ".join(args)
         self.url = f"http://127.0.0.1:{port}"
