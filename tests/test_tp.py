@@ -35,14 +35,16 @@ def _verified(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("model,dtype", [("tiny-llama", "float32"), ("tiny-gemma3", "float32"),
-                                         ("tiny-llama", "bfloat16"), ("tiny-mistral", "float32")])
+                                         ("tiny-llama", "bfloat16"), ("tiny-mistral", "float32"),
+                                         ("tiny-phi3", "float32"), ("tiny-phi3", "bfloat16"),
+                                         ("tiny-neox", "float32")])
 def test_one_tp_group_of_two_verifies(model, dtype):
     out = _verified("--model", model, "--dtype", dtype, "--nproc", "2", "--tp", "2", "--ctx", "300",
                     "--max-new-tokens", "8")
     assert out["tp"] == 2 and out["world_size"] == 1
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-neox"])
 def test_kvr_chain_of_two_tp_groups_verifies(model):
     out = _verified("--model", model, "--nproc", "4", "--tp", "2", "--ctx", "400", "--partition", "0.6,0.4",
                     "--max-new-tokens", "8")
@@ -63,7 +65,7 @@ def test_the_peers_over_tp_groups_verify(mode):
     (("--nproc", "2", "--tp", "3"), "--tp 3 does not divide --nproc 2"),
     (("--nproc", "3", "--tp", "3"), "4 query heads in 2 K,V groups do not split over 3 ranks"),
     (("--nproc", "2", "--tp", "2", "--model", "tiny-falcon"), "falcon ships no tensor-parallel plan"),
-    (("--nproc", "2", "--tp", "2", "--model", "tiny-neox"), "its layout does not follow the head count"),
+    (("--nproc", "2", "--tp", "2", "--model", "tiny-bigcode"), "gpt_bigcode ships no tensor-parallel plan"),
     (("--nproc", "2", "--tp", "2", "--mode", "spp"), "mode 'spp' does not run over TP groups"),
 ])
 def test_bad_tp_shapes_are_one_line_and_exit_2_before_any_rank_starts(args, says):
@@ -99,6 +101,18 @@ def test_kvr_serve_tp_2_streams_kvr_prefill_greedy_text_to_the_openai_client(tmp
     assert any("TP group(s) of 2" in line for line in server.lines)
 
 
+@pytest.mark.parametrize("nproc", ["2", "4"])
+def test_packed_prompts_over_tp_groups_verify(tmp_path, nproc):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT[:90], PROMPT[10:200], "Hi.")))
+    r = _prefill("--model", "tiny-llama", "--prompts", str(prompts), "--nproc", nproc, "--tp", "2", "--verify",
+                 "--threads", "1", "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["world_size"] == int(nproc) // 2  # TP groups, not ranks holding the whole model
+    assert all(p["matches"] for p in out["prompts"]) and len(out["steps"]) == 1
+
+
 def test_heads_split_by_kv_group_and_replicated_where_fewer():
     from kvrunahead.model.load import PRESETS
     from kvrunahead.model.tp import Share, shares
@@ -128,6 +142,25 @@ def test_a_shard_holds_its_share_of_the_weights_and_reads_only_it():
     assert torch.equal(s.mlp.down_proj.weight, w.mlp.down_proj.weight[:, 64:])
 
 
+@pytest.mark.parametrize("model,layer", [("tiny-phi3", "self_attn.qkv_proj"), ("tiny-phi3", "mlp.gate_up_proj"),
+                                         ("tiny-neox", "attention.query_key_value")])
+def test_a_fused_projection_is_cut_part_by_part(model, layer):
+    from kvrunahead.model.load import load_model
+    from kvrunahead.model.tp import TpSpec
+
+    whole = load_model(model, torch.float32, torch.device("cpu")).model.base_model.layers[0].get_submodule(layer)
+    got = load_model(model, torch.float32, torch.device("cpu"), tp=TpSpec(1, 2)).model.base_model.layers[0] \
+        .get_submodule(layer)
+    w = whole.weight  # tiny-phi3: 4 query heads of 16 in 2 K,V groups; tiny-neox: 4 heads; MLP 128 rows
+    if layer == "self_attn.qkv_proj":  # q heads 2, 3; K,V head 1 of k, of v
+        expected = torch.cat([w[32:64], w[64 + 16:64 + 32], w[96 + 16:96 + 32]])
+    elif layer == "mlp.gate_up_proj":  # the second half of gate, of up
+        expected = torch.cat([w[64:128], w[128 + 64:]])
+    else:  # [q, k, v] of heads 2 and 3, one block
+        expected = w[2 * 48:]
+    assert torch.equal(got.weight, expected)
+
+
 def test_the_safetensors_shard_read_equals_the_whole_tensor_cut(tmp_path):
     from safetensors.torch import save_file
 
@@ -135,9 +168,41 @@ def test_the_safetensors_shard_read_equals_the_whole_tensor_cut(tmp_path):
 
     a, b = torch.randn(10, 7), torch.randn(6, 9).to(torch.bfloat16)
     save_file({"a": a, "b": b}, tmp_path / "model.safetensors")
-    cuts = {"a": (0, 3, 8), "b": (1, 2, 5)}
+    cuts = {"a": (0, ((3, 8),)), "b": (1, ((2, 5),))}
     got = dict(safetensors_shard(tmp_path)(lambda k: cuts[k]))
     assert torch.equal(got["a"], a[3:8]) and torch.equal(got["b"], b[:, 2:5])
+    cuts = {"a": (0, ((0, 2), (5, 7))), "b": (1, ((0, 1), (4, 9)))}  # a fused projection's parts
+    got = dict(safetensors_shard(tmp_path)(lambda k: cuts[k]))
+    assert torch.equal(got["a"], torch.cat([a[:2], a[5:7]]))
+    assert torch.equal(got["b"], torch.cat([b[:, :1], b[:, 4:]], 1))
+
+
+def test_no_tp_rank_holds_the_whole_model_at_any_point():
+    """The default model at --tp 2 without --verify: each rank's weights are its shard's (counted on the meta
+    device), and its resident size never grew by more than those weights, their packed copies and the prefill's
+    work; a rank that loaded the whole model (the reference, or a report) would grow by the whole model's."""
+    from kvrunahead.model.load import DEFAULT_MODEL, resolve_config
+    from kvrunahead.model.tp import ShardBuilder, TpSpec
+
+    r = _prefill("--nproc", "2", "--tp", "2", "--ctx", "300", "--max-new-tokens", "4", "--threads", "1",
+                 "--dtype", "float32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    memory = json.loads(r.stdout)["memory"]
+    assert [(m["rank"], m["group"], m["tp_rank"]) for m in memory] == [(0, 0, 0), (1, 0, 1)]
+    config = resolve_config(DEFAULT_MODEL)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+        whole = AutoModelForCausalLM.from_config(config)
+    full = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
+    whole_bytes = sum(p.numel() for p in {id(p): p for p in whole.parameters()}.values()) * 4
+    linears = sum(m.weight.numel() for m in whole.modules() if isinstance(m, torch.nn.Linear)) * 4
+    for m in memory:
+        shard, _ = ShardBuilder(config, TpSpec(m["tp_rank"], 2)).cuts(torch.device("meta"), full)
+        assert m["weight_bytes"] == sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()) * 4
+        assert m["weight_bytes"] < whole_bytes
+        grown = m["peak_resident_bytes"] - m["resident_before_load_bytes"]
+        assert grown <= m["weight_bytes"] + m["packed_bytes"] + (96 << 20), m
+        assert grown < whole_bytes + linears, m  # what the whole model and its packed linears would take
 
 
 def _shm_rank(rank: int, port: int, out) -> None:

@@ -71,6 +71,10 @@ def format_result(r: RunResult) -> str:
             + f"   ({r.sliding_layers} sliding-window layers hand on their window only; with every layer "
             f"full the chain would send {_mib(r.full_chain_bytes)}: {sent / max(r.full_chain_bytes, 1):.1%} of it)"
         )
+    if r.memory and r.tp > 1:
+        lines += [f"memory       rank {m.rank} (group {m.group}, tp {m.tp_rank}): weights {_mib(m.weight_bytes)} "
+                  f"(+ {_mib(m.packed_bytes)} packed), resident peak {_mib(m.peak_resident_bytes)} "
+                  f"({_mib(m.resident_before_load_bytes)} before loading)" for m in r.memory]
     lines.append(f"first token  {r.first_token} {r.first_token_text!r}")
     lines.append(f"generated    {r.generated_text!r}")
     if r.decode_s is not None and len(r.generated_tokens) > 1:
@@ -255,11 +259,10 @@ def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, n
         raise InputError("--prompts is a batch of whole prompts: --ctx and --prompt-file do not apply")
     texts = common.read_prompts_file(prompts_file)
     cfg = RunConfig(context_len=None, chat=not no_chat, **options)
-    if cfg.tp > 1:
-        raise InputError("--prompts does not run over TP groups yet: give one prompt (--ctx or --prompt-file)")
     world_size = world_size_hint(launcher, nproc)
     common.check_nproc(nproc, launcher, world_size)
     check_batch(cfg, batching, world_size)
+    tp_groups(cfg, world_size)  # a bad TP shape: one line, before any rank starts
     if launcher == "single" and nproc > 1:
         sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
     return run_batch(cfg, launcher, world_size, tokenize_prompts(cfg, texts), batching, step_tokens)

@@ -106,12 +106,36 @@ def peak_memory_bytes(device: torch.device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+_RESIDENT = {"peak": 0}  # the highest resident size of this process before the last reset of its peak
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def resident_bytes() -> int:
+    """This process's resident size now (Linux's VmRSS; 0 where it is not known)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def lifetime_peak_resident_bytes() -> int:
+    """This process's highest resident size since it started, across the resets of ``reset_peak_memory``."""
+    now = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(_RESIDENT["peak"], now)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start the peak over (before a timed prefill): a process that ran other prefills, or loaded the whole model
-    before a pipeline stage's, reports this one's peak."""
+    before a pipeline stage's, reports this one's peak (the lifetime peak is kept, for
+    ``lifetime_peak_resident_bytes``)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    _RESIDENT["peak"] = lifetime_peak_resident_bytes()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident size

@@ -77,6 +77,11 @@ def prepack(model: torch.nn.Module) -> int:
     return count
 
 
+def packed_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the packed copies ``prepack`` keeps beside the weights."""
+    return sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, PackedLinear))
+
+
 def unpack(model: torch.nn.Module) -> None:
     """Back to plain ``nn.Linear`` (before ``torch.compile``)."""
     for module in model.modules():

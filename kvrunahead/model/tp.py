@@ -7,8 +7,12 @@ and what it leaves out (the embedding, the final norm, the LM head) every rank h
 
 The shard is the model's own class built from a config cut to the rank's share (its query and K,V head counts,
 its MLP width, the head size fixed), so the model's forward, masks and ``DynamicCache`` run as they do for the whole
-model, on fewer heads. A layout whose shapes do not follow those counts (GPT-NeoX's fused q,k,v of width
-3 x hidden) is found by comparing the built shard with the plan, and refused in one line.
+model, on fewer heads. Fused projections are cut part by part (``FUSED``): Phi-3's ``qkv_proj`` stacks q, k and v
+and its ``gate_up_proj`` gate and up, each part cut to the rank's heads or rows; GPT-NeoX's ``query_key_value``
+interleaves [q, k, v] head by head, so a rank's heads are one block of rows. GPT-NeoX sizes its attention from the
+hidden size (hidden / heads), so its shard's attention is refitted to the kept head size (``REFIT``). A layout whose
+shapes follow neither its head counts nor a known fusion is found by comparing the built shard with the plan, and
+refused in one line.
 
 Heads are cut by K,V group: with at least as many K,V heads as ranks each rank takes whole groups (as evenly as
 they go: SmolLM2's 3 K,V heads over 2 ranks are 2 and 1, so 6 and 3 query heads); with fewer, each K,V head is
@@ -34,6 +38,25 @@ from kvrunahead.model.stage import DTYPES, safetensors_entries
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 WHOLE = ("replicated_with_grad_allreduce", "embedding_rowwise")  # styles every rank keeps whole here
+# transformers' styles whose output is gathered (or whose input split) around a colwise (rowwise) cut: here the
+# colwise output stays on its rank and the rowwise input is that output, the same sum as Megatron's
+GATHERED = {"colwise_gather_output": COLWISE, "rowwise_split_input": ROWWISE}
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A projection whose output rows stack several parts, each in units of a query head (``q``), a K,V head
+    (``kv``) or an MLP row (``mlp``), in order; ``per_head``: the parts interleaved head by head instead (GPT-NeoX's
+    [q_h, k_h, v_h] for every head h, which needs as many K,V heads as query heads)."""
+
+    parts: tuple[str, ...]
+    per_head: bool = False
+
+
+FUSED = {  # model type -> the base model's module name (its tail) -> how its rows stack
+    "phi3": {"self_attn.qkv_proj": Fused(("q", "kv", "kv")), "mlp.gate_up_proj": Fused(("mlp", "mlp"))},
+    "gpt_neox": {"attention.query_key_value": Fused(("q", "kv", "kv"), per_head=True)},
+}
 
 
 @dataclass(frozen=True)
@@ -68,11 +91,12 @@ def tp_plan(config: PretrainedConfig) -> dict[str, str]:
     if not plan:
         raise NotImplementedError(f"{config.model_type} ships no tensor-parallel plan (base_model_tp_plan); "
                                   "--tp cannot cut it")
+    plan = {pattern: GATHERED.get(style, style) for pattern, style in plan.items()}
     odd = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE, *WHOLE)})
     if odd:
-        raise NotImplementedError(f"{config.model_type}'s tensor-parallel plan cuts with {', '.join(odd)} (fused "
-                                  "projections); --tp cuts colwise and rowwise projections only")
-    return dict(plan)
+        raise NotImplementedError(f"{config.model_type}'s tensor-parallel plan cuts with {', '.join(odd)}; --tp "
+                                  "cuts colwise and rowwise projections only")
+    return plan
 
 
 def shares(config: PretrainedConfig, tp: int) -> list[Share]:
@@ -137,11 +161,13 @@ def _style(plan: dict[str, str], key: str) -> tuple[str | None, str]:
     return None, module
 
 
+Where = tuple[int, tuple[tuple[int, int], ...]]  # a shard's dim and its [first, last) ranges along it, in order
+
+
 def _cut(key: str, full: tuple[int, ...], shard: tuple[int, ...], plan: dict[str, str], share: Share,
-         head_dim: int, heads: int) -> tuple[int, int, int] | None:
-    """Where a checkpoint tensor's shard lies: (dim, first, last), or None where the rank keeps it whole.
-    ValueError where the built shard's shape is not what the plan and the share say (a layout the cut does not
-    know)."""
+         config: PretrainedConfig, head_dim: int) -> Where | None:
+    """Where a checkpoint tensor's shard lies: (dim, ranges), or None where the rank keeps it whole. ValueError
+    where the built shard's shape is not what the plan and the share say (a layout the cut does not know)."""
     style, module = _style(plan, key)
     if style not in (COLWISE, ROWWISE) or (style == ROWWISE and key.endswith(".bias")):
         if tuple(full) != tuple(shard):
@@ -150,16 +176,49 @@ def _cut(key: str, full: tuple[int, ...], shard: tuple[int, ...], plan: dict[str
         return None
     dim = 0 if style == COLWISE else 1
     size = full[dim]
-    if "mlp" in module:
-        first, last = share.mlp
-    elif size == heads * head_dim:  # the query heads' rows (q), or their columns (o)
-        first, last = share.q[0] * head_dim, share.q[1] * head_dim
-    else:  # a K,V head's rows (k, v)
-        first, last = share.kv[0] * head_dim, share.kv[1] * head_dim
-    if last - first != shard[dim] or last > size:
+    text = _text(config)
+    heads = text.num_attention_heads
+    units = {"q": (heads * head_dim, share.q, head_dim),
+             "kv": ((getattr(text, "num_key_value_heads", None) or heads) * head_dim, share.kv, head_dim),
+             "mlp": (getattr(text, "intermediate_size", None) or 4 * text.hidden_size, share.mlp, 1)}
+    fused = next((f for tail, f in FUSED.get(config.model_type, {}).items() if module.endswith(tail)), None)
+    if fused is not None and fused.per_head:  # the parts of one head side by side: the rank's heads, one block
+        block = sum(units[part][2] for part in fused.parts)
+        ranges, whole = ((share.q[0] * block, share.q[1] * block),), heads * block
+    elif fused is not None:  # the parts one after another: each part's own rows of this rank
+        ranges, whole = [], 0
+        for part in fused.parts:
+            total, (first, last), unit = units[part]
+            ranges.append((whole + first * unit, whole + last * unit))
+            whole += total
+    else:
+        part = "mlp" if "mlp" in module else "q" if size == units["q"][0] else "kv"  # q rows or o columns; k, v
+        total, (first, last), unit = units[part]
+        ranges, whole = ((first * unit, last * unit),), total
+    if sum(b - a for a, b in ranges) != shard[dim] or whole != size:
         raise ValueError(f"{key} ({tuple(full)}) does not cut to the shard's {tuple(shard)}: its layout does not "
-                         "follow the head count")
-    return dim, first, last
+                         "follow the head count" + ("" if fused else " (a fused projection --tp does not know)"))
+    return dim, tuple(ranges)
+
+
+def _refit_neox(model: torch.nn.Module, head_dim: int) -> None:
+    """GPT-NeoX's attention sizes its heads as hidden / heads: refit each layer's to the kept head size, its fused
+    q,k,v and its output to the rank's heads."""
+    for layer in model.base_model.layers:
+        a = layer.attention
+        heads = _text(model.config).num_attention_heads
+        a.rotary_ndims = int(head_dim * a.rotary_ndims / a.head_size)
+        a.head_size, a.scaling = head_dim, head_dim ** -0.5
+        a.query_key_value = _linear(a.query_key_value, a.query_key_value.in_features, 3 * heads * head_dim)
+        a.dense = _linear(a.dense, heads * head_dim, a.dense.out_features)
+
+
+def _linear(like: torch.nn.Linear, inputs: int, outputs: int) -> torch.nn.Linear:
+    w = like.weight
+    return torch.nn.Linear(inputs, outputs, bias=like.bias is not None, device=w.device, dtype=w.dtype)
+
+
+REFIT = {"gpt_neox": _refit_neox}  # families whose shard's modules do not follow a cut config alone
 
 
 @dataclass
@@ -180,13 +239,15 @@ class ShardBuilder:
         """The shard's empty model on ``device`` and, per checkpoint tensor it holds, where its part lies."""
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(self.cut, dtype=dtype, attn_implementation=attn_implementation)
+        if self.config.model_type in REFIT:
+            REFIT[self.config.model_type](model, self.head_dim)
         state = model.state_dict()
         cuts = {}
         for key, shape in full_shapes.items():
             if key in state:
                 try:
-                    cuts[key] = _cut(key, shape, tuple(state[key].shape), self.plan, self.share, self.head_dim,
-                                     _text(self.config).num_attention_heads)
+                    cuts[key] = _cut(key, shape, tuple(state[key].shape), self.plan, self.share, self.config,
+                                     self.head_dim)
                 except ValueError as e:
                     raise NotImplementedError(f"--tp cannot cut {self.config.model_type}: {e}") from None
         return model, cuts
@@ -233,7 +294,8 @@ def cut_tensors(tensors: Iterator[tuple[str, torch.Tensor]]):
             where = cut_of(key)
             if where == "skip":
                 continue
-            yield key, tensor if where is None else tensor.narrow(where[0], where[1], where[2] - where[1])
+            yield key, tensor if where is None else torch.cat([tensor.narrow(where[0], a, b - a) for a, b in where[1]],
+                                                              where[0])
     return cut
 
 
@@ -253,24 +315,27 @@ def safetensors_shard(folder: Path):
     return read
 
 
-def _read(f, offset: int, meta: dict, where: tuple[int, int, int] | None) -> torch.Tensor:
+def _read(f, offset: int, meta: dict, where: Where | None) -> torch.Tensor:
     dtype, shape = DTYPES[meta["dtype"]], list(meta["shape"])
     item = torch.empty((), dtype=dtype).element_size()
-    if where is None or where[0] == 0:  # whole, or whole rows: one contiguous read
-        first, last = (0, shape[0] if shape else 1) if where is None else where[1:]
+    if where is None or where[0] == 0:  # whole, or whole rows: one contiguous read a range
+        ranges = ((0, shape[0] if shape else 1),) if where is None else where[1]
         row = item * math.prod(shape[1:])
-        out = torch.empty([last - first, *shape[1:]] if shape else [], dtype=dtype)
-        f.seek(offset + first * row)
-        f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else bytearray())
-        return out
-    _, first, last = where  # columns of a matrix: blocks of whole rows, each cut
-    rows, cols = shape
-    out = torch.empty((rows, last - first), dtype=dtype)
+        parts = []
+        for first, last in ranges:
+            out = torch.empty([last - first, *shape[1:]] if shape else [], dtype=dtype)
+            f.seek(offset + first * row)
+            f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else bytearray())
+            parts.append(out)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    rows, cols = shape  # columns of a matrix: blocks of whole rows, each cut
+    widths = [(a, b) for a, b in where[1]]
+    out = torch.empty((rows, sum(b - a for a, b in widths)), dtype=dtype)
     block = max(1, ROW_BLOCK_BYTES // (cols * item))
     buf = torch.empty((block, cols), dtype=dtype)
     f.seek(offset)
     for a in range(0, rows, block):
         n = min(block, rows - a)
         f.readinto(memoryview(buf[:n].view(torch.uint8).numpy()).cast("B"))
-        out[a:a + n] = buf[:n, first:last]
+        out[a:a + n] = torch.cat([buf[:n, first:last] for first, last in widths], 1)
     return out

@@ -42,6 +42,7 @@ from kvrunahead.oneshot.batch import (
 )
 from kvrunahead.oneshot.runner import Ran, RunResult, finish_result, leave_world, prefill_on_world
 from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
+from kvrunahead.ranks.mesh import chain_world
 from kvrunahead.serve import asking
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
@@ -127,7 +128,7 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         record = engine.prefills[-1]
         lm, layout = engine.ctx.model(prepared.rope)
         weights = weight_bytes(lm.model) if world.tp > 1 else None
-        if world.tp > 1:  # a TP rank holds a shard: the whole model for the report, on the front alone
+        if world.tp > 1 and cfg.verify:  # a TP rank holds a shard: the reference's whole model, on the front alone
             lm = engine.rank_setup.whole(cfg, prepared.rope)
             layout = probe_kv_layout(lm.model)
         ran = Ran(world, prepared, lm, layout, engine.ctx.transport, next(lm.model.parameters()).dtype,
@@ -190,7 +191,7 @@ def run_batch(cfg: RunConfig, launcher: str, world_size: int, prompts: list[list
     """Join the ranks, run the batch, leave together; the last rank returns the result."""
     check_batch(cfg, batching, world_size)
     device = resolve_device(cfg.device, local_rank_hint())
-    world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
+    world = chain_world(init_world(launcher, pick_backend(device), cfg.timeout_s, device), cfg.tp)  # TP groups
     try:
         return batch_on_world(cfg, world, prompts, batching, step_tokens)  # its engine's ranks leave together
     finally:
@@ -253,7 +254,10 @@ def _batch(cfg: RunConfig, engine: Engine, prompts: list[list[int]], order: list
                                     ctx.lm.decode(tokens), first_logits[f"prompt-{i}"]))
     atol = None
     if cfg.verify:
-        atol = verify_prompts(lambda n: ctx.model(_rope(cfg, n))[0], prompts, results, cfg.max_new_tokens)
+        # the reference: the model as one process runs it (with --tp the whole model, on the front alone)
+        reference = (lambda n: engine.rank_setup.whole(cfg, _rope(cfg, n))) if ctx.tp > 1 else \
+            (lambda n: ctx.model(_rope(cfg, n))[0])
+        atol = verify_prompts(reference, prompts, results, cfg.max_new_tokens)
     dtype = next(ctx.lm.model.parameters()).dtype
     return BatchResult(cfg.model, batching, p, str(ctx.device), str(dtype).removeprefix("torch."), ctx.threads,
                        oversubscribed(ctx.threads, engine.world.local_world_size), step_tokens, steps,

@@ -35,7 +35,7 @@ from kvrunahead.ranks import launcher
 from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
 from kvrunahead.ranks.mesh import chain_world
 from kvrunahead.ranks.setup import forget_transports, set_up_rank
-from kvrunahead.ranks.stats import RankStats, rank_stats
+from kvrunahead.ranks.stats import RankMemory, RankStats, rank_memory, rank_stats
 from kvrunahead.ranks.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class RunResult:
     compiled: bool = False  # the decoder stack ran through torch.compile (--compile)
     tp: int = 1  # ranks per TP group (world_size counts groups)
     weight_bytes: int | None = None  # with --tp: the weights one rank of the emitting group holds
+    memory: list[RankMemory] | None = None  # every rank's weights and resident size over the run (kvr-prefill)
     verification: Verification | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
@@ -140,7 +141,12 @@ def run(cfg: RunConfig, launcher: str, world_size: int, on_world=None) -> RunRes
     device = resolve_device(cfg.device, local_rank_hint())
     world = init_world(launcher, pick_backend(device), cfg.timeout_s, device)
     try:
-        result = (on_world or prefill_on_world)(cfg, chain_world(world, cfg.tp))  # with --tp: a chain of TP groups
+        chain = chain_world(world, cfg.tp)  # with --tp: a chain of TP groups
+        result = (on_world or prefill_on_world)(cfg, chain)
+        memory = liveness.gather_objects(rank_memory(chain.global_rank, chain.rank, chain.tp_rank),
+                                         "every rank's memory report")
+        if isinstance(result, RunResult):
+            result.memory = sorted(memory, key=lambda m: m.rank)
         # rank 0 hosts the rendezvous store: a rank that left while the last one still decodes or verifies would
         # take the store of its heartbeat away (torch prints a C++ trace for it), so the ranks leave together
         liveness.patient_barrier("the emitting rank to finish its report")
@@ -186,7 +192,7 @@ def prefill_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         return None
     decode_s = time.perf_counter() - t0
     weights = weight_bytes(lm.model) if world.tp > 1 else None
-    if stage is not None or world.tp > 1:  # --verify runs the whole model: loaded after the timing, on this rank
+    if stage is not None or (world.tp > 1 and cfg.verify):  # the reference: the whole model, after the timing
         del cache
         lm = rs.whole(cfg, prepared.rope)
         layout = probe_kv_layout(lm.model)

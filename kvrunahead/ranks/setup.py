@@ -9,8 +9,16 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.model.compiled import COMPILE_WAIT_S, compile_model
-from kvrunahead.model.device import config_dtype, default_threads, resolve_device, resolve_dtype
+from kvrunahead.model.device import (
+    config_dtype,
+    default_threads,
+    resident_bytes,
+    resolve_device,
+    resolve_dtype,
+    weight_bytes,
+)
 from kvrunahead.model.layout import KVLayout, probe_kv_layout
+from kvrunahead.model.linears import packed_bytes
 from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec
@@ -18,6 +26,7 @@ from kvrunahead.model.tp import TpSpec
 from kvrunahead.net.spec import parse_net
 from kvrunahead.ranks.launcher import World, pick_backend
 from kvrunahead.ranks.mesh import TpCollective, forget_collectives, tp_collective
+from kvrunahead.ranks.stats import LOADS
 from kvrunahead.ranks.transport import Transport, make_transport
 
 _MODELS: dict = {}
@@ -81,8 +90,12 @@ def loaded_model(name: str, dtype: torch.dtype, device: torch.device, seed: int,
     key = (name, dtype, str(device), seed, rope, stage, compiled, tp)
     if key not in _MODELS:
         _MODELS.clear()
+        if LOADS["before"] is None:
+            LOADS["before"] = resident_bytes()
         _MODELS[key] = load_model(name, dtype, device, seed=seed, rope=rope, stage=stage, tp=tp,
                                   collective=collective)
+        if weight_bytes(_MODELS[key].model) > LOADS["weights"]:
+            LOADS.update(weights=weight_bytes(_MODELS[key].model), packed=packed_bytes(_MODELS[key].model))
         if compiled:
             compile_model(_MODELS[key].model)
     return _MODELS[key]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrunahead.model.device import peak_memory_bytes
+from kvrunahead.model.device import lifetime_peak_resident_bytes, peak_memory_bytes
 from kvrunahead.ranks.transport import Transport
 
 
@@ -49,3 +49,28 @@ def rank_stats(rank: int, mine: list[tuple[int, int]], total_s: float, transport
         peak_mem_bytes=peak_memory_bytes(device),
         bytes_sent_by_kind=dict(getattr(state, "bytes_sent_by_kind", {})),
     )
+
+
+@dataclass
+class RankMemory:
+    """What one rank held over a whole run (every rank of every TP group): the bytes of the largest model it
+    loaded (with --tp its shard; the whole model too where ``--verify`` loaded it for the reference) and that model's
+    oneDNN-packed copies of its linears (model/linears.py: beside the weights), its resident size before any model
+    was loaded and its highest resident size since it started."""
+
+    rank: int  # the global rank
+    group: int  # its place in the chain (its TP group)
+    tp_rank: int
+    weight_bytes: int
+    packed_bytes: int
+    resident_before_load_bytes: int
+    peak_resident_bytes: int
+
+
+# this process's resident size before its first model; its largest model's weights, and their packed copies
+LOADS = {"before": None, "weights": 0, "packed": 0}
+
+
+def rank_memory(rank: int, group: int, tp_rank: int) -> RankMemory:
+    return RankMemory(rank, group, tp_rank, LOADS["weights"], LOADS["packed"], LOADS["before"] or 0,
+                      lifetime_peak_resident_bytes())
