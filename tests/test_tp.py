@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.test_serve_cli import COMPILED, ENV, PROMPT, ROOT, serving
+from tests.test_serve_cli import COMPILED, ENV, PROMPT, ROOT, _metric, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -111,6 +111,36 @@ def test_packed_prompts_over_tp_groups_verify(tmp_path, nproc):
     out = json.loads(r.stdout)
     assert out["world_size"] == int(nproc) // 2  # TP groups, not ranks holding the whole model
     assert all(p["matches"] for p in out["prompts"]) and len(out["steps"]) == 1
+
+
+def _one_process_text(tmp_path, prompt: str, tokens: int) -> str:
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt)
+    r = _prefill("--model", "tiny-llama", "--prompt-file", str(path), "--no-chat", "--max-new-tokens", str(tokens))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["generated_text"]
+
+
+@pytest.mark.skipif(bool(COMPILED), reason="--compile does not run with --tp (KVR_TEST_COMPILE=1 compiles servers)")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_prefix_cache_over_tp_groups_gives_one_process_text(tmp_path, nproc):
+    """The server's prefix cache under --tp (its default size): a prompt again (answered whole from the cache,
+    n choices of one prefill), a prompt starting the same way (its new tokens after the cached K,V, on one group
+    or over the chain), each giving one process's greedy text; every TP rank keeps its own heads of each entry."""
+    longer = PROMPT + "And then the fox ran away into the forest."
+    expected = {p: _one_process_text(tmp_path, p, 10) for p in (PROMPT, longer)}
+    with serving("--tp", "2", "--threads", "1", nproc=nproc) as server:
+        url = server.url(timeout_s=200)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=120)
+        ask = lambda p, **kw: api.completions.create(model="tiny-llama", prompt=p, max_tokens=10,  # noqa: E731
+                                                     temperature=0, **kw)
+        assert ask(PROMPT).choices[0].text == expected[PROMPT]
+        cached = _metric(url, "kvr_prefix_cached_tokens_total")
+        assert [c.text for c in ask(PROMPT, n=2).choices] == [expected[PROMPT]] * 2  # no prefill at all
+        assert ask(longer).choices[0].text == expected[longer]  # the new tokens after the cached ones
+        assert _metric(url, "kvr_prefix_cached_tokens_total") - cached >= 3 * 64
+        again = ask(longer, stream=True)
+        assert "".join(c.choices[0].text for c in again) == expected[longer]
 
 
 def test_heads_split_by_kv_group_and_replicated_where_fewer():

@@ -78,6 +78,7 @@ class Engine:
                                    world.local_world_size, prompt_work(model_config), config.prefix_cache_tokens,
                                    self.heartbeat, config.pack_edge_slack, pipeline_run(config, model_config),
                                    config.learn, config.prefill if config.prefill in PEERS else None)
+        self.placement.prefixes.record = self.decoder.ops  # a TP front's peers replay its cache's changes in order
         self.chunks = chunk_planner(config, self.placement, model_config)
         pack = pack_limit(self.chunks, 0 if why else config.pack_tokens, self.max_model_len)
         self.scheduler = Scheduler(config.max_queue, pack, config.schedule,
@@ -256,7 +257,7 @@ class Engine:
         ask = seq.request
         asking.started(seq, outcome, seq.prefill_start_s, seq.figures.degree, seq.figures.boundaries)
         if self.placement.cacheable(seq.rope):
-            self.placement.prefixes.put(ask.prompt_ids, outcome.caches[ask.request_id])
+            self.placement.prefixes.put(ask.prompt_ids, outcome.caches[ask.request_id], owner=ask.request_id)
         if self.prefills is not None:
             self.prefills.append(PrefillRecord((ask.request_id,), (len(ask.prompt_ids),),
                                                tuple(seq.figures.boundaries), outcome.ranks,
@@ -288,7 +289,7 @@ class Engine:
                              seq.request.params.prompt_logprobs is not None)
         if outcome.cache is not None and seq.request_id not in self.ctx.shards:  # none: it ends here; KVP: spread
             if self.placement.cacheable(seq.rope):
-                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits)
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits, seq.request_id)
             # the prefix cache's answers decode forked from its entry; a prefill's own cache is the request's alone
             self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
         self.scheduler.start_decoding(seq)
@@ -367,7 +368,7 @@ class Engine:
 
     def worker_loop(self) -> None:
         """A non-front rank: run the front's plans until it shuts the engine down."""
-        workers.worker_loop(self.ctx, self.decoder)
+        workers.worker_loop(self.ctx, self.decoder, self.placement.prefixes, self.model_config)
 
     def shutdown(self) -> None:
         """End the workers' loops (front only; best effort when a rank has already gone)."""

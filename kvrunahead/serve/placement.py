@@ -132,8 +132,8 @@ class Placement:
                                  attention, threads, ctx.solo_threads, pipeline is not None)
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries, learner)
-        # a TP group's front keeps no prefix cache: its peers would need their shards of every entry
-        self.prefixes = PrefixCache(prefix_cache_tokens if ctx.tp == 1 else 0)
+        # over a TP group each rank keeps its own heads of every entry, the front's changes replayed by its peers
+        self.prefixes = PrefixCache(prefix_cache_tokens)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
         self._learned: dict[int, tuple] = {}  # prompt length -> (the rates it was balanced at, (partition, source))
         cost = layer_cost(model_config)
@@ -157,11 +157,11 @@ class Placement:
         return (self.cacheable(seq.rope) and request.params.prompt_logprobs is None and not request.questions
                 and self.prefixes.answers(request.prompt_ids))
 
-    def answered(self, ids: list[int]) -> tuple[Placed, PrefillOutcome]:
+    def answered(self, ids: list[int], request_id: str | None = None) -> tuple[Placed, PrefillOutcome]:
         """A prompt the prefix cache answers whole (``answers``: another choice of ``n``, a prompt asked again): no
         prefill, the logits as they were and a cache over the entry's K,V, which the decode forks (its own tokens
         after them, the entry never copied)."""
-        entry = self.prefixes.whole(ids)
+        entry = self.prefixes.whole(ids, request_id)
         cache = self.prefixes.cache_of(entry, len(ids), self.model_config)
         placed = Placed(1, (0, len(ids)), "prefix cache: the whole prompt",
                         "no prefill: the prefix cache kept its first-token logits", len(ids))

@@ -119,7 +119,7 @@ class StepPlanner:
         if seq.prefilled or not self.placement.answers(seq):
             return None
         seq.prefill_start_s = time.monotonic()
-        placed, outcome = self.placement.answered(seq.request.prompt_ids)
+        placed, outcome = self.placement.answered(seq.request.prompt_ids, seq.request_id)
         seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
         return outcome
 

@@ -3,6 +3,10 @@ document asked about again) prefills only its new tokens.
 
 The entries hold the prefill's own tensors, not copies: the cache a request decodes into grows by concatenation,
 never in place, so the prompt's K,V stay as they were. Bounded by tokens held, least recently used first out.
+
+Over a TP group (``--tp``) every rank of the front's group keeps its own cache of its own heads: the front's
+changes to its entries and their order (``put``, ``longest``, ``whole``) are recorded (``record``) and its TP peers
+replay them in the same order (``replay``), so the peers' entries, evictions and lookups stay the front's.
 """
 
 from __future__ import annotations
@@ -28,10 +32,17 @@ class PrefixCache:
         self.max_tokens, self.min_match = max_tokens, min_match
         self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self.tokens = 0
+        self.record: list | None = None  # a TP front's: (what, request id, prompt ids) of every change, in order
 
-    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None) -> None:
-        """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``) and its first-token
-        ``logits``, where given."""
+    def _note(self, what: str, owner: str | None, ids) -> None:
+        if self.record is not None and self.max_tokens:
+            self.record.append((f"prefix-{what}", owner, tuple(ids)))
+
+    def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None,
+            owner: str | None = None) -> None:
+        """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``, the prefill of request
+        ``owner``) and its first-token ``logits``, where given."""
+        self._note("put", owner, ids)
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
             return
@@ -68,6 +79,7 @@ class PrefixCache:
         """``_best``'s entry and length, the entry marked as the most recently used."""
         best, found = self._best(ids)
         if found is not None:
+            self._note("longest", None, ids)
             self.entries.move_to_end(found.ids)
         return best, found
 
@@ -76,11 +88,12 @@ class PrefixCache:
         entry = self.entries.get(tuple(ids))
         return entry is not None and entry.logits is not None
 
-    def whole(self, ids: list[int]) -> CachedPrompt | None:
+    def whole(self, ids: list[int], owner: str | None = None) -> CachedPrompt | None:
         """The entry of exactly this prompt with its first-token logits (nothing left to compute), marked as the
-        most recently used."""
+        most recently used (asked for request ``owner``)."""
         if not self.answers(ids):
             return None
+        self._note("whole", owner, ids)
         entry = self.entries[tuple(ids)]
         self.entries.move_to_end(entry.ids)
         return entry
@@ -98,6 +111,23 @@ class PrefixCache:
         """The first ``tokens`` positions of ``entry`` as the chain hands a prefix on: ``[2, 1, heads, tokens,
         head_dim]`` per layer (what the front sends rank 0 when the new tokens run over the chain)."""
         return [torch.stack((k[:, :, :tokens], v[:, :, :tokens])) for k, v in entry.kv]
+
+
+    def replay(self, op: tuple, caches: dict, config) -> tuple[str, object] | None:
+        """A TP peer's part of one change the front recorded: the same entries kept and ordered, from this rank's
+        own K,V (``caches``: its last step's prompts' caches). What the front took from the cache comes back: ("held",
+        the K,V a prompt's new tokens run after) or ("cache", the request's cache over a whole entry)."""
+        what, owner, ids = op
+        if what == "prefix-put":
+            self.put(list(ids), caches[owner])
+        elif what == "prefix-longest":
+            cached, entry = self.longest(list(ids))
+            return "held", self.held(entry, cached)
+        elif what == "prefix-whole":
+            entry = self.entries[ids]  # the front's entry has its logits; this rank's needs none
+            self.entries.move_to_end(ids)
+            return "cache", self.cache_of(entry, len(ids), config)
+        return None
 
 
 def _common(a: tuple[int, ...], b: list[int]) -> int:

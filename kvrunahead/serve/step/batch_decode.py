@@ -162,7 +162,8 @@ class VariantDecoders:
 
     def __init__(self, decoder_for: Callable[[object], BatchDecoder], record: bool = False) -> None:
         self.decoder_for = decoder_for
-        self.ops: list[tuple] | None = [] if record else None  # the front of a TP group: what its peers repeat
+        # the front of a TP group: what its peers repeat (the prefix cache's changes too, in the same list)
+        self.ops: list[tuple] | None = [] if record else None
         self.by_variant: dict[object, BatchDecoder] = {}
         self.variant_of: dict[str, object] = {}
         self.shared: dict[str, SharedContext] = {}  # request id -> its questions after its context
@@ -180,12 +181,14 @@ class VariantDecoders:
 
     def take_ops(self) -> tuple:
         """The batch's changes since the last call (``record``), for the front's TP peers (plans.Mirrored)."""
-        ops, self.ops = tuple(self.ops or ()), [] if self.ops is not None else None
+        ops = tuple(self.ops or ())
+        if self.ops is not None:
+            self.ops.clear()  # the same list: the prefix cache records into it
         return ops
 
     def add(self, request_id: str, cache: DynamicCache, variant: object = None, fork: bool = False) -> None:
         if self.ops is not None:
-            self.ops.append(("add", request_id, variant))
+            self.ops.append(("add", request_id, variant, fork))
         if variant not in self.by_variant:
             self.by_variant[variant] = self.decoder_for(variant)
         self.by_variant[variant].add(request_id, cache, fork)

@@ -54,10 +54,10 @@ def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
     liveness.wait_for_peers(work, what)
 
 
-def worker_loop(ctx: RankContext, decoder=None) -> None:
+def worker_loop(ctx: RankContext, decoder=None, prefixes=None, model_config=None) -> None:
     """A non-front rank's life: run each prefill plan's part until a Shutdown; raises when the front is gone. A TP
     peer of the front (``ctx.mirror``) runs every step whole, with its own ``decoder`` (the front's batch, on its
-    shard)."""
+    shard) and its own ``prefixes`` (the front's prefix cache, its own heads of every entry)."""
     log.info("rank %d (TP rank %d) serving as a %s of front rank %d", ctx.rank, ctx.tp_rank,
              "TP peer" if ctx.mirror else "worker", ctx.front)
     caches: dict = {}  # the caches of the last step's prompts, which the front's next ops add to the batch
@@ -69,17 +69,34 @@ def worker_loop(ctx: RankContext, decoder=None) -> None:
         if isinstance(plan, StepPlan):
             run_step(ctx, plan)
         elif isinstance(plan, Mirrored) and ctx.mirror:
-            for op in plan.ops:
-                if op[0] == "add":
-                    decoder.add(op[1], caches[op[1]], op[2])
-                else:
-                    decoder.remove(op[1])
-            caches = run_step(ctx, plan.plan, None, decoder).caches
+            held, answered = _mirror(plan.ops, caches, decoder, prefixes, model_config)
+            # a prompt the prefix cache answered joins the batch after the step (the front's next ops)
+            caches = {**answered, **run_step(ctx, plan.plan, held, decoder).caches}
         elif isinstance(plan, Mirrored) and plan.plan.needs_workers:
             run_step(ctx, plan.plan.workers_plan)
         elif isinstance(plan, Drop):
             for request_id in plan.request_ids:
                 ctx.forget(request_id)
+
+
+def _mirror(ops: tuple, caches: dict, decoder, prefixes, model_config) -> tuple[list | None, dict]:
+    """A TP peer takes the front's changes since the last step, in order: its decode batch's (a request added, with
+    this rank's cache of it, or removed) and its prefix cache's. Returns the K,V the step's prompt runs after,
+    where the prefix cache held its start, and the caches of the prompts it answered whole."""
+    held, answered = None, {}
+    for op in ops:
+        if op[0] == "add":
+            _, request_id, variant, fork = op
+            decoder.add(request_id, caches[request_id], variant, fork)
+        elif op[0] == "remove":
+            decoder.remove(op[1])
+        else:
+            took = prefixes.replay(op, caches, model_config)
+            if took is not None and took[0] == "held":
+                held = took[1]
+            elif took is not None:
+                caches[op[1]] = answered[op[1]] = took[1]
+    return held, answered
 
 
 class Heartbeat:
