@@ -61,12 +61,23 @@ def test_the_peers_over_tp_groups_verify(mode):
     assert out["tp"] == int(tp)
 
 
+@pytest.mark.parametrize("model,dtype", [("tiny-llama", "float32"), ("tiny-gemma3", "bfloat16")])
+def test_the_pipeline_of_tp_groups_verifies(model, dtype):
+    """--mode spp --tp 2 at 4 ranks: two stages, each a TP group of two (Medha's layout), the chunks' hidden
+    states handed lane by lane and every stage's heads of its layers' K,V gathered on the last group."""
+    out = _verified("--model", model, "--dtype", dtype, "--mode", "spp", "--nproc", "4", "--tp", "2", "--ctx", "300",
+                    "--chunk-tokens", "64", "--max-new-tokens", "6")
+    layers = {"tiny-llama": 4, "tiny-gemma3": 6}[model]
+    assert out["tp"] == 2 and out["world_size"] == 2 and out["stages"] == [0, layers // 2, layers]
+    assert out["ranks"][0]["bytes_sent"] > 0
+
+
 @pytest.mark.parametrize("args,says", [
     (("--nproc", "2", "--tp", "3"), "--tp 3 does not divide --nproc 2"),
     (("--nproc", "3", "--tp", "3"), "4 query heads in 2 K,V groups do not split over 3 ranks"),
     (("--nproc", "2", "--tp", "2", "--model", "tiny-falcon"), "falcon ships no tensor-parallel plan"),
     (("--nproc", "2", "--tp", "2", "--model", "tiny-bigcode"), "gpt_bigcode ships no tensor-parallel plan"),
-    (("--nproc", "2", "--tp", "2", "--mode", "spp"), "mode 'spp' does not run over TP groups"),
+    (("--nproc", "2", "--tp", "2", "--mode", "single"), "mode 'single' does not run over TP groups"),
 ])
 def test_bad_tp_shapes_are_one_line_and_exit_2_before_any_rank_starts(args, says):
     args = args if "--model" in args else (*args, "--model", "tiny-llama")
@@ -295,3 +306,22 @@ def test_a_chain_of_tp_groups_is_partitioned_by_the_cost_model_priced_at_its_tp(
     partition, source, _ = choose_partition(RunConfig(model="tiny-llama", tp=2, threads=1), config, 2000, 2,
                                             "split", 2)
     assert "searched without tensor parallelism (--tp 2)" in source and partition.boundaries[-1] == 2000
+
+
+@pytest.mark.skipif(bool(COMPILED), reason="--compile does not run with --tp (KVR_TEST_COMPILE=1 compiles servers)")
+def test_kvr_serve_prefill_spp_over_tp_groups_gives_one_process_text(tmp_path):
+    """kvr-serve --prefill spp --tp 2 at 4 ranks: a prompt through two stages of TP groups, whole and as a chunked
+    prefill (the stages keeping their heads of their layers' K,V between the steps), streams one process's greedy
+    text to the openai client; the front's group decodes."""
+    longer = PROMPT + "And then the fox ran away into the forest."
+    expected = {p: _one_process_text(tmp_path, p, 10) for p in (PROMPT, longer)}
+    with serving("--prefill", "spp", "--tp", "2", "--degree", "2", "--chunk-tokens", "48", "--spp-chunk-tokens",
+                 "16", "--prefix-cache-tokens", "0", "--threads", "1", nproc=4) as server:
+        api = openai.OpenAI(base_url=f"{server.url(timeout_s=200)}/v1", api_key="any", max_retries=0, timeout=120)
+        for p in (PROMPT, longer):
+            c = api.completions.create(model="tiny-llama", prompt=p, max_tokens=10, temperature=0)
+            assert c.choices[0].text == expected[p]
+            said = c.model_extra["kvrunahead"]
+            assert "spp: stages 0,2,4" in said["partition"]["source"] and len(said["chunks"]) > 1, said
+        stream = api.completions.create(model="tiny-llama", prompt=longer, max_tokens=10, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == expected[longer]

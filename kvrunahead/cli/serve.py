@@ -61,8 +61,6 @@ def _check(options: dict, world_size: int) -> None:
             raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
     check_device(options["device"])
     config = _engine_config(options)
-    if options["tp"] > 1 and options["prefill"] == "spp":
-        raise InputError("--prefill spp does not run over TP groups yet: --tp needs --prefill chain")
     groups = tp_groups(config.run, world_size)  # a bad TP shape: one line, before any rank loads weights
     try:
         parse_degree(options["degree"], groups)

@@ -135,7 +135,7 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     return partition, f"cost estimate of the ranks' work ({why})"
 
 
-TP_MODES = ("kvr", "tp", "tsp", "ring", "cp-allgather", "kvr-nocomm")
+TP_MODES = ("kvr", "tp", "tsp", "ring", "cp-allgather", "kvr-nocomm", "spp")
 
 
 def tp_groups(cfg: RunConfig, nproc: int) -> int:

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from kvrunahead.kernels import attention as kernel
+from kvrunahead.model import tp
 from kvrunahead.model.forward import one_position
 
 _STATE: contextvars.ContextVar = contextvars.ContextVar("kvrunahead_attention_state")
@@ -102,7 +103,7 @@ def uses_attention_interface(model: torch.nn.Module | PretrainedConfig) -> bool:
         return bool(getattr(cls, "_supports_attention_backend", False))
     if not hasattr(model, "_kvrunahead_uses_interface"):
         calls: list = []
-        with attention_mode(model, _PROBE, calls):
+        with attention_mode(model, _PROBE, calls), tp.alone():  # a TP shard probes without its group
             model.base_model(**one_position(model), use_cache=False)
         model._kvrunahead_uses_interface = len(calls) > 0
     return model._kvrunahead_uses_interface

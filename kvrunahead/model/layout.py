@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from kvrunahead.model import tp
 from kvrunahead.model.forward import one_position, with_cache
 
 
@@ -69,7 +70,8 @@ def probe_kv_layout(model: torch.nn.Module) -> KVLayout:
     sliding window from the config."""
     windows = layer_windows(model.config)  # refuses the layer types whose cache is no K,V prefix
     cache = DynamicCache()
-    model.base_model(**one_position(model), use_cache=True, **with_cache(model.base_model, cache))
+    with tp.alone():  # a TP shard probes without its group: a variant may load on one rank at a time
+        model.base_model(**one_position(model), use_cache=True, **with_cache(model.base_model, cache))
     if len(cache.layers) != len(windows):
         raise NotImplementedError(f"{type(model).__name__} caches {len(cache.layers)} layers but its config lists "
                                   f"{len(windows)}; layers that share or skip a cache are not supported")

@@ -214,6 +214,11 @@ def stage_view(model: torch.nn.Module, spec: StageSpec) -> torch.nn.Module:
         if name != names.layers:  # buffers, such as Gemma's embedding scale, are computed, not saved)
             setattr(base, name, module)
     setattr(stage, names.head, getattr(model, names.head))
+    own = getattr(whole, names.layers)
+    for i, layer in enumerate(getattr(base, names.layers)):  # the hooks on the layers' modules (a TP shard's sums
+        originals = dict(own[spec.first + i].named_modules())  # over its group) hold in the view too
+        for name, module in layer.named_modules():
+            module._forward_hooks.update(originals[name]._forward_hooks)
     stage = _trimmed(stage, spec, tied, names)
     left = [name for name, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
     if left:

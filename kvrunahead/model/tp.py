@@ -24,6 +24,8 @@ tensor's columns are read a block of rows at a time.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import fnmatch
 import math
@@ -279,10 +281,24 @@ def add_all_reduces(model: torch.nn.Module, collective) -> None:
             module.register_forward_hook(_summed(collective))
 
 
+_ALONE = contextvars.ContextVar("kvrunahead_tp_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone():
+    """A forward on this rank's shard without the group's sums: a probe whose numbers nobody reads (which attention
+    the model calls), run by one rank at a time its peers cannot know of."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
 def _summed(collective):
     @torch.compiler.disable
     def hook(module, args, output):
-        return collective.all_reduce(output)
+        return output if _ALONE.get() else collective.all_reduce(output)
     return hook
 
 
