@@ -31,7 +31,8 @@ def format_result(r: RunResult) -> str:
     sizes = [b - a for a, b in zip(r.boundaries, r.boundaries[1:])]
     lines = [
         f"model        {r.model}",
-        f"mode         {r.mode}   world size {r.world_size}" + (f" (TP groups of {r.tp} ranks)" if r.tp > 1 else "")
+        f"mode         {r.mode}   world size {r.world_size}"
+        + (f" (TP groups of {r.tp} ranks, all-reduce {r.tp_collective})" if r.tp > 1 else "")
         + f"   launcher {r.launcher}   backend {r.backend}"
         f"   transport {r.transport}" + (f"   all-gather {r.allgather}" if r.allgather else ""),
         f"network      {r.network}",
@@ -44,7 +45,7 @@ def format_result(r: RunResult) -> str:
                  f"linears {r.linears}")
     if r.stages:
         layers = ", ".join(f"[{a}, {b})" for a, b in zip(r.stages, r.stages[1:]))
-        lines += [f"stages       layers {layers}, one per rank"
+        lines += [f"stages       layers {layers}, one per {'TP group' if r.tp > 1 else 'rank'}"
                   f"   chunks of {r.chunk_tokens} tokens pipelined through them",
                   f"             from {r.pipeline_source}"]
     else:

@@ -152,10 +152,6 @@ def tp_groups(cfg: RunConfig, nproc: int) -> int:
                          "groups yet")
     if cfg.mode == "tp" and cfg.tp != nproc:
         raise InputError(f"mode 'tp' is one TP group of every rank: --tp {cfg.tp} must equal --nproc {nproc}")
-    if cfg.decode == "kvp":
-        raise InputError("--decode kvp does not run over TP groups yet; use --decode gathered with --tp")
-    if cfg.compile:
-        raise InputError("--compile does not run with --tp yet")
     try:
         check_tp(resolve_config(cfg.model), cfg.tp)
     except ModelError as e:

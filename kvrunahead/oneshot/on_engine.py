@@ -5,10 +5,9 @@ run share their planning (policy.choose_partition: a one-shot prompt's plan is m
 to the engine), their steps (serve/step/executor.py) and their decode (step/batch_decode.py); only the report differs.
 
 ``kvr-prefill --mode kvr|spp|tsp|ring|cp-allgather`` runs its prompt through the engine's step (serve/step/executor.py
-``WAYS``); the single process, the no-communication bound, TP (``--mode tp``) and the peers over TP groups keep the
-runner's path
-(``runner.prefill_on_world``), which kvr-bench and the search use to time every mode's prefill alike; transformers'
-padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
+``WAYS``), over TP groups too; the single process, the no-communication bound and TP (``--mode tp``) keep the
+runner's path (``runner.prefill_on_world``), which kvr-bench and the search use to time every mode's prefill alike;
+transformers' padded batch (``--batching padded``) is the one-process baseline of a batch and runs in that process
 (oneshot/batch.py).
 """
 
@@ -105,11 +104,10 @@ ENGINE_MODES = {"kvr": "chain", "spp": "spp", **{peer: peer for peer in PEERS}}
 
 def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
     """One prefill (and its greedy continuation) on ranks that have joined; the emitting rank returns the result.
-    KV-Runahead, the pipeline and the peers run as one request to the engine, through the step a served prompt
-    takes (serve/step/executor.py); the single process, the no-communication bound, TP and the peers over TP groups
-    (``--tp`` with tsp, ring or cp-allgather: a TP front's peers mirror its steps, which the peers' ways do not
-    take part in) keep the runner's path."""
-    if cfg.mode not in ENGINE_MODES or (cfg.mode in PEERS and world.tp > 1):  # the peers over TP groups too
+    KV-Runahead, the pipeline and the peers (over TP groups too) run as one request to the engine, through the step
+    a served prompt takes (serve/step/executor.py); the single process, the no-communication bound and TP keep the
+    runner's path."""
+    if cfg.mode not in ENGINE_MODES:
         return prefill_on_world(cfg, world)
     prepared = prepare(cfg, world.world_size, world.local_world_size)
     if world.world_size == 1:  # a whole prompt on one rank runs the model's own forward: nothing to split
@@ -134,8 +132,9 @@ def run_on_world(cfg: RunConfig, world: World) -> RunResult | None:
         ran = Ran(world, prepared, lm, layout, engine.ctx.transport, next(lm.model.parameters()).dtype,
                   engine.ctx.threads, weights)
         tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
-        return finish_result(cfg, ran, record.ranks[-1].total_s, record.ranks, record.first_logits[request.request_id],
-                             tokens, decode_s)
+        result = finish_result(cfg, ran, record.ranks[-1].total_s, record.ranks,
+                               record.first_logits[request.request_id], tokens, decode_s)
+        return dataclasses.replace(result, decode=done.figures.decode)  # what the engine ran, not what was asked
 
     def plan(engine: Engine) -> None:  # the plan ``prepare`` made, used as it is: not chosen a second time
         engine.placement.use_partition(len(prepared.ids), prepared.partition, prepared.partition_source)

@@ -33,7 +33,7 @@ from kvrunahead.net import liveness
 from kvrunahead.partition import Partition
 from kvrunahead.ranks import launcher
 from kvrunahead.ranks.launcher import World, init_world, local_rank_hint, pick_backend
-from kvrunahead.ranks.mesh import chain_world
+from kvrunahead.ranks.mesh import chain_world, collective_in_use
 from kvrunahead.ranks.setup import forget_transports, set_up_rank
 from kvrunahead.ranks.stats import RankMemory, RankStats, rank_memory, rank_stats
 from kvrunahead.ranks.transport import Transport
@@ -108,6 +108,7 @@ class RunResult:
     decode_s: float | None = None  # seconds from the first token to the last (the tokens after the first)
     compiled: bool = False  # the decoder stack ran through torch.compile (--compile)
     tp: int = 1  # ranks per TP group (world_size counts groups)
+    tp_collective: str | None = None  # with --tp: the group's all-reduce (shm, mpi or torch: ranks/mesh.py)
     weight_bytes: int | None = None  # with --tp: the weights one rank of the emitting group holds
     memory: list[RankMemory] | None = None  # every rank's weights and resident size over the run (kvr-prefill)
     verification: Verification | None = None
@@ -249,6 +250,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         threads_per_rank=ran.threads,
         oversubscribed=oversubscribed(ran.threads, world.host_ranks),
         tp=world.tp,
+        tp_collective=collective_in_use() if world.tp > 1 else None,
         weight_bytes=ran.weight_bytes,
         context_len=len(prepared.ids),
         rope_extension=prepared.rope.describe() if prepared.rope else None,

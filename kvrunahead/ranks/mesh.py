@@ -183,5 +183,10 @@ def tp_collective(transport: str, world: World, device: torch.device, shared_mem
     return _COLLECTIVES[key]
 
 
+def collective_in_use() -> str | None:
+    """The name of the TP collective this process made (shm, mpi or torch), or None without TP."""
+    return next((c.name for c in _COLLECTIVES.values()), None)
+
+
 def forget_collectives() -> None:
     _COLLECTIVES.clear()

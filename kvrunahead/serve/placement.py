@@ -244,10 +244,12 @@ class Placement:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
         or with ``auto`` where the cost model predicts its decode step faster so than on the front alone with the
         whole cache (long contexts, where attention dominates the step)."""
-        if self.pipeline is not None or self.ctx.tp > 1:  # the pipeline gathers the cache on the front; a TP
-            return False  # group's front decodes its own heads (KVP over TP groups is not built)
+        if self.pipeline is not None:  # the pipeline gathers the cache on the front
+            return False
         if self.run.decode != "auto":
             return self.run.decode == "kvp"
+        if self.ctx.tp > 1:  # the cost model prices KVP's step on ranks that hold the whole model: asked, not chosen
+            return False
         if n not in self._kvp:
             chain, _ = self.degrees.cost_model(self.degrees.threads)
             solo, _ = self.degrees.cost_model(self.degrees.solo_threads)
