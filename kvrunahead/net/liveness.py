@@ -70,13 +70,20 @@ def patient_group():
 def wait_for_peers(work, what: str, timeout_s: float | None = None) -> None:
     """Wait for ``work`` (an async collective) as long as every peer is alive; fail once one has been silent for
     ``timeout_s``."""
+    wait_until(work.is_completed, what, timeout_s)
+    work.wait()
+
+
+def wait_until(done, what: str, timeout_s: float | None = None) -> None:
+    """Poll ``done()`` as long as every peer is alive (sleeping from 0.1 ms up to 10 ms between looks); fail once
+    one has been silent for ``timeout_s``."""
     timeout_s = timeout_s if timeout_s is not None else _STATE.get("timeout_s", 60.0)
     store, me = _STATE.get("store"), _STATE.get("rank", dist.get_rank())
     peers = [r for r in range(dist.get_world_size()) if r != me]
     last = {r: (None, time.monotonic()) for r in peers}
     next_check = time.monotonic()
     pause = 1e-4
-    while not work.is_completed():
+    while not done():
         now = time.monotonic()
         if store is not None and now >= next_check:
             next_check = now + HEARTBEAT_S
@@ -94,7 +101,6 @@ def wait_for_peers(work, what: str, timeout_s: float | None = None) -> None:
                                       f" stopped, frozen or cut off) while waiting for {what}")
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
-    work.wait()
 
 
 def patient_barrier(what: str = "the other ranks") -> None:

@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -143,6 +144,77 @@ class ShmCollective(TpCollective):
                 if time.monotonic() - start > self.timeout_s:
                     raise PeerTimeout(f"TP rank {self.me}: no all-reduce from the rest of its group for "
                                       f"{self.timeout_s:.0f} s (a peer stopped, died or fell behind)")
+
+
+class ShmMailbox:
+    """Bytes from TP rank 0 of a group to the group's other ranks, through a file in /dev/shm: the writer waits
+    until every reader has taken the last piece (its ack), copies the next one in, then raises the piece's number;
+    a reader spins on that number for ``spin_s`` (a TP decode's next plan comes within milliseconds), then polls as
+    long as its peers are alive (net/liveness.py), copies the piece out and acks it. A message larger than a
+    piece goes through in pieces. What a serving TP group's front tells its peers every step (its plan) travels
+    here rather than through a gloo broadcast (two collectives a step, and a reader's sleeping poll)."""
+
+    PIECE_BYTES = 1 << 20
+    LINE = 64
+
+    def __init__(self, buf: torch.Tensor, size: int, me: int, spin_s: float) -> None:
+        self.buf, self.size, self.me, self.spin_s = buf, size, me, spin_s
+        lines = buf[:self.LINE * (1 + size)].view(torch.int64).view(1 + size, self.LINE // 8)
+        self.head = lines[0].numpy()  # [piece number, its bytes, the message's bytes]
+        self.acks = lines[1:, 0].numpy()  # each reader's last piece taken
+        self.data = buf[self.LINE * (1 + size):].numpy()
+        self.pieces = 0
+
+    @classmethod
+    def of_group(cls, world: World, group: int, key: str, spin_s: float = 0.05) -> ShmMailbox | None:
+        """The mailbox of TP group ``group`` on its members (None elsewhere); made by every rank of the world
+        together (it meets them twice)."""
+        from kvrunahead.net import liveness
+
+        member = world.rank == group
+        path = Path("/dev/shm") / f"kvrunahead-plans-{key}-{group}"
+        nbytes = cls.LINE * (1 + world.tp) + cls.PIECE_BYTES
+        if member and world.tp_rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        liveness.patient_barrier("the TP group's plan mailbox")
+        buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8) if member else None
+        liveness.patient_barrier("the TP group's plan mailbox")
+        if member and world.tp_rank == 0:
+            path.unlink()  # mapped by every member: the memory lives until the last one lets go
+        return cls(buf, world.tp, world.tp_rank, spin_s) if member else None
+
+    def send(self, payload: bytes) -> None:
+        from kvrunahead.net import liveness
+
+        for a in range(0, max(len(payload), 1), self.PIECE_BYTES):
+            piece = payload[a:a + self.PIECE_BYTES]
+            if self.acks[1:].min() < self.pieces:
+                liveness.wait_until(lambda: self.acks[1:].min() >= self.pieces, "the TP peers to take the plan")
+            self.data[:len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            self.head[1], self.head[2] = len(piece), len(payload)
+            self.pieces += 1
+            self.head[0] = self.pieces  # after the data and sizes: stores reach the other cores in order (x86)
+
+    def recv(self, what: str) -> bytes:
+        out, total = bytearray(), None
+        while total is None or len(out) < total:
+            self._wait(what)
+            n, total = int(self.head[1]), int(self.head[2])
+            out += self.data[:n].tobytes()
+            self.pieces += 1
+            self.acks[self.me] = self.pieces
+        return bytes(out)
+
+    def _wait(self, what: str) -> None:
+        from kvrunahead.net import liveness
+
+        ready = lambda: self.head[0] > self.pieces  # noqa: E731
+        deadline = time.monotonic() + self.spin_s
+        while not ready():
+            if time.monotonic() > deadline:
+                liveness.wait_until(ready, what)
+                return
 
 
 class TorchCollective(TpCollective):

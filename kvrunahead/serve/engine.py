@@ -68,6 +68,7 @@ class Engine:
         self.ctx = RankContext(rs.lm, rs.layout, rs.transport, rs.device, world.rank, world.world_size,
                                load=lambda rope: rs.load(cfg, rope), threads=threads, solo_threads=solo,
                                tp=world.tp, tp_rank=world.tp_rank)
+        workers.open_plan_routes(self.ctx, world, rs.collective is not None and rs.collective.name == "shm")
         self.model_config, self.threads = model_config, threads
         why = why_not_packable(model_config)
         if config.pack_tokens and why:

@@ -45,6 +45,9 @@ class RankContext:
     views: dict = field(default_factory=dict)  # (RopeExtension, stages) -> this rank's stage of the model
     tp: int = 1  # ranks per TP group: ``rank`` and ``world_size`` count groups (mesh.py)
     tp_rank: int = 0
+    mailbox: object = None  # the front's group on one host: its plans to its TP peers (mesh.ShmMailbox)
+    plan_group: object = None  # the group the front's plans are broadcast on (None: every rank's patient group)
+    broadcasts: bool = True  # whether anyone takes the front's broadcasts (not a lone TP group with a mailbox)
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads

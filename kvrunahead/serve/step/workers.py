@@ -4,7 +4,9 @@ the heartbeat that keeps an idle world alive."""
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import pickle
 import time
 
@@ -12,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from kvrunahead.net import liveness
+from kvrunahead.net.liveness import PATIENT_S
+from kvrunahead.ranks.mesh import ShmMailbox
 from kvrunahead.serve.step.executor import run_step
 from kvrunahead.serve.step.plans import Drop, Mirrored, Ping, Plan, Shutdown, StepPlan
 from kvrunahead.serve.step.rank import RankContext
@@ -19,11 +23,30 @@ from kvrunahead.serve.step.rank import RankContext
 log = logging.getLogger(__name__)
 
 
-def send_plan(ctx: RankContext, plan: Plan) -> None:
-    """Broadcast ``plan`` from the front to every rank (as long as they are alive)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
-    _broadcast(torch.tensor([payload.numel()], dtype=torch.int64), ctx, "the workers to take the next plan")
-    _broadcast(payload, ctx, "the workers to take the next plan")
+def open_plan_routes(ctx: RankContext, world, shared_memory: bool) -> None:
+    """How the front's plans reach the other ranks (every rank calls it, together). A TP front on one host tells
+    its TP peers through shared memory (mesh.ShmMailbox: a decode step's plan, every step, without a collective)
+    and broadcasts to the other groups' ranks on a group of them and itself; else every plan is broadcast to every
+    rank."""
+    if ctx.tp == 1 or not shared_memory:
+        return
+    ctx.mailbox = ShmMailbox.of_group(world, ctx.front, os.environ.get("MASTER_PORT", str(os.getppid())))
+    others = [r for r in range(ctx.world_size * ctx.tp) if not ctx.front_rank < r < ctx.front_rank + ctx.tp]
+    ctx.broadcasts = len(others) > 1
+    if ctx.broadcasts:  # made by every rank, members or not (torch.distributed's rule)
+        ctx.plan_group = dist.new_group(others, backend="gloo", timeout=datetime.timedelta(seconds=PATIENT_S))
+
+
+def send_plan(ctx: RankContext, plan: Plan, peers: bool = True, others: bool = True) -> None:
+    """Send ``plan`` from the front (as long as the ranks are alive): to its TP peers (``peers``) and to the other
+    ranks (``others``); without a mailbox both are one broadcast to every rank."""
+    payload = pickle.dumps(plan)
+    if ctx.mailbox is not None and peers:
+        ctx.mailbox.send(payload)
+    if ctx.mailbox is None or (others and ctx.broadcasts):
+        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        _broadcast(torch.tensor([tensor.numel()], dtype=torch.int64), ctx, "the workers to take the next plan")
+        _broadcast(tensor, ctx, "the workers to take the next plan")
 
 
 def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat) -> None:
@@ -32,8 +55,14 @@ def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat) -> Non
     alone keeps the heartbeat."""
     if not plan.needs_workers:
         heartbeat.maybe_ping()
-    if ctx.tp > 1:
-        send_plan(ctx, Mirrored(plan, decoder.take_ops() if decoder is not None else ()))
+    mirrored = Mirrored(plan, decoder.take_ops() if decoder is not None else ()) if ctx.tp > 1 else None
+    if mirrored is not None and ctx.mailbox is not None:  # the peers by shared memory, the workers as without TP
+        send_plan(ctx, mirrored, others=False)
+        if plan.needs_workers and ctx.broadcasts:
+            send_plan(ctx, plan.workers_plan, peers=False)
+            heartbeat.sent()
+    elif mirrored is not None:
+        send_plan(ctx, mirrored)
         heartbeat.sent()
     elif plan.needs_workers and ctx.world_size > 1:
         send_plan(ctx, plan.workers_plan)
@@ -42,6 +71,8 @@ def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat) -> Non
 
 def recv_plan(ctx: RankContext) -> Plan:
     """The front's next plan; waits as long as the front is alive (its heartbeats), then raises PeerTimeout."""
+    if ctx.mailbox is not None:
+        return pickle.loads(ctx.mailbox.recv("the front's next plan"))
     size = torch.zeros(1, dtype=torch.int64)
     _broadcast(size, ctx, "the front's next plan")
     payload = torch.empty(int(size), dtype=torch.uint8)
@@ -50,7 +81,8 @@ def recv_plan(ctx: RankContext) -> Plan:
 
 
 def _broadcast(tensor: torch.Tensor, ctx: RankContext, what: str) -> None:
-    work = dist.broadcast(tensor, src=ctx.front_rank, group=liveness.patient_group(), async_op=True)
+    group = ctx.plan_group if ctx.plan_group is not None else liveness.patient_group()
+    work = dist.broadcast(tensor, src=ctx.front_rank, group=group, async_op=True)
     liveness.wait_for_peers(work, what)
 
 
@@ -110,6 +142,6 @@ class Heartbeat:
         self.last_s = time.monotonic()
 
     def maybe_ping(self) -> None:
-        if self.ctx.has_peers and time.monotonic() - self.last_s >= self.heartbeat_s:
-            send_plan(self.ctx, Ping())
+        if self.ctx.has_peers and self.ctx.broadcasts and time.monotonic() - self.last_s >= self.heartbeat_s:
+            send_plan(self.ctx, Ping(), peers=False)  # a TP peer on a mailbox waits on the front's heartbeat
             self.sent()
