@@ -6,6 +6,7 @@ the ``openai`` client; bad shapes refused in one line before any rank starts; th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -385,3 +386,29 @@ def test_kvr_serve_decode_kvp_over_tp_groups_gives_one_process_text(tmp_path):
             stream = api.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, temperature=0,
                                             stream=True)
             assert "".join(c.choices[0].text for c in stream) == expected[PROMPT]
+
+
+def test_kvr_search_tp_writes_a_table_keyed_on_its_degree_which_the_runtime_reads(tmp_path):
+    """kvr-search --nproc 4 --tp 2 measures a chain of two TP groups and writes a table keyed on --tp 2 (its world
+    size the groups); kvr-prefill --tp 2 takes its partition from it, finds it among the tables by its key, and a
+    run at --tp 1 refuses it in one line."""
+    from kvrunahead.decide.tables import Table, TableError, find_table, table_filename
+
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.search", "--nproc", "4", "--tp", "2", "--ctx", "256",
+                        "--model", "tiny-llama", "--repeats", "1", "--warmup", "0", "--min-stride", "32", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = Table.load(out)
+    assert table.meta.tp == 2 and table.meta.world_size == 2 and len(table.entries) == 1
+    entry = table.entries[0]
+    assert "_p2_tp2_" in table_filename(table.meta.key)
+    assert find_table(table.meta.key, tmp_path) == out
+    with pytest.raises(TableError):
+        find_table(dataclasses.replace(table.meta.key, tp=1), tmp_path)
+    got = _prefill("--nproc", "4", "--tp", "2", "--ctx", "256", "--model", "tiny-llama", "--table", str(out),
+                   "--threads", "1", "--max-new-tokens", "1")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert json.loads(got.stdout)["boundaries"] == entry.boundaries
+    refused = _prefill("--nproc", "2", "--ctx", "256", "--model", "tiny-llama", "--table", str(out), timeout=60)
+    assert refused.returncode == 2 and "made for --tp 2, not 1" in refused.stderr, refused.stderr

@@ -83,6 +83,7 @@ from kvrunahead.search.ranks import run_search
 @click.option("--refine", is_flag=True,
               help="With --backend model: then measure on the real ranks only the model's answer and its "
                    "neighbours --min-stride tokens away, moving while a neighbour is faster.")
+@common.tp_option()
 @common.allow_long_context_option()
 @common.timeout_option(SearchOptions.timeout_s)
 def main(nproc: int, contexts: str, **options) -> None:
@@ -103,6 +104,7 @@ def main(nproc: int, contexts: str, **options) -> None:
       kvr-search --ctx 1k,2k,4k,8k --nproc 1 --threads 2
       kvr-search --ctx 2k --nproc 2 --criterion balance --out /tmp/t.json
       kvr-search --backend model --nproc 8 --ctx 16k --out /tmp/t.json
+      kvr-search --ctx 4k --nproc 4 --tp 2          # a chain of two TP groups of 2: a table keyed on --tp 2
     """
     from kvrunahead.ranks.launcher import detect_launcher, spawn
 

@@ -92,7 +92,7 @@ def resolve_attention(cfg: RunConfig, config) -> tuple[str, str]:
 
 def table_key(cfg: RunConfig, config, world_size: int, attention: str, local_world_size: int) -> TableKey:
     return TableKey(cfg.model, config_hash(config), world_size, _dtype_name(cfg, config), attention, _device_kind(cfg),
-                    network_label(cfg, world_size, local_world_size))
+                    network_label(cfg, world_size, local_world_size), cfg.tp)
 
 
 def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
@@ -111,11 +111,9 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
     if key.world_size == 1:
         return Partition.even(context_len, 1), "one rank"
     try:
-        if cfg.tp > 1:  # the tables are searched on ranks that hold the whole model
-            raise TableError(f"the partition tables are searched without tensor parallelism (--tp {cfg.tp})")
         path = find_table(key)
-    except TableError as e:
-        why = str(e) if cfg.tp > 1 else f"no partition table for {key.describe()}"
+    except TableError:
+        why = f"no partition table for {key.describe()}"
     else:
         table = Table.load(path)
         lo, hi = (table.entries[0].context_len, table.entries[-1].context_len) if table.entries else (0, -1)

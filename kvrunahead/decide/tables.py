@@ -38,10 +38,12 @@ class TableKey:
     kvr_attention: str
     device_kind: str  # "cpu" or "cuda"
     bandwidth: str  # the network label
+    tp: int = 1  # ranks per TP group: ``world_size`` counts the chain's groups
 
     def describe(self) -> str:
-        return (f"{self.model} at world size {self.world_size} in {self.dtype} with {self.kvr_attention} attention "
-                f"on {self.device_kind} over {self.bandwidth}")
+        groups = f" of TP groups of {self.tp}" if self.tp > 1 else ""
+        return (f"{self.model} at world size {self.world_size}{groups} in {self.dtype} with {self.kvr_attention} "
+                f"attention on {self.device_kind} over {self.bandwidth}")
 
 
 @dataclass
@@ -62,11 +64,12 @@ class TableMeta:
     noise: str | None = None  # the noise sidecar during the search, if any (not part of the key)
     source: str = "measured"  # or "cost model: <profile>" (kvr-search --backend model)
     oversubscribed: bool = False  # measured with more busy threads than the node has cores: the scheduler timed
+    tp: int = 1  # searched over TP groups of this many ranks (kvr-search --tp); world_size counts the groups
 
     @property
     def key(self) -> TableKey:
         return TableKey(self.model, self.config_hash, self.world_size, self.dtype, self.kvr_attention,
-                        self.device_kind, self.bandwidth)
+                        self.device_kind, self.bandwidth, self.tp)
 
 
 @dataclass
@@ -177,9 +180,10 @@ class Table:
             problems.append(f"world size {m.world_size}, not {want.world_size}")
         if m.model != want.model or m.config_hash != want.config_hash:
             problems.append(f"model {m.model} ({m.config_hash}), not {want.model} ({want.config_hash})")
-        for what in ("dtype", "kvr_attention", "device_kind", "bandwidth"):
+        for what in ("dtype", "kvr_attention", "device_kind", "bandwidth", "tp"):
             if getattr(m, what) != getattr(want, what):
-                label = {"kvr_attention": "attention", "device_kind": "device", "bandwidth": "network"}.get(what, what)
+                label = {"kvr_attention": "attention", "device_kind": "device", "bandwidth": "network",
+                         "tp": "--tp"}.get(what, what)
                 problems.append(f"{label} {getattr(m, what)}, not {getattr(want, what)}")
         if problems:
             raise TableError(f"partition table {name} was made for {'; '.join(problems)}: pass --force-table "
@@ -187,9 +191,11 @@ class Table:
 
 
 def table_filename(key: TableKey) -> str:
-    """``smollm2-135m_p2_float32_cpu_split.json``; a network other than loopback is named as well."""
+    """``smollm2-135m_p2_float32_cpu_split.json``; a network other than loopback is named as well, and a TP degree
+    (``smollm2-135m_p2_tp2_...``: two groups of two)."""
     net = "" if key.bandwidth == "loopback" else f"_{key.bandwidth}"
-    name = f"{key.model}_p{key.world_size}_{key.dtype}_{key.device_kind}_{key.kvr_attention}{net}".lower()
+    tp = f"_tp{key.tp}" if key.tp > 1 else ""
+    name = f"{key.model}_p{key.world_size}{tp}_{key.dtype}_{key.device_kind}_{key.kvr_attention}{net}".lower()
     slug = "".join(c if c.isalnum() or c == "_" else "-" for c in name)
     return "-".join(filter(None, slug.split("-"))) + ".json"
 

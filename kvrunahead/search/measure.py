@@ -20,7 +20,7 @@ from kvrunahead.search.balance import Measurement
 
 def share(value, world: World) -> object:
     """The value of whichever rank has one (the emitting rank), on every rank."""
-    if world.world_size == 1:
+    if world.world_size * world.tp == 1:
         return value
     gathered = gather_objects(value, "the other ranks' measurement")
     return next(v for v in gathered if v is not None)

@@ -54,6 +54,7 @@ class SearchOptions:
     refine: bool = False  # measure only around the cost model's answer
     allow_long_context: bool = False
     timeout_s: float = 600.0
+    tp: int = 1  # the ranks form TP groups of this many, chained: the table's world size counts the groups
 
     @classmethod
     def from_cli(cls, contexts: str, **options) -> SearchOptions:
@@ -68,7 +69,7 @@ def base_config(opts: SearchOptions) -> RunConfig:
 
     return RunConfig(model=opts.model, threads=opts.threads, device=opts.device, dtype=opts.dtype,
                      max_new_tokens=1, allow_long_context=opts.allow_long_context, timeout_s=opts.timeout_s,
-                     kvr_attention=opts.kvr_attention, net=opts.net)
+                     kvr_attention=opts.kvr_attention, net=opts.net, tp=opts.tp)
 
 
 def table_key(opts: SearchOptions, world_size: int, local_world_size: int | None = None, config=None) -> TableKey:
@@ -98,6 +99,13 @@ def check_inputs(opts: SearchOptions, world_size: int) -> Path:
         raise InputError(f"--confirm-margin is a fraction in [0, 1), got {opts.confirm_margin}")
     if world_size < 1:
         raise InputError(f"--nproc must be at least 1, got {world_size}")
+    if opts.tp > 1 and opts.backend == "model":
+        raise InputError("--backend model writes the cost model's table for ranks that hold the whole model; with "
+                         "--tp the runtime already partitions by the cost model priced at the TP degree")
+    if opts.tp != 1:
+        from kvrunahead.decide.policy import tp_groups
+
+        world_size = tp_groups(base_config(opts), world_size)  # the chain's groups; one line for a bad shape
     if world_size == 1 and (opts.criterion == "balance" or opts.backend == "model"):
         raise InputError("one rank has no partition to balance or model: --nproc 1 measures the one-rank TTFT "
                          "(the degree policy's table), with --criterion ttft on the ranks")

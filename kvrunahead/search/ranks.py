@@ -38,13 +38,14 @@ def run_search(opts: SearchOptions) -> None:
     from kvrunahead.model.device import oversubscribed, resolve_device
     from kvrunahead.oneshot.runner import leave_world
     from kvrunahead.ranks.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
+    from kvrunahead.ranks.mesh import chain_world
 
     launcher = detect_launcher()
     out = check_inputs(opts, world_size_hint(launcher, 1))
     device = resolve_device(opts.device, local_rank_hint())  # each local rank its own GPU
-    world = init_world(launcher, pick_backend(device), opts.timeout_s, device)
-    p = world.world_size
-    lead = world.rank == 0
+    world = chain_world(init_world(launcher, pick_backend(device), opts.timeout_s, device), opts.tp)
+    p = world.world_size  # with --tp: the chain's TP groups
+    lead = world.global_rank == 0
     key = table_key(opts, p, world.local_world_size)
     noise = parse_net(opts.net).noise
     base = dataclasses.replace(base_config(opts), kvr_attention=key.kvr_attention)
@@ -54,11 +55,11 @@ def run_search(opts: SearchOptions) -> None:
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         torch.cuda.get_device_name(device), threads_per_rank=opts.threads,
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
-        device_kind=key.device_kind, noise=noise.describe() if noise else None))
-    if oversubscribed(opts.threads, world.local_world_size):
+        device_kind=key.device_kind, noise=noise.describe() if noise else None, tp=opts.tp))
+    if oversubscribed(opts.threads, world.host_ranks):
         table.meta.oversubscribed = True
         if lead:
-            click.echo(f"warning: OVERSUBSCRIBED: {world.local_world_size} ranks of {opts.threads} thread(s) on "
+            click.echo(f"warning: OVERSUBSCRIBED: {world.host_ranks} ranks of {opts.threads} thread(s) on "
                        f"{os.cpu_count()} cores; the ranks time-share them, so the timings and the balance "
                        f"measure the scheduler as much as the partition (the table records it)", err=True)
     if lead:
@@ -86,7 +87,7 @@ def _search_length(opts: SearchOptions, world: World, base: RunConfig, table: Ta
     from kvrunahead.search.measure import share, ttft_on_ranks
 
     p = world.world_size
-    lead = world.rank == 0
+    lead = world.global_rank == 0
     ckpt = (opts.checkpoints or out.with_suffix(".search")) / f"{ctx}.json" if lead else None
     measure = ttft_on_ranks(base, world, ctx, opts.repeats, opts.warmup_runs)
     seed = _seed(opts, world, table, ctx)
@@ -122,7 +123,7 @@ def _seed(opts: SearchOptions, world: World, table: Table, ctx: int) -> Boundari
     (--seeded), or nowhere (the whole range)."""
     from kvrunahead.search.measure import share
 
-    lead = world.rank == 0
+    lead = world.global_rank == 0
     seeds = Table.load(opts.seed_table) if opts.seed_table else table
     if opts.refine:
         # Rank 0's answer for all: ranks on other hosts may hold other profiles.
@@ -180,7 +181,7 @@ def _balance_length(opts: SearchOptions, world: World, base: RunConfig, table: T
     from kvrunahead.search.measure import busy_on_ranks, share
     from kvrunahead.sim.flops import estimated_partition, layer_cost
 
-    p, lead = world.world_size, world.rank == 0
+    p, lead = world.world_size, world.global_rank == 0
     config = resolve_config(opts.model)
     cost = layer_cost(config)
 
