@@ -42,6 +42,9 @@ def warm_up(placement, attention: str) -> None:
             seg = (Chain("warm-up", (0,) * n, cuts=tuple(Partition.even(n, degree).boundaries)) if degree > 1
                    else Alone("warm-up", (0,) * n))
             plan = StepPlan((seg,), attention)
-            workers.tell(ctx, plan, None, placement.heartbeat)
+            if ctx.tp_rank == 0:  # the front; its TP peers run the warm-up themselves, beside it
+                workers.tell(ctx, plan, None, placement.heartbeat, peers=False)
+            elif ctx.mailbox is None:  # a broadcast to every rank: the peer takes its part
+                workers.recv_plan(ctx)
             executor.run_step(ctx, plan)
         log.warning("compiled a prompt's forward %s in %.1f s", where, time.perf_counter() - t0)

@@ -49,15 +49,17 @@ def send_plan(ctx: RankContext, plan: Plan, peers: bool = True, others: bool = T
         _broadcast(tensor, ctx, "the workers to take the next plan")
 
 
-def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat) -> None:
+def tell(ctx: RankContext, plan: StepPlan, decoder, heartbeat: Heartbeat, peers: bool = True) -> None:
     """Tell the other ranks the step the front is about to run: a TP front's peers every step (``Mirrored``, with
     the changes to the front's decode batch, ``decoder``), the workers where any takes part; a step the front runs
-    alone keeps the heartbeat."""
+    alone keeps the heartbeat. ``peers=False``: not the TP peers' mailbox (the warm-up, which they run themselves;
+    a broadcast to every rank they take as ``recv_plan``)."""
     if not plan.needs_workers:
         heartbeat.maybe_ping()
     mirrored = Mirrored(plan, decoder.take_ops() if decoder is not None else ()) if ctx.tp > 1 else None
     if mirrored is not None and ctx.mailbox is not None:  # the peers by shared memory, the workers as without TP
-        send_plan(ctx, mirrored, others=False)
+        if peers:
+            send_plan(ctx, mirrored, others=False)
         if plan.needs_workers and ctx.broadcasts:
             send_plan(ctx, plan.workers_plan, peers=False)
             heartbeat.sent()
