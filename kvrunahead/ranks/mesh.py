@@ -69,6 +69,23 @@ class MpiCollective(TpCollective):
         return t
 
 
+def shared_file(path: Path, nbytes: int, creates: bool, maps: bool, what: str) -> torch.Tensor | None:
+    """``nbytes`` of memory shared through ``path``, made by every rank of the world together (it meets them twice):
+    the rank that ``creates`` it makes the file, those that ``maps`` it map it, and the file is gone once they
+    have (the memory lives until the last one lets go). Returns the bytes where this rank maps them, else None."""
+    from kvrunahead.net import liveness
+
+    if creates:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    liveness.patient_barrier(what)
+    buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8) if maps else None
+    liveness.patient_barrier(what)
+    if creates:
+        path.unlink()
+    return buf
+
+
 class ShmCollective(TpCollective):
     """The all-reduce of a TP group whose ranks share one host's memory, through a file in /dev/shm: each rank
     copies its tensor into its slot, raises its flag to the call's number, waits for every flag, and sums the slots
@@ -83,19 +100,10 @@ class ShmCollective(TpCollective):
     LINE = 64  # one cache line per rank's flag
 
     def __init__(self, world: World, key: str, timeout_s: float) -> None:
-        from kvrunahead.net import liveness
-
         self.size, self.me, self.timeout_s = world.tp, world.tp_rank, timeout_s
-        path = Path("/dev/shm") / f"kvrunahead-tp-{key}-{world.rank}"
-        nbytes = self.LINE * self.size + 2 * self.size * self.SLOT_BYTES
-        if self.me == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-        liveness.patient_barrier("the TP group's shared memory")
-        self.buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-        liveness.patient_barrier("the TP group's shared memory")
-        if self.me == 0:
-            path.unlink()  # mapped by every rank: the memory lives until the last one lets go
+        self.buf = shared_file(Path("/dev/shm") / f"kvrunahead-tp-{key}-{world.rank}",
+                               self.LINE * self.size + 2 * self.size * self.SLOT_BYTES, self.me == 0, True,
+                               "the TP group's shared memory")
         self.flags = self.buf[:self.LINE * self.size].view(torch.int64).view(self.size, self.LINE // 8)[:, 0]
         self.flags[self.me] = 0
         self.peek = self.flags.numpy()  # the flags as numpy reads them: a microsecond a look, not a torch op's ten
@@ -169,19 +177,10 @@ class ShmMailbox:
     def of_group(cls, world: World, group: int, key: str, spin_s: float = 0.05) -> ShmMailbox | None:
         """The mailbox of TP group ``group`` on its members (None elsewhere); made by every rank of the world
         together (it meets them twice)."""
-        from kvrunahead.net import liveness
-
         member = world.rank == group
-        path = Path("/dev/shm") / f"kvrunahead-plans-{key}-{group}"
-        nbytes = cls.LINE * (1 + world.tp) + cls.PIECE_BYTES
-        if member and world.tp_rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-        liveness.patient_barrier("the TP group's plan mailbox")
-        buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8) if member else None
-        liveness.patient_barrier("the TP group's plan mailbox")
-        if member and world.tp_rank == 0:
-            path.unlink()  # mapped by every member: the memory lives until the last one lets go
+        buf = shared_file(Path("/dev/shm") / f"kvrunahead-plans-{key}-{group}",
+                          cls.LINE * (1 + world.tp) + cls.PIECE_BYTES, member and world.tp_rank == 0, member,
+                          "the TP group's plan mailbox")
         return cls(buf, world.tp, world.tp_rank, spin_s) if member else None
 
     def send(self, payload: bytes) -> None:
