@@ -51,7 +51,7 @@ class Server:
         deadline = time.monotonic() + timeout_s * COMPILE_SLOWDOWN
         while time.monotonic() < deadline:
             for line in list(self.lines):
-                if m := re.search(r"serving \S+ on (http://\S+)/v1", line):
+                if m := re.search(r"serving \S+ on (https?://\S+)/v1", line):
                     return m.group(1)
             assert self.proc.poll() is None, "".join(self.lines)
             time.sleep(0.1)

@@ -22,6 +22,7 @@ from kvrunahead.errors import InputError
 log = logging.getLogger("kvrunahead")
 
 PROG = "kvr-serve"
+ACCESS = ("api_key", "ssl_keyfile", "ssl_certfile")  # the front's alone: the engine never sees them
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -47,6 +48,18 @@ def _check(options: dict, world_size: int) -> None:
     from kvrunahead.serve.config import model_len_limit
     from kvrunahead.serve.degree import learned_folder, parse_degree
 
+    if (options["ssl_keyfile"] is None) != (options["ssl_certfile"] is None):
+        raise InputError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
+    if options["ssl_certfile"] is not None:
+        import ssl
+
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(options["ssl_certfile"], options["ssl_keyfile"])
+        except (ssl.SSLError, OSError) as e:
+            raise InputError(f"--ssl-certfile/--ssl-keyfile do not load as a PEM certificate and its key: {e}") \
+                from None
+    if options["api_key"] is not None and not options["api_key"].strip():
+        raise InputError("--api-key is empty: give a key, or leave the option out to serve without one")
     if options["max_queue"] < 1:
         raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
     if options["max_request_bytes"] < 1:
@@ -136,9 +149,10 @@ def _announce(url: str, model_id: str, world):
 
 
 def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
-                max_request_bytes: int = 4 * 1024 * 1024) -> str | None:
+                max_request_bytes: int = 4 * 1024 * 1024, access: dict | None = None) -> str | None:
     """Run the engine loop and the HTTP server on this (the front) rank until drained or the engine dies; returns
-    why the engine failed, None after a clean stop. The workers are told to shut down either way."""
+    why the engine failed, None after a clean stop. The workers are told to shut down either way. ``access``: the
+    API key and TLS files (``api_key``, ``ssl_keyfile``, ``ssl_certfile``), each None where not given."""
     import uvicorn
 
     from kvrunahead.serve.client import AsyncEngineClient
@@ -149,10 +163,13 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
     metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running))
-    config = uvicorn.Config(build_app(client, metrics, max_request_bytes), host=host, port=port, lifespan="off",
-                            log_level="info" if verbose else "warning", access_log=verbose,
-                            timeout_graceful_shutdown=5)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
+    access = access or {}
+    config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,
+                            port=port, lifespan="off", log_level="info" if verbose else "warning",
+                            access_log=verbose, timeout_graceful_shutdown=5,
+                            ssl_keyfile=access.get("ssl_keyfile"), ssl_certfile=access.get("ssl_certfile"))
+    scheme = "https" if access.get("ssl_certfile") else "http"
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
     server = DrainingServer(config, client, grace_s,
                             on_started=_announce(url, client.model_id, engine.world))
     try:
@@ -187,7 +204,8 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
         _ignore_stop_signals()
     engine = Engine(config, world)  # a failure from here on ends the rank without teardown (failure_ending)
     if front:
-        failure = serve_front(engine, host, port, grace_s, verbose, options["max_request_bytes"])
+        failure = serve_front(engine, host, port, grace_s, verbose, options["max_request_bytes"],
+                              {k: options[k] for k in ACCESS})
         if failure is not None:  # the process group may be broken: no teardown (it can block)
             common.hard_exit(PROG, f"stopped: {failure}")
     else:
@@ -201,6 +219,14 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Start this many local ranks (when not launched by torchrun or mpirun).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--api-key", envvar=["KVR_API_KEY", "VLLM_API_KEY"], default=None,
+              help="Requests to /v1/... and /tokenize, /detokenize must carry 'Authorization: Bearer <key>' (else "
+                   "401, compared in constant time); /health, /metrics and /version stay open. Also read from "
+                   "KVR_API_KEY or VLLM_API_KEY.")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve HTTPS with this private key (PEM); with --ssl-certfile.")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve HTTPS with this certificate chain (PEM); with --ssl-keyfile.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait for their prefill; more are refused at once with 429 and Retry-After.")
 @click.option("--max-request-bytes", type=int, default=4 * 1024 * 1024, show_default=True,

@@ -97,23 +97,39 @@ def init_world(launcher: str, backend: str, timeout_s: float, device: torch.devi
         else:
             addr = port = None
         addr, port = comm.bcast((addr, port), root=0)
-        init_method = f"tcp://{addr}:{port}"
     else:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-        init_method = "env://"
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        **rendezvous(addr, port, rank, size, timeout),
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
     # Every world beats: the waits for another rank's whole prefill are bounded by the heartbeats (net/liveness.py).
     liveness.start_heartbeat(timeout_s)
     return World(rank, size, local_rank, local_size, launcher)
+
+
+def rendezvous(addr: str, port: int, rank: int, size: int, timeout: datetime.timedelta) -> dict:
+    """How to meet: a store listening on ``addr`` only (torch's own listens on every interface), whose socket rank 0
+    binds and hands over. Under torchrun the agent's store (on the agent's address) is joined as torch does."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return {"init_method": "env://"}
+    if rank != 0:
+        return {"store": dist.TCPStore(addr, port, size, False, timeout)}
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(where)
+    listener.listen(256)
+    return {"store": dist.TCPStore(addr, port, size, True, timeout, wait_for_workers=False,
+                                   master_listen_fd=listener.detach())}
 
 
 def leave_world() -> None:
@@ -129,9 +145,14 @@ def pick_backend(device: torch.device) -> str:
 
 
 def rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict[str, str]:
-    """The environment torchrun gives a local rank (rendezvous on ``addr``:``port``), plus ``extra``."""
-    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
+    """The environment torchrun gives a local rank (rendezvous on ``addr``:``port``), plus ``extra``; on loopback
+    gloo's own sockets stay on ``lo`` too."""
+    env = dict(os.environ)
+    if addr.startswith("127."):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+               MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
+    return env
 
 
 def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli.prefill", net=None) -> int:

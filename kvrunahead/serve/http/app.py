@@ -4,7 +4,8 @@ POST /v1/completions (the raw prompt, as ``kvr-prefill --no-chat``), POST /v1/ch
 template), POST /v1/ask, POST /tokenize and /detokenize, GET /v1/models, GET /version, GET /health, GET /metrics.
 Errors are OpenAI's body with the status a client of vLLM or SGLang expects: 400 for bad input, 404 for a model it
 does not serve, 413 for a body over ``--max-request-bytes``, 415 for one that is not JSON, 429 with Retry-After
-when the queue is full, 503 while draining or once the engine is dead, 500 when the engine failed a request.
+when the queue is full, 503 while draining or once the engine is dead, 500 when the engine failed a request, 401
+without the server's ``--api-key``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvrunahead.serve.http import inputs, streams
 from kvrunahead.serve.http import protocol as p
 from kvrunahead.serve.http import responses as r
 from kvrunahead.serve.http.ask_shapes import AskRequest, AskResponse
+from kvrunahead.serve.http.auth import ApiKeyMiddleware
 from kvrunahead.serve.http.inputs import ApiError
 from kvrunahead.serve.http.metrics import Metrics
 from kvrunahead.serve.sequence import new_request_id
@@ -117,11 +119,15 @@ def _tokenizer_routes(app: FastAPI, client, max_request_bytes: int) -> None:
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
-def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``client`` (an ``AsyncEngineClient`` or anything with its interface); request
-    bodies over ``max_request_bytes`` are refused (413) before they are read whole or tokenised."""
+    bodies over ``max_request_bytes`` are refused (413) before they are read whole or tokenised; with ``api_key``,
+    a request without it is refused (401, serve/http/auth.py)."""
     metrics = metrics or Metrics()  # its queue gauges are the caller's to track (the app never sees the engine)
     app = FastAPI(title="kvr-serve", docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, on_refused=lambda: metrics.refused("unauthorized"))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -20,7 +20,7 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 # The outcomes a request is counted under: how it finished, or why it was refused before it started.
-OUTCOMES = ("stop", "length", "cancelled", "error", "invalid", "queue_full", "unavailable")
+OUTCOMES = ("stop", "length", "cancelled", "error", "invalid", "queue_full", "unavailable", "unauthorized")
 
 
 class Metrics:
