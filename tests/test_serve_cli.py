@@ -144,7 +144,7 @@ def test_a_worker_that_dies_fails_the_requests_in_flight_and_the_server_exits_no
         assert any("stopped:" in line for line in server.lines), "".join(server.lines)
 
 
-def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2():
+def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2(tmp_path):
     cmd = [sys.executable, "-m", "kvrunahead.cli.serve", "--model", MODEL]
     r = subprocess.run([*cmd, "--max-queue", "0"], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["kvr-serve: error: --max-queue must be at "
@@ -157,6 +157,12 @@ def test_bad_flags_and_a_busy_port_are_one_line_and_exit_2():
                            cwd=ROOT)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    corrupt = tmp_path / "table.json"
+    corrupt.write_text('{"meta": {"model": ')  # a table cut short (a full disk, a copy interrupted)
+    r = subprocess.run([*cmd, "--nproc", "2", "--table", str(corrupt)], capture_output=True, text=True, timeout=120,
+                       env=ENV, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert f"cannot read partition table {corrupt}" in r.stderr, r.stderr
 
 
 def _counter(url: str, outcome: str) -> float:

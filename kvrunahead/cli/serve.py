@@ -78,6 +78,10 @@ def _check(options: dict, world_size: int) -> None:
     try:
         parse_degree(options["degree"], groups)
         learning.check_path(options["learn"], learned_folder())
+        if options["table"] is not None:  # a table that does not read fails here, not at the first long prompt
+            from kvrunahead.decide.tables import Table
+
+            Table.load(options["table"])
         model_config = resolve_config(options["model"])
         model_len_limit(config.run, model_config, config.max_model_len)
     except (ModelError, ContextError, ValueError) as e:
