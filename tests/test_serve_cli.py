@@ -39,8 +39,9 @@ class Server:
     """A ``kvr-serve --nproc N`` process group (2 ranks unless asked; ``env``: added to the tests' environment);
     its stderr is collected as it comes."""
 
-    def __init__(self, *args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None) -> None:
-        command = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", str(nproc), "--port", "0", "--model",
+    def __init__(self, *args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None, port: int = 0
+                 ) -> None:
+        command = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", str(nproc), "--port", str(port), "--model",
                    model, *COMPILED, *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      env={**ENV, **(env or {})}, cwd=ROOT, start_new_session=True)
@@ -83,8 +84,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(*args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None) -> Iterator[Server]:
-    server = Server(*args, model=model, nproc=nproc, env=env)
+def serving(*args: str, model: str = MODEL, nproc: int = 2, env: dict | None = None, port: int = 0
+            ) -> Iterator[Server]:
+    server = Server(*args, model=model, nproc=nproc, env=env, port=port)
     try:
         yield server
     finally:
@@ -281,3 +283,47 @@ def _vllm_names_agree_with_ours(url: str) -> None:
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_restarts_bring_the_whole_server_back_on_its_port_after_a_worker_is_killed(tmp_path):
+    """``--restarts 1``: a worker's ``kill -9`` ends the server (its request in flight gets an error), and the
+    launcher starts every rank again on the same port, which answers with the same greedy text within 60 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with serving("--timeout", "10", "--restarts", "1", port=port) as server:
+        url = server.url()
+        assert url == f"http://127.0.0.1:{port}"
+        api = _api(url)
+        before = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        first = server.ranks()[0]
+        t0 = time.monotonic()
+        os.kill(first, signal.SIGKILL)
+        deadline = t0 + 60 * COMPILE_SLOWDOWN
+        while True:
+            assert time.monotonic() < deadline, "".join(server.lines)
+            ranks = server.ranks()
+            if ranks.get(0) not in (None, first):
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        back_s = time.monotonic() - t0
+        print(f"serving over both ranks again {back_s:.1f} s after the kill")
+        again = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        assert again == before and back_s < 60 * COMPILE_SLOWDOWN
+        assert any("starting it again (1 of 1 restarts)" in line for line in server.lines), "".join(server.lines)
+        os.kill(server.proc.pid, signal.SIGTERM)  # a drain ends it for good: exit 0, not restarted
+        assert server.wait() == 0, "".join(server.lines)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--restarts", "1"], "--restarts needs a --port of its own"),
+    (["--restarts", "-1", "--port", "8123"], "--restarts must be 0 or more"),
+])
+def test_bad_restarts_are_one_line_and_exit_2(args, says):
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.serve", "--model", MODEL, "--nproc", "2", "--port", "0",
+                        *args], capture_output=True, text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 
 import click
 
@@ -185,6 +186,36 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     return server.failure and (engine.error or server.failure)
 
 
+def _serve_restarting(nproc: int, restarts: int, timeout_s: float, net) -> int:
+    """Spawn the ranks; while they end with an error and restarts are left, spawn them again. Returns the last exit
+    code (0 after a drain; an interrupt is never restarted)."""
+    from kvrunahead.ranks.launcher import spawn
+
+    argv = _without_restarts(sys.argv[1:])
+    for attempt in range(restarts + 1):
+        # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
+        code = spawn(nproc, argv, grace_s=max(5.0, timeout_s + 5.0), module="kvrunahead.cli.serve", net=net)
+        if code in (0, 130) or attempt == restarts:
+            return code
+        click.echo(f"{PROG}: the server ended with exit code {code}; starting it again ({attempt + 1} of "
+                   f"{restarts} restarts)", err=True)
+        time.sleep(1.0)
+    return code
+
+
+def _without_restarts(argv: list[str]) -> list[str]:
+    """The command line for the ranks, without --restarts (a rank never restarts anything)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--restarts":
+            skip = True
+        elif not arg.startswith("--restarts="):
+            out.append(arg)
+    return out
+
+
 def _ignore_stop_signals() -> None:
     """A worker outlives SIGTERM and SIGINT (a launcher or a terminal sends them to every rank): it ends on the
     front's Shutdown plan after the drain, or within --timeout of the front's silence."""
@@ -306,6 +337,10 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 @common.kvr_attention_option(help="The chain's attention, as kvr-prefill's: auto, split or masked.")
 @common.net_option(help="The network label (and with --nproc, its emulation), as kvr-prefill's.")
 @common.timeout_option(60.0, help="Seconds a rank waits on another before the server fails (and exits 1).")
+@click.option("--restarts", type=int, default=0, show_default=True,
+              help="Start the whole server again (every rank, on the same --host and --port) after it ends with an "
+                   "error (a rank died, stopped or was cut off), up to this many times; the requests in flight "
+                   "when it ended get an error. Not under torchrun (its --max-restarts does this) or mpirun.")
 @click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
               help="After SIGTERM: seconds the requests in flight get to finish before they are ended.")
 @common.tp_option()
@@ -331,7 +366,7 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
     common.quiet(verbose)
     from kvrunahead.config import RunConfig
     from kvrunahead.decide.policy import network_spec
-    from kvrunahead.ranks.launcher import detect_launcher, spawn, world_size_hint
+    from kvrunahead.ranks.launcher import detect_launcher, world_size_hint
 
     launcher = detect_launcher()
     with common.failure_ending(PROG, rank=common.env_rank(), reraise=verbose):
@@ -340,13 +375,20 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
         world_size = world_size_hint(launcher, nproc)
         common.check_nproc(nproc, launcher, world_size)
         net = network_spec(RunConfig(net=options["net"]))
+        restarts = options.pop("restarts")
+        if restarts < 0:
+            raise InputError(f"--restarts must be 0 or more, got {restarts}")
+        if restarts and launcher != "single":
+            raise InputError(f"--restarts is for the ranks kvr-serve starts itself; under {launcher} give its own "
+                             "restart policy (torchrun --max-restarts N)")
         if launcher == "single":
             _check_listen(host, port)
             _check(options, world_size)
-            if nproc > 1:
-                # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
-                sys.exit(spawn(nproc, sys.argv[1:], grace_s=max(5.0, options["timeout_s"] + 5.0),
-                               module="kvrunahead.cli.serve", net=net))
+            if restarts and port == 0:
+                raise InputError("--restarts needs a --port of its own: a restarted server on another free port "
+                                 "would not be found")
+            if nproc > 1 or restarts:
+                sys.exit(_serve_restarting(nproc, restarts, options["timeout_s"], net))
             if net.emulated:
                 raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         run_rank(options, launcher, host, port, grace_s, verbose)

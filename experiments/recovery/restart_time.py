@@ -1,0 +1,98 @@
+"""Seconds from a worker's ``kill -9`` to ``kvr-serve --restarts`` answering over every rank again (SmolLM2-135M,
+``--nproc 2`` by default). Appends one JSON row per run to rows.jsonl beside it (command, host, commit).
+
+    python experiments/recovery/restart_time.py --runs 3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _children(pid: int) -> dict[int, int]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().split(")")[1].split()[1]) == pid:
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                out[int(env["RANK"])] = int(d.name)
+        except (OSError, KeyError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _host() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@click.command()
+@click.option("--model", default="smollm2-135m", show_default=True)
+@click.option("--nproc", type=int, default=2, show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=20.0, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--kill-rank", type=int, default=0, show_default=True)
+def main(model: str, nproc: int, timeout_s: float, runs: int, kill_rank: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvrunahead.cli.serve", "--model", model, "--nproc", str(nproc), "--port", str(port),
+           "--timeout", str(timeout_s), "--restarts", str(runs)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    try:
+        deadline = time.monotonic() + 600
+        while not _ok(url):
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.2)
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        for run in range(runs):
+            victim = _children(proc.pid)[kill_rank]
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            while not (_children(proc.pid).get(kill_rank) not in (None, victim) and _ok(url)):
+                assert time.monotonic() < t0 + 600 and proc.poll() is None, "the server did not come back"
+                time.sleep(0.1)
+            back_s = time.monotonic() - t0
+            again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            row = {"run": run, "back_s": round(back_s, 2), "same_text": again == text, "model": model,
+                   "nproc": nproc, "timeout_s": timeout_s, "kill_rank": kill_rank, "host": _host(),
+                   "commit": commit.strip(), "command": " ".join(["python", *sys.argv]),
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            print(json.dumps(row), flush=True)
+            with (HERE / "rows.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()
