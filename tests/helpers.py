@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 
 from kvrunahead.ranks.launcher import free_port
@@ -88,3 +89,25 @@ def world_runs(cases, tmp_path_factory, prefix: str):
         return runs[p]
 
     return run
+
+
+@lru_cache(maxsize=2)
+def _model(name: str):
+    import torch
+
+    from kvrunahead.model.load import load_model
+
+    torch.set_num_threads(1)
+    return load_model(name, torch.float32, torch.device("cpu"))
+
+
+def greedy_text(name: str, ids: list[int], k: int) -> str:
+    """One process's greedy continuation of ``ids`` by ``k`` tokens (end tokens ignored), as the server decodes
+    it."""
+    import torch
+
+    lm = _model(name)
+    with torch.no_grad():
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+    return lm.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)

@@ -1,7 +1,8 @@
 """``kvr-serve`` on real ranks (two gloo ranks of the synthetic tiny-llama on 127.0.0.1): the official ``openai``
 client gets what ``kvr-prefill`` prints for the same prompt; SIGTERM drains (the stream in flight completes, a new
-request gets 503) and exits 0; a worker that dies ends the requests in flight with an error, fails /health and
-the server exits non-zero; bad input is one line and exit 2. Every server here is bounded and killed at the end."""
+request gets 503) and exits 0; under ``--no-recover`` a worker that dies ends the requests in flight with an error,
+fails /health and the server exits non-zero (recovery: tests/test_serve_recovery.py); bad input is one line and
+exit 2. Every server here is bounded and killed at the end."""
 
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ def test_served_greedy_text_equals_kvr_prefill_and_sigterm_drains_the_stream_in_
         assert server.wait() == 0, "".join(server.lines)
 
 
-def test_a_worker_that_dies_fails_the_requests_in_flight_and_the_server_exits_nonzero():
-    with serving("--timeout", "10") as server:
+def test_without_recovery_a_worker_that_dies_fails_the_requests_in_flight_and_the_server_exits_nonzero():
+    """``--no-recover``: fail-stop, for a supervisor (or ``--restarts``) to start the whole server again."""
+    with serving("--timeout", "10", "--no-recover") as server:
         url = server.url()
         with httpx.Client(timeout=60) as http, http.stream(
                 "POST", f"{url}/v1/completions",
@@ -286,12 +288,13 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_restarts_bring_the_whole_server_back_on_its_port_after_a_worker_is_killed(tmp_path):
-    """``--restarts 1``: a worker's ``kill -9`` ends the server (its request in flight gets an error), and the
-    launcher starts every rank again on the same port, which answers with the same greedy text within 60 s."""
+    """``--restarts 1 --no-recover``: a worker's ``kill -9`` ends the server (its request in flight gets an error),
+    and the launcher starts every rank again on the same port, which answers with the same greedy text within
+    60 s. (With recovery, the default, only the front's end ends the server.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with serving("--timeout", "10", "--restarts", "1", port=port) as server:
+    with serving("--timeout", "10", "--restarts", "1", "--no-recover", port=port) as server:
         url = server.url()
         assert url == f"http://127.0.0.1:{port}"
         api = _api(url)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers import greedy_text
 from tests.test_serve_cli import serving
 
 pytestmark = pytest.mark.timeout(900)
@@ -28,28 +28,6 @@ DATA = Path(__file__).parent / "data"
 ISSUE_REQUEST = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "n": 1}
 WORDS = ("the", "capital", "of", "France", "is", "a", "city", "river", "where", "why", "quick", "brown", "fox",
          "jumps", "over", "lazy", "dog", ".", ",", "?", "\n", "Paris", "42", "é", "日本")
-
-
-@lru_cache(maxsize=2)
-def _model(name: str):
-    import torch
-
-    from kvrunahead.model.load import load_model
-
-    torch.set_num_threads(1)
-    return load_model(name, torch.float32, torch.device("cpu"))
-
-
-def _greedy_text(name: str, ids: list[int], k: int) -> str:
-    """One process's greedy continuation of ``ids`` by ``k`` tokens (end tokens ignored), as the server decodes
-    it."""
-    import torch
-
-    lm = _model(name)
-    with torch.no_grad():
-        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                                pad_token_id=0, eos_token_id=None)
-    return lm.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
 def _hostile(model: str, rng: random.Random, vocab: int) -> dict:
@@ -93,7 +71,7 @@ def _cases(model: str, rng: random.Random, count: int, vocab: int, long_tokens: 
         if shape < 0.6:  # token ids: one process's greedy text is known exactly
             body["prompt"] = ids
             if greedy and not body.get("echo"):
-                case["text"] = _greedy_text(model, ids, k)
+                case["text"] = greedy_text(model, ids, k)
                 stop = case["text"][1:3]
                 if rng.random() < 0.2 and len(stop) == 2 and stop.isascii() and stop.isprintable():
                     body["stop"] = [stop]

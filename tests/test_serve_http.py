@@ -70,6 +70,9 @@ class FakeClient:
     def begin_drain(self) -> None:
         self.draining = True
 
+    def recovery(self) -> dict:
+        return {"restarts": 0}
+
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 

@@ -167,7 +167,8 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
 
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
-    metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running))
+    metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running),
+                  lambda: float(engine.recovery.degraded), lambda: engine.recovery.restarts)
     access = access or {}
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,
                             port=port, lifespan="off", log_level="info" if verbose else "warning",
@@ -186,15 +187,17 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     return server.failure and (engine.error or server.failure)
 
 
-def _serve_restarting(nproc: int, restarts: int, timeout_s: float, net) -> int:
+def _serve_restarting(nproc: int, restarts: int, timeout_s: float, net, front: int | None) -> int:
     """Spawn the ranks; while they end with an error and restarts are left, spawn them again. Returns the last exit
-    code (0 after a drain; an interrupt is never restarted)."""
+    code (0 after a drain; an interrupt is never restarted). ``front``: the front's rank where it outlives its
+    workers (``--recover``): a lost worker's generation is started again, and only the front's end ends them."""
     from kvrunahead.ranks.launcher import spawn
 
     argv = _without_restarts(sys.argv[1:])
     for attempt in range(restarts + 1):
         # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
-        code = spawn(nproc, argv, grace_s=max(5.0, timeout_s + 5.0), module="kvrunahead.cli.serve", net=net)
+        code = spawn(nproc, argv, grace_s=max(5.0, timeout_s + 5.0), module="kvrunahead.cli.serve", net=net,
+                     front=front)
         if code in (0, 130) or attempt == restarts:
             return code
         click.echo(f"{PROG}: the server ended with exit code {code}; starting it again ({attempt + 1} of "
@@ -223,6 +226,24 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, lambda s, f: log.info("worker: signal %d ignored; the front decides the shutdown", s))
 
 
+def _ready_before_joining(run, launcher: str) -> None:
+    """A worker started in a lost one's place (ranks/recovery.py) loads the model before it joins, and says so:
+    the front, which serves meanwhile, joins only a generation whose every worker is ready."""
+    import os
+
+    from kvrunahead.ranks.launcher import World
+    from kvrunahead.ranks.recovery import RecoveryDir, generation
+    from kvrunahead.ranks.setup import preload
+
+    folder, gen = RecoveryDir.from_env(), generation()
+    if folder is None or gen == 0:
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    preload(run, World(rank, size, int(os.environ.get("LOCAL_RANK", rank)),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", size)), launcher))
+    folder.say_ready(gen, rank)
+
+
 def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
     """Join the world and serve: the front runs HTTP, the others the worker loop."""
     from kvrunahead.model.device import resolve_device
@@ -233,6 +254,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
 
     config = _engine_config(options)
     device = resolve_device(config.run.device, local_rank_hint())
+    _ready_before_joining(config.run, launcher)
     world = chain_world(init_world(launcher, pick_backend(device), config.run.timeout_s, device), config.run.tp)
     front = world.rank == world.world_size - 1 and world.tp_rank == 0  # the last group's first TP rank
     if not front:
@@ -341,6 +363,13 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
               help="Start the whole server again (every rank, on the same --host and --port) after it ends with an "
                    "error (a rank died, stopped or was cut off), up to this many times; the requests in flight "
                    "when it ended get an error. Not under torchrun (its --max-restarts does this) or mpirun.")
+@click.option("--recover/--no-recover", default=True, show_default=True,
+              help="With --nproc (whole-model ranks, no --tp): when a worker rank dies, stops past --timeout or is "
+                   "cut off, the front serves on: the decodes whose K,V it holds keep streaming, the other "
+                   "requests wait or run again from their prompts (kvrunahead.retried), and the workers are "
+                   "started again and joined (/health says degraded meanwhile; kvr_degraded, "
+                   "kvr_rank_restarts_total). --no-recover: the server ends (exit 1), for --restarts or a "
+                   "supervisor to start again.")
 @click.option("--grace", "grace_s", type=float, default=30.0, show_default=True,
               help="After SIGTERM: seconds the requests in flight get to finish before they are ended.")
 @common.tp_option()
@@ -376,6 +405,7 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
         common.check_nproc(nproc, launcher, world_size)
         net = network_spec(RunConfig(net=options["net"]))
         restarts = options.pop("restarts")
+        recover = options.pop("recover")
         if restarts < 0:
             raise InputError(f"--restarts must be 0 or more, got {restarts}")
         if restarts and launcher != "single":
@@ -388,7 +418,8 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
                 raise InputError("--restarts needs a --port of its own: a restarted server on another free port "
                                  "would not be found")
             if nproc > 1 or restarts:
-                sys.exit(_serve_restarting(nproc, restarts, options["timeout_s"], net))
+                front = nproc - 1 if recover and nproc > 1 and options["tp"] == 1 else None
+                sys.exit(_serve_restarting(nproc, restarts, options["timeout_s"], net, front))
             if net.emulated:
                 raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         run_rank(options, launcher, host, port, grace_s, verbose)

@@ -7,6 +7,9 @@ search can be cut after some results. Actions:
 - ``stop``: SIGSTOP itself, a rank that stops responding without dying (a frozen host);
 - ``linkdown``: take its emulated host's link down (``--net cap=...`` only);
 - ``cap=RATE``: cap its emulated host's uplink at RATE, e.g. ``cap=1kB/s`` (near zero).
+
+A drill's fault strikes the ranks first started: a worker ``kvr-serve`` starts in a lost one's place
+(``KVR_GENERATION`` > 0, ranks/recovery.py) runs without it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ _HITS: dict[tuple[int, int], int] = {}
 
 
 def fault_from_env() -> Fault | None:
+    if os.environ.get("KVR_GENERATION", "0") != "0":  # started again after a loss: the drill's fault struck once
+        return None
     return parse_fault(os.environ.get(FAULT_ENV))
 
 

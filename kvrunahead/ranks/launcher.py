@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from kvrunahead.net import liveness
 from kvrunahead.net.session import network
 from kvrunahead.net.spec import NetSpec
-from kvrunahead.ranks.supervise import supervise
+from kvrunahead.ranks.recovery import DIR_ENV, GENERATION_ENV, RecoveryDir
+from kvrunahead.ranks.supervise import supervise, supervise_recovering
 from kvrunahead.ranks.transport import import_mpi
 
 log = logging.getLogger(__name__)
@@ -155,19 +157,30 @@ def rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1", **e
     return env
 
 
-def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli.prefill", net=None) -> int:
+def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli.prefill", net=None,
+          front: int | None = None) -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
     ``net`` (a ``NetSpec``) with a cap puts every rank on an emulated host of its own, and with noise runs the
-    sidecar beside them; both are removed when the ranks end, however they end.
+    sidecar beside them; both are removed when the ranks end, however they end. ``front``: the rank of a server
+    that outlives its workers (ranks/recovery.py): a worker's loss starts its generation of workers again, on the
+    same hosts, and only the front's end ends the job.
     """
-    with network(net or NetSpec(), nproc) as hosts:
+    with network(net or NetSpec(), nproc) as hosts, tempfile.TemporaryDirectory(prefix="kvr-recovery-") as folder:
+        def start(rank: int, port: int, gen: int) -> subprocess.Popen:
+            extra = dict(KVRUNAHEAD_SPAWNED="1", **hosts.env)
+            if front is not None:
+                extra.update({DIR_ENV: folder, GENERATION_ENV: str(gen)})
+            return subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],
+                                    env=rank_env(rank, nproc, port, hosts.master_addr, **extra))
+
         port = free_port()
-        procs = [subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],
-                                  env=rank_env(rank, nproc, port, hosts.master_addr, KVRUNAHEAD_SPAWNED="1",
-                                               **hosts.env))
-                 for rank in range(nproc)]
-        code = supervise(procs, grace_s)
+        procs = [start(rank, port, 0) for rank in range(nproc)]
+        if front is None:
+            code = supervise(procs, grace_s)
+        else:
+            code = supervise_recovering(procs, front, RecoveryDir(folder), grace_s=grace_s, start=lambda gen, port: [
+                start(rank, port, gen) for rank in range(nproc) if rank != front])
         if hosts.noise is not None:
             report = hosts.noise.stop()
             if report is not None:

@@ -3,9 +3,11 @@ batch): device, dtype, threads, the model (kept loaded across runs of one proces
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kvrunahead.config import RunConfig
 from kvrunahead.model.compiled import COMPILE_WAIT_S, compile_model
@@ -23,8 +25,9 @@ from kvrunahead.model.load import LoadedModel, load_model, resolve_config
 from kvrunahead.model.rope import RopeExtension
 from kvrunahead.model.stage import StageSpec
 from kvrunahead.model.tp import TpSpec
+from kvrunahead.net import liveness
 from kvrunahead.net.spec import parse_net
-from kvrunahead.ranks.launcher import World, pick_backend
+from kvrunahead.ranks.launcher import World, init_world, pick_backend
 from kvrunahead.ranks.mesh import TpCollective, forget_collectives, tp_collective
 from kvrunahead.ranks.stats import LOADS
 from kvrunahead.ranks.transport import Transport, make_transport
@@ -59,9 +62,8 @@ class RankSetup:
         return loaded_model(cfg.model, self.dtype, self.device, cfg.seed, rope)
 
 
-def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
-                stage: StageSpec | None = None) -> RankSetup:
-    """``stage``: this rank's pipeline stage (spp), whose layers alone it loads."""
+def _basics(cfg: RunConfig, world: World) -> tuple[torch.device, torch.dtype, int]:
+    """This rank's device, dtype and threads (the threads set)."""
     device = resolve_device(cfg.device, world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -69,15 +71,48 @@ def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
     dtype = resolve_dtype(cfg, device, own)
     threads = cfg.threads or default_threads(world.host_ranks)
     torch.set_num_threads(threads)
+    return device, dtype, threads
+
+
+def _transport_timeout(cfg: RunConfig) -> float:
+    """A compiled peer's first call of a shape family compiles (minutes on a CPU): its successor waits that long."""
+    return max(cfg.timeout_s, COMPILE_WAIT_S) if cfg.compile else cfg.timeout_s
+
+
+def preload(cfg: RunConfig, world: World) -> None:
+    """Load the whole model as ``set_up_rank`` will (kept loaded), before the rank joins its world: a worker
+    started to replace a lost one (ranks/recovery.py) is ready before the front, which serves meanwhile, waits
+    on it. Whole-model ranks only (no TP shard, no stage)."""
+    device, dtype, _ = _basics(cfg, world)
+    loaded_model(cfg.model, dtype, device, cfg.seed, compiled=cfg.compile)
+
+
+def rejoin(cfg: RunConfig, world: World, setup: RankSetup, port: int) -> Transport:
+    """The front meets a new generation of workers on rendezvous ``port`` (their ranks, world size and address
+    as before): the old process group dropped (its peers are dead: nothing waits on them), a new one made and
+    the transport made again in the order the workers make theirs (``set_up_rank``); the model, the caches and
+    the requests stay. Whole-model ranks only."""
+    liveness.forget()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    forget_transports()
+    os.environ["MASTER_PORT"] = str(port)
+    init_world(world.launcher, pick_backend(setup.device), cfg.timeout_s, setup.device)
+    setup.transport = cached_transport(cfg.transport, world, setup.device, _transport_timeout(cfg), cfg.allgather)
+    return setup.transport
+
+
+def set_up_rank(cfg: RunConfig, world: World, rope: RopeExtension | None = None,
+                stage: StageSpec | None = None) -> RankSetup:
+    """``stage``: this rank's pipeline stage (spp), whose layers alone it loads."""
+    device, dtype, threads = _basics(cfg, world)
     tp = TpSpec(world.tp_rank, world.tp) if world.tp > 1 else None
     # shared memory between TP ranks on one real host (not emulated hosts, whose capped links TP must cross)
     shared = world.tp_local and not parse_net(cfg.net).emulated
     collective = tp_collective(cfg.transport, world, device, shared, cfg.timeout_s) if tp else None
     lm = loaded_model(cfg.model, dtype, device, cfg.seed, rope, stage, compiled=cfg.compile, tp=tp,
                       collective=collective)
-    # a compiled peer's first call of a shape family compiles (minutes on a CPU): its successor waits that long
-    timeout_s = max(cfg.timeout_s, COMPILE_WAIT_S) if cfg.compile else cfg.timeout_s
-    transport = cached_transport(cfg.transport, world, device, timeout_s, cfg.allgather)
+    transport = cached_transport(cfg.transport, world, device, _transport_timeout(cfg), cfg.allgather)
     return RankSetup(device, dtype, threads, lm, probe_kv_layout(lm.model), transport, tp, collective)
 
 

@@ -1,13 +1,21 @@
-"""Waiting on rank processes: the first failure decides the exit code, and no rank is left running."""
+"""Waiting on rank processes: the first failure decides the exit code, and no rank is left running; or, for a
+server that outlives its workers (ranks/recovery.py), a worker's failure starts its generation's workers again."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from kvrunahead.ranks.recovery import RecoveryDir, Started
+
+log = logging.getLogger(__name__)
+
+GIVE_UP_AFTER = 3  # generations in a row that end before any of their workers was ready: the launcher stops
 
 
 @contextlib.contextmanager
@@ -71,3 +79,69 @@ def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:
                 p.send_signal(signal.SIGCONT)
         code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e.code, int) else 1)
     return code
+
+
+def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: RecoveryDir,
+                         start: Callable[[int, int], list[subprocess.Popen]], grace_s: float = 5.0) -> int:
+    """Wait for a server's ranks while its front (``procs[front]``) lives; return the front's exit code (the first
+    non-zero one where the front ended cleanly and a worker did not).
+
+    A worker that ends with an error, or that the front reports lost (``lost.G``: stopped past ``--timeout``, cut
+    off), ends its whole generation: every worker of it is killed (a stopped one continued so that it can die) and
+    ``start(generation, port)`` starts the next on a new rendezvous port, announced as ``gen.G``. Workers that end
+    cleanly (the front's Shutdown after a drain) are not replaced. After ``GIVE_UP_AFTER`` generations in a row
+    that ended before any of their workers was ready the front is sent SIGTERM (it drains) and the server ends.
+    """
+    from kvrunahead.ranks.launcher import free_port
+
+    gen, failed_starts = 0, 0
+    workers = [i for i in range(len(procs)) if i != front]
+    with forwarding_sigterm(procs):
+        try:
+            while procs[front].poll() is None:
+                failed = [i for i in workers if procs[i].poll() not in (None, 0)]
+                report = recovery.lost(gen)
+                if failed or report is not None:
+                    ready = any(recovery.all_ready(gen, [i]) for i in workers) or gen == 0
+                    failed_starts = 0 if ready else failed_starts + 1
+                    if failed_starts >= GIVE_UP_AFTER:
+                        log.error("kvr-serve: %d generations of workers in a row ended before they were ready; "
+                                  "stopping the server", failed_starts)
+                        procs[front].send_signal(signal.SIGTERM)
+                        break
+                    what = ("; ".join(f"rank {i} ended (exit {procs[i].returncode})" for i in failed) if failed
+                            else f"the front lost rank {report.get('rank', '?')} ({report.get('why', '')})")
+                    _end(procs[i] for i in workers)
+                    gen += 1
+                    port = free_port()
+                    for i, p in zip(workers, start(gen, port)):
+                        procs[i] = p
+                    recovery.announce(Started(gen, port, tuple(failed)))
+                    log.warning("kvr-serve: %s; starting the workers again (generation %d)", what, gen)
+                time.sleep(0.05)
+        except (KeyboardInterrupt, SystemExit):
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+                    p.send_signal(signal.SIGCONT)
+    code = procs[front].wait()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _end(procs) -> None:
+    """Kill these ranks now, a stopped one too, and reap them."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.send_signal(signal.SIGCONT)
+    for p in procs:
+        p.wait()

@@ -62,6 +62,10 @@ class AsyncEngineClient:
     def in_flight(self) -> int:
         return len(self._queues)
 
+    def recovery(self) -> dict:
+        """The workers' restarts so far and, while a worker is lost, which, since when and why."""
+        return self.engine.recovery.health()
+
     def begin_drain(self) -> None:
         """Take no new requests (SIGTERM); those in flight run to their end."""
         self.draining = True

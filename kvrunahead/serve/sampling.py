@@ -28,6 +28,13 @@ class Sampler:
         else:
             self.generator.seed()
 
+    def retake(self, token: int) -> int:
+        """Take ``token`` as if chosen (a request running again after a worker's loss, its stream's tokens fed
+        back): the penalties count it, no log-probabilities are reported."""
+        self.last = None
+        self.output.append(token)
+        return token
+
     def __call__(self, logits: torch.Tensor) -> int:
         token = self.choose(logits)
         if self.params.logprobs is not None:

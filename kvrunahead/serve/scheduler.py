@@ -75,6 +75,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.running: list[Sequence] = []
         self._last_was_prefill = False
+        self.hold_prefills = False  # a worker is lost: no prefill runs until the workers are back (decodes go on)
 
     @property
     def queued(self) -> int:
@@ -151,8 +152,8 @@ class Scheduler:
         return rest if chunked_end > deadline else 0.0
 
     def _prefill(self, now: float) -> list[Sequence]:
-        """The next prefill's requests, taken out of the queue (none when nothing waits)."""
-        if self.waiting or self.prefilling:
+        """The next prefill's requests, taken out of the queue (none when nothing waits or prefills are held)."""
+        if (self.waiting or self.prefilling) and not self.hold_prefills:
             order = self.order(now)
             first = order[0]
             for seq in order[1:]:
@@ -213,6 +214,16 @@ class Scheduler:
     def resume(self, seq: Sequence) -> None:
         """A chunk of ``seq``'s prefill ran; the rest waits for its turn."""
         self.prefilling.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """``seq`` waits again for its prefill, from its prompt (a worker was lost); never refused for room: it was
+        admitted already."""
+        self.waiting.appendleft(seq)
+
+    def take_prefilling(self) -> list[Sequence]:
+        """The chunked prefills between their chunks, taken out (a worker holding their positions was lost)."""
+        seqs, self.prefilling = self.prefilling, []
+        return seqs
 
     def start_decoding(self, seq: Sequence) -> None:
         seq.status = "running"

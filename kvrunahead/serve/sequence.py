@@ -100,6 +100,7 @@ class RequestFigures:
     decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
     chunks: list[dict] = field(default_factory=list)  # a chunked prefill's chunks: start, end, ranks, seconds
     layout_basis: str = "prior"  # what chose the degree: fixed, forced, prior, exploring or learned
+    retried: int = 0  # the times it ran again from its prompt after a worker rank was lost (serve/recovery.py)
 
 
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (vLLM's default max_logprobs)
@@ -229,6 +230,9 @@ class Sequence:
     passed_over: int = 0  # prefill steps in a row that went to another request (the scheduler's starvation bound)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far, where the request asks
     answers: Answers | None = None  # a request carrying questions, once its context and questions are prefilled
+    retried: int = 0  # the times it ran again from its prompt after a worker rank was lost
+    replay: list[int] = field(default_factory=list)  # its stream's tokens sent before that, to be fed back
+    replaying: bool = False  # the token being taken is one of them (taken silently)
 
     def __post_init__(self) -> None:
         self.text = StopText(self.request.params.stop)
@@ -260,5 +264,7 @@ class Sequence:
 
     def finished(self, reason: FinishReason, error: str | None = None, bad_input: bool = False) -> Finished:
         self.status = "finished"
+        if self.figures is not None:
+            self.figures.retried = self.retried
         return Finished(self.request_id, reason, self.prompt_len, len(self.output_ids), self.figures, error,
                         bad_input)

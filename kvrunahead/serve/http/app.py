@@ -188,7 +188,9 @@ def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = D
         refusal = streams.unavailable(client)
         if refusal is not None:
             return JSONResponse({"status": refusal.code}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # a lost worker: still serving (its decodes go on, prefills wait for the workers), said with which rank
+        recovery = client.recovery()
+        return JSONResponse({"status": "degraded" if "degraded" in recovery else "ok", **recovery})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

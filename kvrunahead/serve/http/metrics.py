@@ -56,15 +56,24 @@ class Metrics:
                                registry=r)
         self.ask_questions = Counter("kvr_ask_questions", "Questions answered by shared-context requests (/v1/ask).",
                                      registry=r)
+        self.degraded = Gauge("kvr_degraded", "1 while a worker rank is lost and the front serves without it "
+                              "(its decodes go on, prefills wait), else 0.", registry=r)
+        self.rank_restarts = Counter("kvr_rank_restarts", "Times the workers were started again and joined after "
+                                     "a worker rank was lost.", registry=r)
+        self._restarts: Callable[[], int] = lambda: 0
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
-    def track(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
-        """Read the gauges from the engine at each scrape rather than keeping a second count of its state."""
+    def track(self, queue_depth: Callable[[], float], running: Callable[[], float],
+              degraded: Callable[[], float] = lambda: 0.0, restarts: Callable[[], int] = lambda: 0) -> None:
+        """Read the gauges (and the restarts) from the engine at each scrape rather than keeping a second count of
+        its state."""
         self.queue_depth.set_function(queue_depth)
         self.running.set_function(running)
         self.vllm.waiting.set_function(queue_depth)
         self.vllm.running.set_function(running)
+        self.degraded.set_function(degraded)
+        self._restarts = restarts
 
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -109,6 +118,7 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
+        self.rank_restarts.inc(max(0, self._restarts() - self.rank_restarts._value.get()))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

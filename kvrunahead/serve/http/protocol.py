@@ -207,6 +207,7 @@ class KvrFigures(BaseModel):
     cached_tokens: int = 0  # the prompt's first tokens found in the prefix cache (only the rest was prefilled)
     decode: str = "gathered"  # or kvp: the cache left on the ranks that made it, attention merged per layer
     chunks: list[ChunkFigures] = Field(default_factory=list)  # a chunked prefill's chunks, in order
+    retried: int = 0  # the times it ran again from its prompt after a worker rank was lost
 
 
 class CompletionLogprobs(BaseModel):

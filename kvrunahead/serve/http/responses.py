@@ -23,7 +23,7 @@ def figures(done: Finished | None) -> p.KvrFigures | None:
         partition=p.Partition(boundaries=list(f.boundaries), source=f.partition_source),
         ranks=[p.RankFigures(**{k: r[k] for k in ("rank", "compute_s", "wait_s", "bytes_sent")}) for r in f.ranks],
         packed_with=f.packed_with, cached_tokens=f.cached_tokens, decode=f.decode,
-        chunks=[p.ChunkFigures(**c) for c in f.chunks])
+        chunks=[p.ChunkFigures(**c) for c in f.chunks], retried=f.retried)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> p.Usage:

@@ -80,6 +80,19 @@ class BatchDecoder:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.own
 
+    def rollback(self, request_id: str, tokens: int) -> None:
+        """Cut the request's K,V back to its first ``tokens`` positions, where a forward it rode in failed part way
+        (a worker lost in a mixed step: the layers before the failure had appended its token). Only a row grows
+        inside another forward; a padded batch or a request's own cache is appended by its decode step alone."""
+        kv = self.own.get(request_id)
+        if not isinstance(kv, list):
+            return
+        for layer in kv:
+            if isinstance(layer, GrowingKV):
+                layer.truncate(tokens)
+            elif isinstance(layer, ForkedKV) and layer.own is not None:
+                layer.own.truncate(tokens - layer.prefix[0].shape[-2])
+
     def riders(self, segments) -> dict[str, Row]:
         """The decode rows ``segments`` (serve/step/plans.DecodeRow, one token each) as ``Row`` s that share a prompt's
         forward (serve/step/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
@@ -204,6 +217,10 @@ class VariantDecoders:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.variant_of or request_id in self.shared
+
+    def rollback(self, request_id: str, tokens: int) -> None:
+        if request_id in self.variant_of:
+            self.by_variant[self.variant_of[request_id]].rollback(request_id, tokens)
 
     @property
     def members(self) -> list[str]:

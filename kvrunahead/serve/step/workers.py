@@ -139,11 +139,13 @@ class Heartbeat:
     def __init__(self, ctx: RankContext, heartbeat_s: float) -> None:
         self.ctx, self.heartbeat_s = ctx, heartbeat_s
         self.last_s = time.monotonic()
+        self.off = False  # a worker is lost: no Ping until the front has joined the workers started again
 
     def sent(self) -> None:
         self.last_s = time.monotonic()
 
     def maybe_ping(self) -> None:
-        if self.ctx.has_peers and self.ctx.broadcasts and time.monotonic() - self.last_s >= self.heartbeat_s:
+        if (not self.off and self.ctx.has_peers and self.ctx.broadcasts
+                and time.monotonic() - self.last_s >= self.heartbeat_s):
             send_plan(self.ctx, Ping(), peers=False)  # a TP peer on a mailbox waits on the front's heartbeat
             self.sent()

@@ -1,0 +1,106 @@
+"""The front outlives a worker: what it knows of a lost rank, and how it meets the workers started in its place.
+
+When a step fails because a worker died, stopped past ``--timeout`` or was cut off, the engine (serve/engine.py)
+keeps its requests: the decodes whose K,V the front holds go on, every other request waits or runs again from its
+prompt. ``Recovery`` tells the launcher (ranks/recovery.py), follows the generations it starts, and, once every
+worker of the newest one has loaded the model, joins them (ranks/setup.rejoin): the partition, the learned timings
+and the prefix cache are the front's and stay. It reports the state to ``/health`` and ``/metrics``.
+
+Only a server whose ranks ``kvr-serve --nproc`` started itself, of whole-model ranks (no ``--tp``), recovers: under
+torchrun or mpirun the launcher ends every rank when one fails, and a TP peer's shard is not on the front.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+from kvrunahead.ranks.recovery import RecoveryDir
+from kvrunahead.ranks.setup import rejoin
+
+log = logging.getLogger(__name__)
+
+RANK_IN = re.compile(r"\brank (\d+) (?:has not responded|is gone)|from rank (\d+)|to rank (\d+)")
+
+
+@dataclass
+class Lost:
+    """A worker generation lost: since when, which rank where it is known, and why."""
+
+    since_s: float  # time.time()
+    since_monotonic: float
+    why: str
+    rank: int | None = None
+
+
+class Recovery:
+    def __init__(self, folder: RecoveryDir | None, ctx, cfg, world, setup) -> None:
+        self.folder, self.ctx, self.cfg, self.world, self.setup = folder, ctx, cfg, world, setup
+        self.generation = 0  # the workers' generation the front has joined
+        self.lost: Lost | None = None
+        self.restarts = 0  # generations joined after a loss
+        self.down_s: list[float] = []  # seconds from each loss to serving over every rank again
+
+    @property
+    def possible(self) -> bool:
+        """Whether a worker's loss can be outlived here (see the module's note)."""
+        return self.folder is not None and self.world.tp == 1 and self.ctx.world_size > 1
+
+    @property
+    def degraded(self) -> bool:
+        return self.lost is not None
+
+    def lose(self, e: BaseException) -> Lost:
+        """A step failed on the workers: note it and ask the launcher for a new generation."""
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        rank = _rank_in(str(e), self.ctx.rank)
+        if self.lost is None:
+            self.lost = Lost(time.time(), time.monotonic(), why, rank)
+        log.warning("a worker is lost (%s); serving the decodes the front holds and starting the workers again", why)
+        self.folder.report_lost(self.generation, rank, why)
+        return self.lost
+
+    def poll(self) -> bool:
+        """Follow the launcher's generations; join the newest once all its workers are ready. True on joining."""
+        newest = self.generation
+        while self.folder.started(newest + 1) is not None:
+            newest += 1
+        if newest == self.generation:
+            return False
+        started = self.folder.started(newest)
+        if self.lost.rank is None and started.lost:
+            self.lost.rank = started.lost[0]
+        workers = [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
+        if not self.folder.all_ready(newest, workers):
+            return False
+        self.generation = newest
+        try:
+            self.ctx.transport = rejoin(self.cfg, self.world, self.setup, started.port)
+        except Exception as e:  # noqa: BLE001 - a worker of the new generation gone before the rendezvous ended
+            self.lose(e)
+            return False
+        self.down_s.append(time.monotonic() - self.lost.since_monotonic)
+        self.restarts += 1
+        log.warning("serving over all %d ranks again (generation %d), %.1f s after the loss", self.ctx.world_size,
+                    newest, self.down_s[-1])
+        self.lost = None
+        return True
+
+    def health(self) -> dict:
+        """What ``/health`` says beyond its status."""
+        if self.lost is None:
+            return {"restarts": self.restarts}
+        return {"restarts": self.restarts, "degraded": {
+            "rank": self.lost.rank, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.lost.since_s)),
+            "seconds": round(time.monotonic() - self.lost.since_monotonic, 1), "why": self.lost.why}}
+
+
+def _rank_in(message: str, me: int) -> int | None:
+    """The peer a failure's message names, where it names one other than this rank."""
+    for m in RANK_IN.finditer(message):
+        rank = int(next(g for g in m.groups() if g is not None))
+        if rank != me:
+            return rank
+    return None
