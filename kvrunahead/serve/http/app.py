@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from kvrunahead.prompt import question_prompts
 from kvrunahead.serve.http import inputs, streams
@@ -45,10 +46,13 @@ async def _body(request: Request, limit: int) -> bytes:
         raise ApiError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
                        "(--max-request-bytes)", code="request_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the body is over {limit} bytes (--max-request-bytes)", code="request_too_large")
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"the body is over {limit} bytes (--max-request-bytes)", code="request_too_large")
+    except ClientDisconnect:  # gone before its body was whole: nobody reads the answer, but nothing is logged as a fault
+        raise ApiError(400, "the client went away before its body was whole", code="client_disconnected") from None
     return bytes(body)
 
 
