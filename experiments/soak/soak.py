@@ -24,7 +24,6 @@ import click
 import httpx
 
 from kvrunahead.bench import soak
-from kvrunahead.bench.serve_bench import conversations, open_sharegpt, read_json_records
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -42,13 +41,6 @@ def _host() -> str:
 def _commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return r.stdout.strip() or "unknown"
-
-
-def prompts(count: int, max_tokens: int) -> list[tuple[str, int]]:
-    """ShareGPT's first human turns and their answers' lengths (estimated), ``count`` of them."""
-    with open_sharegpt() as f:
-        records = read_json_records(f, limit=count * 3).items
-    return [(c.prompt, c.reply_tokens or 64) for c in conversations(records, max_prompt_tokens=max_tokens)][:count]
 
 
 def serve(model: str, port: int, args: tuple[str, ...]) -> subprocess.Popen:
@@ -81,7 +73,7 @@ def main(profile: str, minutes: float | None, model: str, out: Path, serve_args:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    texts = prompts(400, chosen.max_prompt_tokens)
+    texts = soak.sharegpt_prompts(400, chosen.max_prompt_tokens)
     proc = serve(model, port, serve_args)
     header = {"command": " ".join(sys.argv), "host": _host(), "commit": _commit(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,

@@ -38,7 +38,17 @@ class Profile:
 
 
 FULL = Profile(30.0)
-SHORT = Profile(1.5, clients=3, sample_s=2.0, max_tokens=24, max_prompt_tokens=256)
+SHORT = Profile(1.0, clients=3, sample_s=2.0, max_tokens=24, max_prompt_tokens=256)
+
+
+def sharegpt_prompts(count: int, max_tokens: int) -> list[tuple[str, int]]:
+    """ShareGPT's first human turns (up to ``max_tokens``, estimated) and their answers' lengths, ``count`` of
+    them."""
+    from kvrunahead.bench.serve_bench import conversations, open_sharegpt, read_json_records
+
+    with open_sharegpt() as f:
+        records = read_json_records(f, limit=count * 3).items
+    return [(c.prompt, c.reply_tokens or 64) for c in conversations(records, max_prompt_tokens=max_tokens)][:count]
 
 
 def hostile_bodies(model: str) -> list[tuple[str, dict | bytes]]:

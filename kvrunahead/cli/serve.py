@@ -2,8 +2,10 @@
 
 Every rank loads the model once and joins the world; the front (the last rank, where the chain leaves the full
 cache) runs the engine loop and uvicorn, the other ranks run the engine's worker loop. SIGTERM drains (new
-requests get 503, those in flight finish within ``--grace``) and exits 0; a rank that dies ends every request in
-flight with an error and the server exits 1, for a supervisor to restart it.
+requests get 503, those in flight finish within ``--grace``) and exits 0. Under ``--nproc`` a worker that dies,
+stops or is cut off is started again while the front serves on (``--recover``: serve/recovery.py); the front's
+death, or any rank's otherwise, ends every request in flight with an error and the server exits 1, for
+``--restarts`` or a supervisor to start it again.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: Re
                     ready = any(recovery.all_ready(gen, [i]) for i in workers) or gen == 0
                     failed_starts = 0 if ready else failed_starts + 1
                     if failed_starts >= GIVE_UP_AFTER:
-                        log.error("kvr-serve: %d generations of workers in a row ended before they were ready; "
+                        log.error("%d generations of workers in a row ended before they were ready; "
                                   "stopping the server", failed_starts)
                         procs[front].send_signal(signal.SIGTERM)
                         break
@@ -117,7 +117,7 @@ def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: Re
                     for i, p in zip(workers, start(gen, port)):
                         procs[i] = p
                     recovery.announce(Started(gen, port, tuple(failed)))
-                    log.warning("kvr-serve: %s; starting the workers again (generation %d)", what, gen)
+                    log.warning("%s; starting the workers again (generation %d)", what, gen)
                 time.sleep(0.05)
         except (KeyboardInterrupt, SystemExit):
             for p in procs:

@@ -43,6 +43,7 @@ from kvrunahead.serve.sequence import (
     Sequence,
     StopText,
     TokenEvent,
+    WorkersDown,
 )
 from kvrunahead.serve.step import executor, workers
 from kvrunahead.serve.step.batch_decode import BatchDecoder, VariantDecoders
@@ -135,6 +136,8 @@ class Engine:
         EngineDead, or ValueError naming what is wrong with it."""
         if not self.healthy:
             raise EngineDead(f"the engine has failed: {self.error}")
+        if (overdue := self.recovery.overdue) is not None:
+            raise WorkersDown(f"{overdue}: retry later")
         request.params.check()
         n, cfg = len(request.prompt_ids), self.config.run
         if request.questions:
@@ -163,6 +166,8 @@ class Engine:
         events = self._take_inbox()
         if self.recovery.degraded and self.recovery.poll():
             self.scheduler.hold_prefills = self.heartbeat.off = False
+        if (overdue := self.recovery.overdue) is not None:  # no prompt waits for the workers past the patience
+            events += [self._finish(seq, "error", overdue) for seq in self.scheduler.take_waiting()]
         step = self.scheduler.schedule() if self.healthy else None
         if step is None and self.recovery.degraded:
             time.sleep(DEGRADED_NAP_S)  # the prefills wait for the workers: no spinning meanwhile

@@ -42,6 +42,8 @@ class Recovery:
         self.lost: Lost | None = None
         self.restarts = 0  # generations joined after a loss
         self.down_s: list[float] = []  # seconds from each loss to serving over every rank again
+        # how long prefills wait for the workers: then they end with an error, and new prompts get a 503
+        self.patience_s = max(60.0, 3 * cfg.timeout_s)
 
     @property
     def possible(self) -> bool:
@@ -52,9 +54,18 @@ class Recovery:
     def degraded(self) -> bool:
         return self.lost is not None
 
+    @property
+    def overdue(self) -> str | None:
+        """Why no prompt can wait any longer: the workers lost longer ago than the patience; else None."""
+        if self.lost is None or time.monotonic() - self.lost.since_monotonic <= self.patience_s:
+            return None
+        rank = f"rank {self.lost.rank}" if self.lost.rank is not None else "a worker rank"
+        return (f"{rank} was lost {time.monotonic() - self.lost.since_monotonic:.0f} s ago and the workers are not "
+                f"back ({self.lost.why})")
+
     def lose(self, e: BaseException) -> Lost:
         """A step failed on the workers: note it and ask the launcher for a new generation."""
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
         rank = _rank_in(str(e), self.ctx.rank)
         if self.lost is None:
             self.lost = Lost(time.time(), time.monotonic(), why, rank)

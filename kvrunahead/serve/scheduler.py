@@ -220,6 +220,13 @@ class Scheduler:
         admitted already."""
         self.waiting.appendleft(seq)
 
+    def take_waiting(self) -> list[Sequence]:
+        """Every request waiting for its prefill or its next chunk, taken out."""
+        seqs = [*self.waiting, *self.prefilling]
+        self.waiting.clear()
+        self.prefilling.clear()
+        return seqs
+
     def take_prefilling(self) -> list[Sequence]:
         """The chunked prefills between their chunks, taken out (a worker holding their positions was lost)."""
         seqs, self.prefilling = self.prefilling, []
@@ -244,9 +251,7 @@ class Scheduler:
 
     def drain_all(self) -> list[Sequence]:
         """Every request in flight, removed (the engine failed)."""
-        seqs = [*self.waiting, *self.prefilling, *self.running]
-        self.waiting.clear()
-        self.prefilling.clear()
+        seqs = [*self.take_waiting(), *self.running]
         self.running.clear()
         return seqs
 

@@ -21,6 +21,11 @@ class EngineDead(RuntimeError):
     """The engine takes no more requests: a rank died, the loop failed, or the server is draining."""
 
 
+class WorkersDown(EngineDead):
+    """A worker rank was lost and has not come back within the front's patience: no new prompt is taken until it
+    has (HTTP 503 with Retry-After)."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

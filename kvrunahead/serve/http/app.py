@@ -51,7 +51,7 @@ async def _body(request: Request, limit: int) -> bytes:
             body += part
             if len(body) > limit:
                 raise ApiError(413, f"the body is over {limit} bytes (--max-request-bytes)", code="request_too_large")
-    except ClientDisconnect:  # gone before its body was whole: nobody reads the answer, but nothing is logged as a fault
+    except ClientDisconnect:  # gone before its body was whole: nobody reads the answer; no fault is logged
         raise ApiError(400, "the client went away before its body was whole", code="client_disconnected") from None
     return bytes(body)
 

@@ -19,7 +19,15 @@ from kvrunahead.serve.http import protocol as p
 from kvrunahead.serve.http import responses as r
 from kvrunahead.serve.http.inputs import ApiError
 from kvrunahead.serve.http.metrics import Metrics
-from kvrunahead.serve.sequence import Answered, EngineDead, Finished, QueueFull, SamplingParams, TokenEvent
+from kvrunahead.serve.sequence import (
+    Answered,
+    EngineDead,
+    Finished,
+    QueueFull,
+    SamplingParams,
+    TokenEvent,
+    WorkersDown,
+)
 
 DISCONNECT_POLL_S = 0.2  # how often a request waiting on the engine checks that its client is still there
 RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
@@ -134,6 +142,9 @@ def refusals(client):
         raise queue_full(client) from None
     except ValueError as e:  # the engine's own check of the parameters or the prompt
         raise ApiError(400, str(e)) from None
+    except WorkersDown as e:
+        raise ApiError(503, str(e), type="server_error", code="workers_down", outcome="unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except EngineDead as e:
         raise unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
 
