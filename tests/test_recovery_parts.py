@@ -57,7 +57,7 @@ def test_a_request_run_again_goes_on_after_the_tokens_its_stream_sent(engine, pa
     def rerun(step: int) -> None:
         seq = next((s for s in engine.scheduler.running if s.request_id == "again"), None)
         if seq is not None and len(seq.output_ids) == 6 and not seq.retried:
-            assert engine._rerun(seq, "test") == []
+            assert engine.recovery.rerun(seq, "test") == []
 
     tokens, done = _run(engine, request, rerun)
     assert len(tokens) == 24 and done.completion_tokens == 24 and done.figures.retried == 1

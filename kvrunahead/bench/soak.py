@@ -198,8 +198,16 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
     return out
 
 
-def sample(launcher_pid: int, t_s: float) -> dict:
-    """One row of every rank's resources and /dev/shm's entries."""
+def _metric(url: str, name: str) -> float | None:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), None)
+
+
+def sample(launcher_pid: int, t_s: float, url: str | None = None) -> dict:
+    """One row of every rank's resources, /dev/shm's entries and (``url``) the front's prefix cache's bytes."""
     ranks = []
     for rank, pid in sorted(rank_pids(launcher_pid).items()):
         try:
@@ -209,7 +217,10 @@ def sample(launcher_pid: int, t_s: float) -> dict:
                           "threads": int(status["Threads"]), "fds": len(list(Path(f"/proc/{pid}/fd").iterdir()))})
         except (OSError, KeyError, ValueError):
             continue
-    return {"kind": "sample", "t_s": round(t_s, 2), "ranks": ranks, "shm": len(list(Path("/dev/shm").iterdir()))}
+    out = {"kind": "sample", "t_s": round(t_s, 2), "ranks": ranks, "shm": len(list(Path("/dev/shm").iterdir()))}
+    if url is not None and (cached := _metric(url, "kvr_prefix_cache_bytes")) is not None:
+        out["prefix_cache_mb"] = round(cached / 2 ** 20, 1)
+    return out
 
 
 def run(url: str, model: str, launcher_pid: int, prompts: list[tuple[str, int]], profile: Profile, out: Path,
@@ -231,11 +242,11 @@ def run(url: str, model: str, launcher_pid: int, prompts: list[tuple[str, int]],
         end = t0 + profile.minutes * 60
         try:
             while time.monotonic() < end:
-                write(sample(launcher_pid, time.monotonic() - t0))
+                write(sample(launcher_pid, time.monotonic() - t0, url))
                 time.sleep(min(profile.sample_s, max(0.0, end - time.monotonic())))
         finally:
             load.join()
-        write(sample(launcher_pid, time.monotonic() - t0))
+        write(sample(launcher_pid, time.monotonic() - t0, url))
         summary = checks(rows, profile)
         write({"kind": "summary", **summary})
     return rows
@@ -263,6 +274,10 @@ def checks(rows: list[dict], profile: Profile) -> dict:
         if end is not None:
             growth[r["rank"]] = round(end["rss_mb"] / r["rss_mb"] - 1, 4)
     out["rss_growth"] = growth
+    if "prefix_cache_mb" in first and "prefix_cache_mb" in last and growth:  # the front's, less what its cache holds
+        front = max(growth)
+        mb = [next(x["rss_mb"] for x in s["ranks"] if x["rank"] == front) - s["prefix_cache_mb"] for s in (first, last)]
+        out["front_rss_growth_less_prefix_cache"] = round(mb[1] / mb[0] - 1, 4)
     out["rss_ok"] = bool(growth) and all(g <= 0.05 for g in growth.values())
     errors = [r for r in requests if (r.get("status") or 0) >= 500]
     out["server_errors"] = len(errors)
@@ -304,9 +319,13 @@ def plot(rows: list[dict], path: Path, window_s: float = 60.0) -> None:
     fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
     for rank in ranks:
         pts = [(s["t_s"] / 60, x) for s in samples for x in s["ranks"] if x["rank"] == rank]
-        axes[0].plot([t for t, _ in pts], [x["rss_mb"] for _, x in pts], label=f"rank {rank}")
+        axes[0].plot([t for t, _ in pts], [x["rss_mb"] for _, x in pts], label=f"rank {rank} resident")
         axes[1].plot([t for t, _ in pts], [x["fds"] for _, x in pts], label=f"rank {rank} fds")
         axes[1].plot([t for t, _ in pts], [x["threads"] for _, x in pts], "--", label=f"rank {rank} threads")
+    cached = [s for s in samples if "prefix_cache_mb" in s]
+    if cached:
+        axes[0].plot([s["t_s"] / 60 for s in cached], [s["prefix_cache_mb"] for s in cached], ":",
+                     label="the front's prefix cache")
     axes[2].plot([s["t_s"] / 60 for s in samples], [s["shm"] for s in samples], label="/dev/shm entries")
     span = max((s["t_s"] for s in samples), default=0.0)
     edges = [i * window_s for i in range(int(span // window_s) + 2)]

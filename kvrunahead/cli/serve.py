@@ -14,7 +14,6 @@ import logging
 import signal
 import socket
 import sys
-import time
 
 import click
 
@@ -170,7 +169,8 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
     metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running),
-                  lambda: float(engine.recovery.degraded), lambda: engine.recovery.restarts)
+                  lambda: float(engine.recovery.degraded), lambda: engine.recovery.restarts,
+                  lambda: engine.placement.prefixes.bytes)
     access = access or {}
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,
                             port=port, lifespan="off", log_level="info" if verbose else "warning",
@@ -189,61 +189,11 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     return server.failure and (engine.error or server.failure)
 
 
-def _serve_restarting(nproc: int, restarts: int, timeout_s: float, net, front: int | None) -> int:
-    """Spawn the ranks; while they end with an error and restarts are left, spawn them again. Returns the last exit
-    code (0 after a drain; an interrupt is never restarted). ``front``: the front's rank where it outlives its
-    workers (``--recover``): a lost worker's generation is started again, and only the front's end ends them."""
-    from kvrunahead.ranks.launcher import spawn
-
-    argv = _without_restarts(sys.argv[1:])
-    for attempt in range(restarts + 1):
-        # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
-        code = spawn(nproc, argv, grace_s=max(5.0, timeout_s + 5.0), module="kvrunahead.cli.serve", net=net,
-                     front=front)
-        if code in (0, 130) or attempt == restarts:
-            return code
-        click.echo(f"{PROG}: the server ended with exit code {code}; starting it again ({attempt + 1} of "
-                   f"{restarts} restarts)", err=True)
-        time.sleep(1.0)
-    return code
-
-
-def _without_restarts(argv: list[str]) -> list[str]:
-    """The command line for the ranks, without --restarts (a rank never restarts anything)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--restarts":
-            skip = True
-        elif not arg.startswith("--restarts="):
-            out.append(arg)
-    return out
-
-
 def _ignore_stop_signals() -> None:
     """A worker outlives SIGTERM and SIGINT (a launcher or a terminal sends them to every rank): it ends on the
     front's Shutdown plan after the drain, or within --timeout of the front's silence."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: log.info("worker: signal %d ignored; the front decides the shutdown", s))
-
-
-def _ready_before_joining(run, launcher: str) -> None:
-    """A worker started in a lost one's place (ranks/recovery.py) loads the model before it joins, and says so:
-    the front, which serves meanwhile, joins only a generation whose every worker is ready."""
-    import os
-
-    from kvrunahead.ranks.launcher import World
-    from kvrunahead.ranks.recovery import RecoveryDir, generation
-    from kvrunahead.ranks.setup import preload
-
-    folder, gen = RecoveryDir.from_env(), generation()
-    if folder is None or gen == 0:
-        return
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    preload(run, World(rank, size, int(os.environ.get("LOCAL_RANK", rank)),
-                       int(os.environ.get("LOCAL_WORLD_SIZE", size)), launcher))
-    folder.say_ready(gen, rank)
 
 
 def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float, verbose: bool) -> None:
@@ -252,11 +202,12 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
     from kvrunahead.oneshot.runner import leave_world
     from kvrunahead.ranks.launcher import init_world, local_rank_hint, pick_backend
     from kvrunahead.ranks.mesh import chain_world
+    from kvrunahead.ranks.setup import ready_before_joining
     from kvrunahead.serve.engine import Engine
 
     config = _engine_config(options)
     device = resolve_device(config.run.device, local_rank_hint())
-    _ready_before_joining(config.run, launcher)
+    ready_before_joining(config.run, launcher)
     world = chain_world(init_world(launcher, pick_backend(device), config.run.timeout_s, device), config.run.tp)
     front = world.rank == world.world_size - 1 and world.tp_rank == 0  # the last group's first TP rank
     if not front:
@@ -421,7 +372,11 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
                                  "would not be found")
             if nproc > 1 or restarts:
                 front = nproc - 1 if recover and nproc > 1 and options["tp"] == 1 else None
-                sys.exit(_serve_restarting(nproc, restarts, options["timeout_s"], net, front))
+                from kvrunahead.ranks.launcher import spawn_restarting
+
+                # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
+                sys.exit(spawn_restarting(nproc, sys.argv[1:], restarts, max(5.0, options["timeout_s"] + 5.0),
+                                          "kvrunahead.cli.serve", net, front))
             if net.emulated:
                 raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         run_rank(options, launcher, host, port, grace_s, verbose)

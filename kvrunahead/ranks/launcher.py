@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -186,3 +187,33 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
             if report is not None:
                 log.warning("%s", report.describe())
         return code
+
+
+def spawn_restarting(nproc: int, argv: list[str], restarts: int, grace_s: float, module: str, net=None,
+                     front: int | None = None) -> int:
+    """``spawn`` the ranks; while they end with an error and restarts are left, spawn them again (every rank, the
+    same command without ``--restarts``). Returns the last exit code (0 after a drain; an interrupt is never
+    restarted). ``front``: as ``spawn``'s (a lost worker's generation is started again within one spawn)."""
+    argv = _without_restarts(argv)
+    code = 0
+    for attempt in range(restarts + 1):
+        code = spawn(nproc, argv, grace_s=grace_s, module=module, net=net, front=front)
+        if code in (0, 130) or attempt == restarts:
+            return code
+        log.warning("the server ended with exit code %d; starting it again (%d of %d restarts)", code, attempt + 1,
+                    restarts)
+        time.sleep(1.0)
+    return code
+
+
+def _without_restarts(argv: list[str]) -> list[str]:
+    """The command line for the ranks, without --restarts (a rank never restarts anything)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--restarts":
+            skip = True
+        elif not arg.startswith("--restarts="):
+            out.append(arg)
+    return out

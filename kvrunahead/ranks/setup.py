@@ -29,6 +29,7 @@ from kvrunahead.net import liveness
 from kvrunahead.net.spec import parse_net
 from kvrunahead.ranks.launcher import World, init_world, pick_backend
 from kvrunahead.ranks.mesh import TpCollective, forget_collectives, tp_collective
+from kvrunahead.ranks.recovery import RecoveryDir, generation
 from kvrunahead.ranks.stats import LOADS
 from kvrunahead.ranks.transport import Transport, make_transport
 
@@ -85,6 +86,19 @@ def preload(cfg: RunConfig, world: World) -> None:
     on it. Whole-model ranks only (no TP shard, no stage)."""
     device, dtype, _ = _basics(cfg, world)
     loaded_model(cfg.model, dtype, device, cfg.seed, compiled=cfg.compile)
+
+
+def ready_before_joining(cfg: RunConfig, launcher: str) -> None:
+    """A worker started in a lost one's place (ranks/recovery.py) loads the model before it joins, and says so:
+    the front, which serves meanwhile, joins only a generation whose every worker is ready. Nothing for the first
+    generation, or outside a launcher that brings workers back."""
+    folder, gen = RecoveryDir.from_env(), generation()
+    if folder is None or gen == 0:
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    preload(cfg, World(rank, size, int(os.environ.get("LOCAL_RANK", rank)),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", size)), launcher))
+    folder.say_ready(gen, rank)
 
 
 def rejoin(cfg: RunConfig, world: World, setup: RankSetup, port: int) -> Transport:

@@ -22,7 +22,6 @@ from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.modes.packed import why_not_packable
 from kvrunahead.ranks.launcher import World
-from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.setup import set_up_rank
 from kvrunahead.ranks.stats import RankStats
 from kvrunahead.serve import asking, warm
@@ -30,7 +29,7 @@ from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
 from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
 from kvrunahead.serve.planner import StepPlanner
-from kvrunahead.serve.recovery import Recovery
+from kvrunahead.serve.recovery import Held, Recovery
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
 from kvrunahead.serve.sequence import (
@@ -41,9 +40,7 @@ from kvrunahead.serve.sequence import (
     Request,
     RequestFigures,
     Sequence,
-    StopText,
     TokenEvent,
-    WorkersDown,
 )
 from kvrunahead.serve.step import executor, workers
 from kvrunahead.serve.step.batch_decode import BatchDecoder, VariantDecoders
@@ -53,9 +50,6 @@ from kvrunahead.serve.step.rank import RankContext, solo_threads
 from kvrunahead.sim.flops import prompt_work
 
 log = logging.getLogger(__name__)
-
-RERUNS = 2  # the times a request runs again from its prompt after a worker's loss before it ends with an error
-DEGRADED_NAP_S = 0.02  # the engine loop's pause while its prefills wait for the workers and nothing else runs
 
 
 class Engine:
@@ -103,7 +97,8 @@ class Engine:
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids cancelled, not yet freed
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.decoder, self.attention)
-        self.recovery = Recovery(RecoveryDir.from_env() if self.is_front else None, self.ctx, cfg, world, rs)
+        self.recovery = Recovery.of(self.is_front, self.ctx, cfg, world, rs, Held(
+            self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish))
         warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -136,8 +131,7 @@ class Engine:
         EngineDead, or ValueError naming what is wrong with it."""
         if not self.healthy:
             raise EngineDead(f"the engine has failed: {self.error}")
-        if (overdue := self.recovery.overdue) is not None:
-            raise WorkersDown(f"{overdue}: retry later")
+        self.recovery.check_open()
         request.params.check()
         n, cfg = len(request.prompt_ids), self.config.run
         if request.questions:
@@ -163,14 +157,8 @@ class Engine:
         """inbox -> schedule -> execute -> update: the requests added and cancelled since the last step taken in,
         the scheduler's pick, its segments run on every rank that takes part (the workers told first), the outcome
         taken into the requests. An idle step keeps the workers' heartbeat."""
-        events = self._take_inbox()
-        if self.recovery.degraded and self.recovery.poll():
-            self.scheduler.hold_prefills = self.heartbeat.off = False
-        if (overdue := self.recovery.overdue) is not None:  # no prompt waits for the workers past the patience
-            events += [self._finish(seq, "error", overdue) for seq in self.scheduler.take_waiting()]
+        events = self._take_inbox() + self.recovery.tick()  # a lost worker's: the workers joined again, or not yet
         step = self.scheduler.schedule() if self.healthy else None
-        if step is None and self.recovery.degraded:
-            time.sleep(DEGRADED_NAP_S)  # the prefills wait for the workers: no spinning meanwhile
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
             drafted = self.planner.plan(step)
             step, plan, held, ready = drafted.step, drafted.plan, drafted.held, drafted.ready
@@ -188,44 +176,10 @@ class Engine:
             return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in step.prefills]
         except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
             if self.recovery.possible:  # ... unless the front outlives it (serve/recovery.py)
-                return events + self._lose_workers(e, step)
+                self._unfreed = []
+                return events + self.recovery.lose_workers(e, step)
             return events + self._fail(e, step)
         return events + self.update_from_output(step, plan, outcome, ready)
-
-    def _lose_workers(self, e: Exception, step: Step | None) -> list[Event]:
-        """A worker is lost: the front serves on. The decodes whose K,V it holds go on (a row that rode in the
-        failed forward cut back to where it was); the prefills in flight, the chunked ones between their chunks
-        and the KV-parallel decodes run again from their prompts once the workers are back (a stream goes on
-        after the tokens it has sent); every other prefill waits for them."""
-        lost = self.recovery.lose(e)
-        self.scheduler.hold_prefills = self.heartbeat.off = True  # nothing goes to the workers until they are back
-        self._unfreed = []
-        why = f"rank {lost.rank if lost.rank is not None else '?'} was lost ({lost.why})"
-        again = list(step.prefills) if step is not None else []
-        again += [seq for seq in self.scheduler.take_prefilling() if seq not in again]
-        again += [seq for seq in list(self.scheduler.running) if seq.request_id in self.ctx.shards]
-        for request_id in [*self.ctx.shards, *self.ctx.partial, *self.ctx.staged]:
-            self.ctx.forget(request_id)
-        for seq in self.scheduler.running:
-            if seq not in again and seq.answers is None:
-                self.decoder.rollback(seq.request_id, seq.next_position)
-        return [e for seq in again for e in self._rerun(seq, why)]
-
-    def _rerun(self, seq: Sequence, why: str) -> list[Event]:
-        """``seq`` again from its prompt (after a worker's loss), the tokens it has sent fed back rather than chosen
-        again, so its stream goes on where it was; an error once it has run ``RERUNS`` times."""
-        self.scheduler.finish(seq)
-        self.decoder.remove(seq.request_id)
-        self.samplers.pop(seq.request_id, None)
-        if seq.retried >= RERUNS:
-            return [self._finish(seq, "error", f"{why}; the request ran {seq.retried + 1} times and lost its ranks "
-                                               "each time")]
-        seq.retried += 1
-        seq.replay = seq.output_ids + seq.replay  # sent already: what a replay has retaken, then what it has not
-        seq.output_ids, seq.text, seq.prompt_logprobs = [], StopText(seq.request.params.stop), []
-        seq.prefilled, seq.chunked, seq.answers, seq.status = 0, False, None, "waiting"
-        self.scheduler.requeue(seq)
-        return []
 
     def _refuse(self, seq: Sequence, e: Exception) -> Event:
         """End a request that could not be planned: a 400 for its own input, else a 500 naming the cause."""
@@ -245,7 +199,7 @@ class Engine:
                 events += self._taking(seq, lambda seq=seq: self._took_answers(seq, outcome))
             else:
                 events += self._taking(seq, lambda seq=seq: self._advance(
-                    seq, self._next(seq, outcome.logits[seq.request_id])))
+                    seq, self.recovery.next_token(seq, outcome.logits[seq.request_id])))
         seqs = step.prefills
         if not seqs:
             return events
@@ -335,7 +289,7 @@ class Engine:
         self.last_prefill_logits = outcome.logits.float().cpu()
         self.samplers[seq.request_id] = Sampler(seq.request.params, seq.request.prompt_ids,
                                                           self.ctx.lm.eos_token_ids)
-        token = self._next(seq, outcome.logits)
+        token = self.recovery.next_token(seq, outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
@@ -349,21 +303,13 @@ class Engine:
         self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
 
-    def _next(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The request's next token: chosen from its ``logits``, or, while it runs again after a worker's loss,
-        the next of the tokens its stream has sent (``seq.replaying``)."""
-        sampler = self.samplers[seq.request_id]
-        seq.replaying = bool(seq.replay)
-        return sampler.retake(seq.replay.pop(0)) if seq.replaying else sampler(logits)
-
     def _advance(self, seq: Sequence, token: int) -> list[Event]:
         """Take ``token`` into ``seq``; its text delta and, when it ends (EOS, a stop string, max_tokens), its
         Finished. A token its stream sent before a worker's loss is taken silently (``seq.replaying``)."""
         lm, params = self.ctx.lm, seq.request.params
         ends = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        replayed = seq.replaying
         delta, reason = seq.take(token, ends, lambda ids: lm.decode(ids, params.skip_special_tokens))
-        if replayed and reason is None:
+        if seq.replaying and reason is None:
             return []
         first = len(seq.output_ids) == 1 and params.prompt_logprobs is not None
         events: list[Event] = [TokenEvent(seq.request_id, token, delta, self.samplers[seq.request_id].last,
@@ -448,8 +394,6 @@ class Engine:
 def _drained(inbox: queue.SimpleQueue) -> list:
     """What ``inbox`` holds now, taken out in order."""
     items = []
-    while True:
-        try:
-            items.append(inbox.get_nowait())
-        except queue.Empty:
-            return items
+    while not inbox.empty():
+        items.append(inbox.get_nowait())  # the stepping thread alone takes from it: what is there stays there
+    return items

@@ -32,6 +32,7 @@ class PrefixCache:
         self.max_tokens, self.min_match = max_tokens, min_match
         self.entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self.tokens = 0
+        self.bytes = 0  # the entries' K,V (read by /metrics from another thread: a number, never the entries)
         self.record: list | None = None  # a TP front's: (what, request id, prompt ids) of every change, in order
 
     def _note(self, what: str, owner: str | None, ids) -> None:
@@ -52,6 +53,7 @@ class PrefixCache:
             entry = self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
                                                            for layer in cache.layers])
             self.tokens += n
+            self.bytes += _nbytes(entry)
         else:
             self.entries.move_to_end(key)
         if entry.logits is None and logits is not None:
@@ -59,6 +61,7 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             _, old = self.entries.popitem(last=False)
             self.tokens -= len(old.ids)
+            self.bytes -= _nbytes(old)
 
     def _best(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
@@ -136,6 +139,10 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _nbytes(entry: CachedPrompt) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in entry.kv)
 
 
 def _own(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,12 +15,18 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.setup import rejoin
+from kvrunahead.serve.scheduler import Scheduler, Step
+from kvrunahead.serve.sequence import Event, Sequence, StopText, WorkersDown
 
 log = logging.getLogger(__name__)
+
+RERUNS = 2  # the times a request runs again from its prompt after a worker's loss before it ends with an error
+NAP_S = 0.02  # the engine loop's pause while its prefills wait for the workers and no decode runs
 
 RANK_IN = re.compile(r"\brank (\d+) (?:has not responded|is gone)|from rank (\d+)|to rank (\d+)")
 
@@ -35,15 +41,33 @@ class Lost:
     rank: int | None = None
 
 
+@dataclass
+class Held:
+    """The engine's state a loss changes: its queue, the front's decode batch, the heartbeat to the workers, the
+    requests' samplers, and how a request ends (``finish(seq, reason, error)``)."""
+
+    scheduler: Scheduler
+    decoder: object  # serve/step/batch_decode.VariantDecoders
+    heartbeat: object  # serve/step/workers.Heartbeat
+    samplers: dict
+    finish: Callable[..., Event]
+
+
 class Recovery:
-    def __init__(self, folder: RecoveryDir | None, ctx, cfg, world, setup) -> None:
-        self.folder, self.ctx, self.cfg, self.world, self.setup = folder, ctx, cfg, world, setup
+    def __init__(self, folder: RecoveryDir | None, ctx, cfg, world, setup, held: Held) -> None:
+        self.folder, self.ctx, self.cfg, self.world, self.setup, self.held = folder, ctx, cfg, world, setup, held
         self.generation = 0  # the workers' generation the front has joined
         self.lost: Lost | None = None
         self.restarts = 0  # generations joined after a loss
         self.down_s: list[float] = []  # seconds from each loss to serving over every rank again
         # how long prefills wait for the workers: then they end with an error, and new prompts get a 503
         self.patience_s = max(60.0, 3 * cfg.timeout_s)
+
+    @classmethod
+    def of(cls, front: bool, ctx, cfg, world, setup, held: Held) -> Recovery:
+        """The front's, under a launcher that brings workers back (its folder in the environment); a worker's knows
+        none."""
+        return cls(RecoveryDir.from_env() if front else None, ctx, cfg, world, setup, held)
 
     @property
     def possible(self) -> bool:
@@ -62,6 +86,67 @@ class Recovery:
         rank = f"rank {self.lost.rank}" if self.lost.rank is not None else "a worker rank"
         return (f"{rank} was lost {time.monotonic() - self.lost.since_monotonic:.0f} s ago and the workers are not "
                 f"back ({self.lost.why})")
+
+    def tick(self) -> list[Event]:
+        """Each engine step while a worker is lost: join the workers started again where they are ready (the
+        prefills go on), else end the prompts that have waited past the patience."""
+        if self.lost is None:
+            return []
+        if self.poll():
+            self.held.scheduler.hold_prefills = self.held.heartbeat.off = False
+            return []
+        if (overdue := self.overdue) is not None:
+            return [self.held.finish(seq, "error", overdue) for seq in self.held.scheduler.take_waiting()]
+        if not self.held.scheduler.running:
+            time.sleep(NAP_S)  # the prefills wait for the workers and nothing else runs: no spinning meanwhile
+        return []
+
+    def check_open(self) -> None:
+        """Raise WorkersDown where no new prompt can wait for the workers (lost past the patience)."""
+        if (overdue := self.overdue) is not None:
+            raise WorkersDown(f"{overdue}: retry later")
+
+    def next_token(self, seq: Sequence, logits) -> int:
+        """A request's next token: chosen from its ``logits``, or, while it runs again after a loss, the next of the
+        tokens its stream has sent (``seq.replaying``: the engine takes it silently)."""
+        sampler = self.held.samplers[seq.request_id]
+        seq.replaying = bool(seq.replay)
+        return sampler.retake(seq.replay.pop(0)) if seq.replaying else sampler(logits)
+
+    def lose_workers(self, e: BaseException, step: Step | None) -> list[Event]:
+        """A step failed on the workers: the front serves on. The decodes whose K,V it holds go on (a row that rode
+        in the failed forward cut back to where it was); the prefills in flight, the chunked ones between their
+        chunks and the KV-parallel decodes run again from their prompts once the workers are back (a stream goes
+        on after the tokens it has sent); every other prefill waits for them."""
+        lost, held = self.lose(e), self.held
+        held.scheduler.hold_prefills = held.heartbeat.off = True  # nothing goes to the workers until they are back
+        why = f"rank {lost.rank if lost.rank is not None else '?'} was lost ({lost.why})"
+        again = list(step.prefills) if step is not None else []
+        again += [seq for seq in held.scheduler.take_prefilling() if seq not in again]
+        again += [seq for seq in list(held.scheduler.running) if seq.request_id in self.ctx.shards]
+        for request_id in [*self.ctx.shards, *self.ctx.partial, *self.ctx.staged]:
+            self.ctx.forget(request_id)
+        for seq in held.scheduler.running:
+            if seq not in again and seq.answers is None:
+                held.decoder.rollback(seq.request_id, seq.next_position)
+        return [e for seq in again for e in self.rerun(seq, why)]
+
+    def rerun(self, seq: Sequence, why: str) -> list[Event]:
+        """``seq`` again from its prompt, the tokens it has sent fed back rather than chosen again (the engine's
+        ``_next``), so that its stream goes on where it was; an error once it has run ``RERUNS`` times."""
+        held = self.held
+        held.scheduler.finish(seq)
+        held.decoder.remove(seq.request_id)
+        held.samplers.pop(seq.request_id, None)
+        if seq.retried >= RERUNS:
+            return [held.finish(seq, "error", f"{why}; the request ran {seq.retried + 1} times and lost its ranks "
+                                              "each time")]
+        seq.retried += 1
+        seq.replay = seq.output_ids + seq.replay  # sent already: what a replay has retaken, then what it has not
+        seq.output_ids, seq.text, seq.prompt_logprobs = [], StopText(seq.request.params.stop), []
+        seq.prefilled, seq.chunked, seq.answers, seq.status = 0, False, None, "waiting"
+        held.scheduler.requeue(seq)
+        return []
 
     def lose(self, e: BaseException) -> Lost:
         """A step failed on the workers: note it and ask the launcher for a new generation."""

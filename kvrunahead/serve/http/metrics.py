@@ -60,12 +60,15 @@ class Metrics:
                               "(its decodes go on, prefills wait), else 0.", registry=r)
         self.rank_restarts = Counter("kvr_rank_restarts", "Times the workers were started again and joined after "
                                      "a worker rank was lost.", registry=r)
+        self.prefix_bytes = Gauge("kvr_prefix_cache_bytes", "Bytes of K,V the prefix cache holds (bounded by "
+                                  "--prefix-cache-tokens).", registry=r)
         self._restarts: Callable[[], int] = lambda: 0
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
     def track(self, queue_depth: Callable[[], float], running: Callable[[], float],
-              degraded: Callable[[], float] = lambda: 0.0, restarts: Callable[[], int] = lambda: 0) -> None:
+              degraded: Callable[[], float] = lambda: 0.0, restarts: Callable[[], int] = lambda: 0,
+              prefix_bytes: Callable[[], float] = lambda: 0.0) -> None:
         """Read the gauges (and the restarts) from the engine at each scrape rather than keeping a second count of
         its state."""
         self.queue_depth.set_function(queue_depth)
@@ -73,6 +76,7 @@ class Metrics:
         self.vllm.waiting.set_function(queue_depth)
         self.vllm.running.set_function(running)
         self.degraded.set_function(degraded)
+        self.prefix_bytes.set_function(prefix_bytes)
         self._restarts = restarts
 
     def refused(self, outcome: str) -> None:
