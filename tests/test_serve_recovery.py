@@ -32,6 +32,15 @@ OTHER = [(11 * i + 5) % 500 + 4 for i in range(70)]
 AFTER = [(13 * i + 1) % 500 + 4 for i in range(40)]  # asked once the workers are back (not in the prefix cache)
 
 
+def _result(future, server):
+    """The future's result; where it raises, an assertion naming what the server said."""
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001
+        lines = [line for line in server.lines if not line.startswith(("frame #", "Exception raised", "<omitting"))]
+        raise AssertionError(f"{type(e).__name__}: {e}\n{''.join(lines)[-6000:]}") from e
+
+
 class Watch:
     """/health read every 0.1 s in a thread: when it first said degraded, and when ok again after that."""
 
@@ -118,9 +127,9 @@ def test_a_worker_lost_in_a_chain_prefill_costs_no_request_and_the_front_decodes
             assert started.wait(60 * COMPILE_SLOWDOWN), "".join(server.lines)
             t0 = time.monotonic()
             second = pool.submit(_stream, api, OTHER, 24)
-            text2, figures2 = second.result()
+            text2, figures2 = _result(second, server)
             back_s = _back_over_every_rank(server, url, watch, t0, nproc)
-            text1, figures1 = first.result()
+            text1, figures1 = _result(first, server)
         watch.stop()
         assert any("rank 0 ended" in line for line in server.lines), "".join(server.lines)
         assert text2 == greedy_text(MODEL, OTHER, 24) and figures2["retried"] == 1
@@ -144,7 +153,7 @@ def test_a_worker_stopped_past_the_timeout_in_a_kv_parallel_decode_is_replaced_a
             stopped = server.ranks()[0]
             t0 = time.monotonic()
             os.kill(stopped, signal.SIGSTOP)
-            text, figures = stream.result()
+            text, figures = _result(stream, server)
         _back_over_every_rank(server, url, watch, t0, 2)
         watch.stop()
         assert figures["decode"] == "kvp" and figures["retried"] == 1, figures
@@ -169,7 +178,7 @@ def test_a_worker_killed_in_a_chunked_prefill_is_replaced_and_the_prompt_runs_ag
                 time.sleep(0.05)
             t0 = time.monotonic()
             os.kill(server.ranks()[0], signal.SIGKILL)
-            text, figures = stream.result()
+            text, figures = _result(stream, server)
         _back_over_every_rank(server, url, watch, t0, 2)
         watch.stop()
         assert text == greedy_text(MODEL, LONG, 16)

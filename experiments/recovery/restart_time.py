@@ -48,11 +48,12 @@ def _host() -> str:
         return platform.processor()
 
 
-def _ok(url: str) -> bool:
-    """Serving over every rank: 200, and not degraded (a lost worker's front answers 200 too)."""
+def _ok(url: str, restarts: int = 0) -> bool:
+    """Serving over every rank: 200, not degraded (a lost worker's front answers 200 too), and past ``restarts``
+    generations of workers joined (the front has noticed the loss and joined the new workers)."""
     try:
         r = httpx.get(f"{url}/health", timeout=5)
-        return r.status_code == 200 and r.json().get("status") == "ok"
+        return r.status_code == 200 and r.json().get("status") == "ok" and r.json().get("restarts", 0) >= restarts
     except httpx.TransportError:
         return False
 
@@ -100,7 +101,9 @@ def main(model: str, nproc: int, timeout_s: float, runs: int, kill_rank: int, re
             victim = _children(proc.pid)[kill_rank]
             t0 = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            while not (_children(proc.pid).get(kill_rank) not in (None, victim) and _ok(url)):
+            # with recovery the front answers throughout: back once it has joined one more generation of workers
+            joined = httpx.get(f"{url}/health", timeout=5).json().get("restarts", 0) + 1 if recover else 0
+            while not (_children(proc.pid).get(kill_rank) not in (None, victim) and _ok(url, joined)):
                 assert time.monotonic() < t0 + 600 and proc.poll() is None, "the server did not come back"
                 time.sleep(0.1)
             back = time.monotonic()

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,13 +44,12 @@ def _commit() -> str:
     return r.stdout.strip() or "unknown"
 
 
-def serve(model: str, port: int, args: tuple[str, ...]) -> subprocess.Popen:
+def serve(model: str, port: int, args: tuple[str, ...], log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--model", model, "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=open(HERE / "server.log", "w"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"kvr-serve exited {proc.returncode}: see {HERE / 'server.log'}"
+        assert proc.poll() is None, f"kvr-serve exited {proc.returncode}: see {log}"
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
                 return proc
@@ -74,7 +74,7 @@ def main(profile: str, minutes: float | None, model: str, out: Path, serve_args:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     texts = soak.sharegpt_prompts(400, chosen.max_prompt_tokens)
-    proc = serve(model, port, serve_args)
+    proc = serve(model, port, serve_args, Path(tempfile.gettempdir()) / f"soak_server_{port}.log")
     header = {"command": " ".join(sys.argv), "host": _host(), "commit": _commit(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,
               "serve_args": list(serve_args)}
