@@ -19,6 +19,7 @@ from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.supervise import supervise_recovering
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
+from kvrunahead.serve.recovery import Held, Recovery
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEvent
 
 PROMPT = list(range(30, 70))
@@ -27,6 +28,12 @@ PROMPT = list(range(30, 70))
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1), max_queue=4), World(0, 1, 0, 1, "single"))
+
+
+def _recovery(engine: Engine) -> Recovery:
+    """The front's recovery as a launcher that brings workers back would give it (a one-process engine has none)."""
+    return Recovery(None, engine.ctx, engine.config.run, engine.world, engine.rank_setup, Held(
+        engine.scheduler, engine.decoder, engine.heartbeat, engine.samplers, engine._finish))
 
 
 def _run(engine: Engine, request: Request, each_step=None) -> tuple[list[int], Finished]:
@@ -57,7 +64,7 @@ def test_a_request_run_again_goes_on_after_the_tokens_its_stream_sent(engine, pa
     def rerun(step: int) -> None:
         seq = next((s for s in engine.scheduler.running if s.request_id == "again"), None)
         if seq is not None and len(seq.output_ids) == 6 and not seq.retried:
-            assert engine.recovery.rerun(seq, "test") == []
+            assert _recovery(engine).rerun(seq, "test") == []
 
     tokens, done = _run(engine, request, rerun)
     assert len(tokens) == 24 and done.completion_tokens == 24 and done.figures.retried == 1

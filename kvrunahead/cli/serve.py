@@ -169,7 +169,8 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     client = AsyncEngineClient(engine)
     metrics = Metrics(client.model_id)
     metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running),
-                  lambda: float(engine.recovery.degraded), lambda: engine.recovery.restarts,
+                  lambda: float(getattr(engine.recovery, "lost", None) is not None),
+                  lambda: getattr(engine.recovery, "restarts", 0),
                   lambda: engine.placement.prefixes.bytes)
     access = access or {}
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,

@@ -53,6 +53,12 @@ class RecoveryDir:
         path = os.environ.get(DIR_ENV)
         return cls(path) if path else None
 
+    @classmethod
+    def for_front(cls, front: bool, tp: int, world_size: int) -> RecoveryDir | None:
+        """The folder through which a front outlives its workers: a front of whole-model ranks (a TP peer's shard
+        is not on the front), more than one, under a launcher that brings workers back; else None."""
+        return cls.from_env() if front and tp == 1 and world_size > 1 else None
+
     def _write(self, name: str, body: dict) -> None:
         tmp = self.path / f".{name}.{os.getpid()}"
         tmp.write_text(json.dumps(body))

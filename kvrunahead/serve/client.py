@@ -64,7 +64,7 @@ class AsyncEngineClient:
 
     def recovery(self) -> dict:
         """The workers' restarts so far and, while a worker is lost, which, since when and why."""
-        return self.engine.recovery.health()
+        return self.engine.recovery.health() if self.engine.recovery is not None else {"restarts": 0}
 
     def begin_drain(self) -> None:
         """Take no new requests (SIGTERM); those in flight run to their end."""

@@ -22,6 +22,7 @@ from kvrunahead.model.rope import ContextError, plan_extension
 from kvrunahead.modes import check_model
 from kvrunahead.modes.packed import why_not_packable
 from kvrunahead.ranks.launcher import World
+from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.setup import set_up_rank
 from kvrunahead.ranks.stats import RankStats
 from kvrunahead.serve import asking, warm
@@ -97,7 +98,8 @@ class Engine:
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids cancelled, not yet freed
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.decoder, self.attention)
-        self.recovery = Recovery.of(self.is_front, self.ctx, cfg, world, rs, Held(
+        folder = RecoveryDir.for_front(self.is_front, world.tp, world.world_size)  # None: no worker is brought back
+        self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, Held(
             self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish))
         warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
@@ -131,7 +133,8 @@ class Engine:
         EngineDead, or ValueError naming what is wrong with it."""
         if not self.healthy:
             raise EngineDead(f"the engine has failed: {self.error}")
-        self.recovery.check_open()
+        if self.recovery is not None:
+            self.recovery.check_open()
         request.params.check()
         n, cfg = len(request.prompt_ids), self.config.run
         if request.questions:
@@ -157,7 +160,7 @@ class Engine:
         """inbox -> schedule -> execute -> update: the requests added and cancelled since the last step taken in,
         the scheduler's pick, its segments run on every rank that takes part (the workers told first), the outcome
         taken into the requests. An idle step keeps the workers' heartbeat."""
-        events = self._take_inbox() + self.recovery.tick()  # a lost worker's: the workers joined again, or not yet
+        events = self._take_inbox() + (self.recovery.tick() if self.recovery else [])  # after a loss: joined again?
         step = self.scheduler.schedule() if self.healthy else None
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
             drafted = self.planner.plan(step)
@@ -174,11 +177,9 @@ class Engine:
             outcome.seconds = time.monotonic() - t0
         except InputError as e:  # this request's own problem, found before any other rank took part
             return events + [self._finish(seq, "error", str(e), bad_input=True) for seq in step.prefills]
-        except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end
-            if self.recovery.possible:  # ... unless the front outlives it (serve/recovery.py)
-                self._unfreed = []
-                return events + self.recovery.lose_workers(e, step)
-            return events + self._fail(e, step)
+        except Exception as e:  # noqa: BLE001 - a rank that died or stopped: every request in flight must end, unless
+            self._unfreed = []  # the front outlives it (serve/recovery.py)
+            return events + (self.recovery.lose_workers(e, step) if self.recovery else self._fail(e, step))
         return events + self.update_from_output(step, plan, outcome, ready)
 
     def _refuse(self, seq: Sequence, e: Exception) -> Event:
@@ -199,7 +200,7 @@ class Engine:
                 events += self._taking(seq, lambda seq=seq: self._took_answers(seq, outcome))
             else:
                 events += self._taking(seq, lambda seq=seq: self._advance(
-                    seq, self.recovery.next_token(seq, outcome.logits[seq.request_id])))
+                    seq, seq.next_token(self.samplers[seq.request_id], outcome.logits[seq.request_id])))
         seqs = step.prefills
         if not seqs:
             return events
@@ -289,7 +290,7 @@ class Engine:
         self.last_prefill_logits = outcome.logits.float().cpu()
         self.samplers[seq.request_id] = Sampler(seq.request.params, seq.request.prompt_ids,
                                                           self.ctx.lm.eos_token_ids)
-        token = self.recovery.next_token(seq, outcome.logits)
+        token = seq.next_token(self.samplers[seq.request_id], outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
@@ -333,7 +334,7 @@ class Engine:
     def _free_shards(self) -> None:
         """Tell the workers which requests holding state on them ended (KVP shards, chunked prefills' positions),
         before the next plan that needs every rank."""
-        if self._unfreed and self.healthy and not self.recovery.degraded:
+        if self._unfreed and self.healthy:  # (after a worker's loss, nothing is left on the workers to free)
             workers.send_plan(self.ctx, Drop(tuple(self._unfreed)))
             self.heartbeat.sent()
         self._unfreed = []
@@ -382,7 +383,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """End the workers' loops (front only; best effort when a rank has already gone)."""
-        if self.ctx.has_peers and self.error is None and not self.recovery.degraded:
+        if self.ctx.has_peers and self.error is None and getattr(self.recovery, "lost", None) is None:
             try:
                 workers.send_plan(self.ctx, Shutdown())
             except Exception as e:  # noqa: BLE001

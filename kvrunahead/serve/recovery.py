@@ -63,21 +63,6 @@ class Recovery:
         # how long prefills wait for the workers: then they end with an error, and new prompts get a 503
         self.patience_s = max(60.0, 3 * cfg.timeout_s)
 
-    @classmethod
-    def of(cls, front: bool, ctx, cfg, world, setup, held: Held) -> Recovery:
-        """The front's, under a launcher that brings workers back (its folder in the environment); a worker's knows
-        none."""
-        return cls(RecoveryDir.from_env() if front else None, ctx, cfg, world, setup, held)
-
-    @property
-    def possible(self) -> bool:
-        """Whether a worker's loss can be outlived here (see the module's note)."""
-        return self.folder is not None and self.world.tp == 1 and self.ctx.world_size > 1
-
-    @property
-    def degraded(self) -> bool:
-        return self.lost is not None
-
     @property
     def overdue(self) -> str | None:
         """Why no prompt can wait any longer: the workers lost longer ago than the patience; else None."""
@@ -105,13 +90,6 @@ class Recovery:
         """Raise WorkersDown where no new prompt can wait for the workers (lost past the patience)."""
         if (overdue := self.overdue) is not None:
             raise WorkersDown(f"{overdue}: retry later")
-
-    def next_token(self, seq: Sequence, logits) -> int:
-        """A request's next token: chosen from its ``logits``, or, while it runs again after a loss, the next of the
-        tokens its stream has sent (``seq.replaying``: the engine takes it silently)."""
-        sampler = self.held.samplers[seq.request_id]
-        seq.replaying = bool(seq.replay)
-        return sampler.retake(seq.replay.pop(0)) if seq.replaying else sampler(logits)
 
     def lose_workers(self, e: BaseException, step: Step | None) -> list[Event]:
         """A step failed on the workers: the front serves on. The decodes whose K,V it holds go on (a row that rode

@@ -255,6 +255,12 @@ class Sequence:
         """The position of the last chosen token, fed at the next decode step."""
         return self.prompt_len + len(self.output_ids) - 1
 
+    def next_token(self, sampler, logits) -> int:
+        """The next token: ``sampler``'s choice from ``logits``, or, while the request runs again after a worker's
+        loss, the next of the tokens its stream has sent (``replaying``: taken silently)."""
+        self.replaying = bool(self.replay)
+        return sampler.retake(self.replay.pop(0)) if self.replaying else sampler(logits)
+
     def take(self, token: int, ends: bool, decode) -> tuple[str, FinishReason | None]:
         """Take the chosen ``token`` (``ends``: an end token, which ends the text and is not part of it); the new
         text to show, and why the request ends if it does (an end token, a stop string, max_tokens)."""
