@@ -24,20 +24,10 @@ from pathlib import Path
 import click
 import httpx
 
+from kvrunahead.bench.soak import rank_pids
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-
-
-def _children(pid: int) -> dict[int, int]:
-    out = {}
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and int((d / "stat").read_text().split(")")[1].split()[1]) == pid:
-                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
-                out[int(env["RANK"])] = int(d.name)
-        except (OSError, KeyError, IndexError, ValueError):
-            continue
-    return out
 
 
 def _host() -> str:
@@ -98,12 +88,12 @@ def main(model: str, nproc: int, timeout_s: float, runs: int, kill_rank: int, re
             streaming.start()
             while len(times) < 3:
                 time.sleep(0.02)
-            victim = _children(proc.pid)[kill_rank]
+            victim = rank_pids(proc.pid)[kill_rank]
             t0 = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             # with recovery the front answers throughout: back once it has joined one more generation of workers
             joined = httpx.get(f"{url}/health", timeout=5).json().get("restarts", 0) + 1 if recover else 0
-            while not (_children(proc.pid).get(kill_rank) not in (None, victim) and _ok(url, joined)):
+            while not (rank_pids(proc.pid).get(kill_rank) not in (None, victim) and _ok(url, joined)):
                 assert time.monotonic() < t0 + 600 and proc.poll() is None, "the server did not come back"
                 time.sleep(0.1)
             back = time.monotonic()
