@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from kvrunahead.bench.soak import rank_pids
 from tests.helpers import COMPILE_SLOWDOWN
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,15 +62,7 @@ class Server:
 
     def ranks(self) -> dict[int, int]:
         """pid by rank of the spawned ranks."""
-        out = {}
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and int((d / "stat").read_text().split(")")[1].split()[1]) == self.proc.pid:
-                    env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
-                    out[int(env["RANK"])] = int(d.name)
-            except (OSError, KeyError, IndexError, ValueError):
-                continue
-        return out
+        return rank_pids(self.proc.pid)
 
     def wait(self, timeout_s: float = 60) -> int:
         try:
