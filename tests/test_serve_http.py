@@ -73,6 +73,15 @@ class FakeClient:
     def recovery(self) -> dict:
         return {"restarts": 0}
 
+    down: str | None = None  # why the workers are down past the front's patience
+    stuck_for: str | None = None  # why the engine counts as stuck
+
+    def workers_down(self) -> str | None:
+        return self.down
+
+    def stuck(self) -> str | None:
+        return self.stuck_for
+
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 

@@ -171,7 +171,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running),
                   lambda: float(getattr(engine.recovery, "lost", None) is not None),
                   lambda: getattr(engine.recovery, "restarts", 0),
-                  lambda: engine.placement.prefixes.bytes)
+                  lambda: engine.placement.prefixes.bytes, client.step_age_s)
     access = access or {}
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,
                             port=port, lifespan="off", log_level="info" if verbose else "warning",

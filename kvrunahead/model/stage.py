@@ -15,13 +15,14 @@ seeded preset is drawn whole (every rank must draw the same numbers) and cut.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -167,18 +168,45 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I
 
 
 def safetensors_entries(folder: Path) -> Iterator[tuple[object, int, str, dict]]:
-    """Every tensor of a model folder's safetensors files, as (the open file, the offset of its data, its name, its
-    header entry), file after file; the file stays open while its tensors are taken."""
+    """Every tensor of a model folder's safetensors files, as (the open file, the offset of its data, its name in
+    the model, its header entry), file after file; the file stays open while its tensors are taken. A name is the
+    checkpoint's as transformers renames it on loading (GPT-NeoX's ``embed_out`` is the model's ``lm_head``)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} holds no safetensors file")
+    rename = model_names(folder)
     for path in files:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
             for key, meta in header.items():
                 if key != "__metadata__":
-                    yield f, 8 + size + meta["data_offsets"][0], key, meta
+                    yield f, 8 + size + meta["data_offsets"][0], rename(key), meta
+
+
+@functools.cache
+def model_names(folder: Path) -> Callable[[str], str]:
+    """A checkpoint key of ``folder``'s model as the model names it: transformers' own renamings on loading (its
+    conversion mapping for the class, on a model built without weights). NotImplementedError where a tensor is
+    converted on loading, not just renamed (fused or split by transformers): a part of the model cannot read it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    names = {key: True for key in model.state_dict()}
+
+    def rename(key: str) -> str:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
+        if converted is not None:
+            raise NotImplementedError(f"{config.model_type}'s checkpoint tensor {key} is converted by transformers "
+                                      "on loading; a pipeline stage or a TP shard reads tensors as stored")
+        return name
+    return rename
 
 
 def safetensors_tensors(folder: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:

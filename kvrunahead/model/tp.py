@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from kvrunahead.model.stage import DTYPES, safetensors_entries
+from kvrunahead.model.stage import DTYPES, safetensors_entries, ties_embeddings
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 WHOLE = ("replicated_with_grad_allreduce", "embedding_rowwise")  # styles every rank keeps whole here
@@ -267,7 +267,7 @@ class ShardBuilder:
                 seen.add(key)
                 if self.spec.rank and key.endswith(".bias") and _style(self.plan, key)[0] == ROWWISE:
                     state[key].zero_()  # a rowwise bias is added once, by TP rank 0, before the sum
-        missing = sorted(set(state) - seen - {"lm_head.weight"})
+        missing = sorted(set(state) - seen - ({"lm_head.weight"} if ties_embeddings(self.config) else set()))
         if missing:
             raise ValueError(f"the shard's weights lack {', '.join(missing[:4])}")
         return model

@@ -8,6 +8,9 @@ search can be cut after some results. Actions:
 - ``linkdown``: take its emulated host's link down (``--net cap=...`` only);
 - ``cap=RATE``: cap its emulated host's uplink at RATE, e.g. ``cap=1kB/s`` (near zero).
 
+``KVRUNAHEAD_INJECT_STALL=STEP:SECONDS`` makes a server's engine sleep SECONDS in its STEP-th step that has work (a
+step stuck on the front, which ``/health`` reports once it runs past ``--timeout``).
+
 A drill's fault strikes the ranks first started: a worker ``kvr-serve`` starts in a lost one's place
 (``KVR_GENERATION`` > 0, ranks/recovery.py) runs without it.
 """
@@ -18,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from kvrunahead.net.emulation import IFNAME, tbf_args
@@ -50,6 +54,21 @@ def parse_fault(text: str | None) -> Fault | None:
 
 
 _HITS: dict[tuple[int, int], int] = {}
+STALL_ENV = "KVRUNAHEAD_INJECT_STALL"
+_STEPS = [0]
+
+
+def maybe_stall() -> None:
+    """Sleep where ``KVRUNAHEAD_INJECT_STALL`` names this step (counted over the calls); called by the engine loop
+    before each step that has work."""
+    text = os.environ.get(STALL_ENV)
+    if not text:
+        return
+    _STEPS[0] += 1
+    step, seconds = text.split(":")
+    if _STEPS[0] == int(step):
+        print(f"{STALL_ENV}: step {step} sleeps {seconds} s", file=sys.stderr, flush=True)
+        time.sleep(float(seconds))
 
 
 def fault_from_env() -> Fault | None:

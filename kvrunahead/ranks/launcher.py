@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,20 +175,38 @@ def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvru
             if front is not None:
                 extra.update({DIR_ENV: folder, GENERATION_ENV: str(gen)})
             return subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],
-                                    env=rank_env(rank, nproc, port, hosts.master_addr, **extra))
+                                    env=rank_env(rank, nproc, port, hosts.master_addr, **extra),
+                                    preexec_fn=_dies_with(os.getpid()))
 
         port = free_port()
         procs = [start(rank, port, 0) for rank in range(nproc)]
         if front is None:
             code = supervise(procs, grace_s)
         else:
-            code = supervise_recovering(procs, front, RecoveryDir(folder), grace_s=grace_s, start=lambda gen, port: [
-                start(rank, port, gen) for rank in range(nproc) if rank != front])
+            def again(gen: int) -> tuple[list[subprocess.Popen], int]:
+                port = free_port()
+                return [start(rank, port, gen) for rank in range(nproc) if rank != front], port
+
+            code = supervise_recovering(procs, front, RecoveryDir(folder), grace_s=grace_s, start=again)
         if hosts.noise is not None:
             report = hosts.noise.stop()
             if report is not None:
                 log.warning("%s", report.describe())
         return code
+
+
+def _dies_with(launcher: int):
+    """What a rank runs before its command: it is killed when the launcher dies, however it dies (Linux's
+    parent-death signal), so that no rank outlives the launcher that would have ended it; a launcher already gone
+    by then ends it at once."""
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:
+            os._exit(1)
+    return arm
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def spawn_restarting(nproc: int, argv: list[str], restarts: int, grace_s: float, module: str, net=None,

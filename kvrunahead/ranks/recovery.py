@@ -10,7 +10,10 @@ written whole (a rename) so that a reader never sees half of one:
   every worker of G (a stopped one too) and starts G + 1;
 - ``gen.G``: the launcher started generation G on rendezvous port P (and which ranks it saw end);
 - ``ready.G.R``: rank R of generation G has loaded the model and waits in the rendezvous: the front, which must not
-  wait there itself while it serves, joins once every worker of G says so.
+  wait there itself while it serves, joins once every worker of G says so;
+- ``joined.G``: the front met generation G (only then did G start: one the front never meets failed to start);
+- ``front``: the front's beat, written every second by a thread of its own with its ``--timeout``: a front silent
+  past it (stopped, or its host frozen) ends the server, as a lost worker ends its generation.
 
 A rank knows its generation from ``KVR_GENERATION`` (0: the first, whose ranks join as they always do).
 """
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 DIR_ENV = "KVR_RECOVERY_DIR"
 GENERATION_ENV = "KVR_GENERATION"
+BEAT_S = 1.0  # how often the front beats
 
 
 def generation() -> int:
@@ -81,9 +86,37 @@ class RecoveryDir:
     def all_ready(self, gen: int, ranks: list[int]) -> bool:
         return all((self.path / f"ready.{gen}.{r}").exists() for r in ranks)
 
+    def say_joined(self, gen: int) -> None:
+        self._write(f"joined.{gen}", {"at": time.time()})
+
+    def beat(self, rank: int, timeout_s: float) -> threading.Event:
+        """Write the front's beat every ``BEAT_S`` from a thread of its own (a busy engine still beats; a stopped
+        process does not); set the returned event to stop."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.is_set():
+                self._write("front", {"pid": os.getpid(), "rank": rank, "timeout_s": timeout_s, "at": time.time()})
+                stop.wait(BEAT_S)
+
+        threading.Thread(target=run, name="kvr-front-beat", daemon=True).start()
+        return stop
+
     # the launcher's side
     def lost(self, gen: int) -> dict | None:
         return self._read(f"lost.{gen}")
+
+    def joined(self, gen: int) -> bool:
+        return (self.path / f"joined.{gen}").exists()
+
+    def front_silence(self) -> tuple[float, dict] | None:
+        """How long the front has not beaten and its last beat (its rank, pid and ``--timeout``); None before its
+        first beat."""
+        try:
+            at = (self.path / "front").stat().st_mtime
+        except OSError:
+            return None
+        return time.time() - at, self._read("front") or {}
 
     def announce(self, started: Started) -> None:
         self._write(f"gen.{started.generation}", {"port": started.port, "lost": list(started.lost)})

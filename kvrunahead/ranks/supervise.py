@@ -15,7 +15,9 @@ from kvrunahead.ranks.recovery import RecoveryDir, Started
 
 log = logging.getLogger(__name__)
 
-GIVE_UP_AFTER = 3  # generations in a row that end before any of their workers was ready: the launcher stops
+GIVE_UP_AFTER = 3  # generations in a row that end before the front met them: the launcher stops
+FRONT_SILENT = 3  # the exit code of a server whose front stopped beating
+DEFAULT_FRONT_TIMEOUT_S = 60.0  # a front's patience where its beat does not say
 
 
 @contextlib.contextmanager
@@ -82,30 +84,33 @@ def _wait(procs: list[subprocess.Popen], grace_s: float) -> int:
 
 
 def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: RecoveryDir,
-                         start: Callable[[int, int], list[subprocess.Popen]], grace_s: float = 5.0) -> int:
-    """Wait for a server's ranks while its front (``procs[front]``) lives; return the front's exit code (the first
-    non-zero one where the front ended cleanly and a worker did not).
+                         start: Callable[[int], tuple[list[subprocess.Popen], int]], grace_s: float = 5.0) -> int:
+    """Wait for a server's ranks while its front (``procs[front]``) lives and beats; return the front's exit code
+    (the first non-zero one where the front ended cleanly and a worker did not).
 
     A worker that ends with an error, or that the front reports lost (``lost.G``: stopped past ``--timeout``, cut
     off), ends its whole generation: every worker of it is killed (a stopped one continued so that it can die) and
-    ``start(generation, port)`` starts the next on a new rendezvous port, announced as ``gen.G``. Workers that end
-    cleanly (the front's Shutdown after a drain) are not replaced. After ``GIVE_UP_AFTER`` generations in a row
-    that ended before any of their workers was ready the front is sent SIGTERM (it drains) and the server ends.
+    ``start(generation)`` starts the next (its workers and rendezvous port), announced as ``gen.G``. Workers that
+    end cleanly (the front's Shutdown after a drain) are not replaced. A generation counts as started once the
+    front has met it (``joined.G``); after ``GIVE_UP_AFTER`` in a row that did not, the front is sent SIGTERM (it
+    drains) and the server ends. A front that has not beaten for its ``--timeout`` (stopped, its host frozen) ends
+    the server: every rank is killed and the exit code is ``FRONT_SILENT``.
     """
-    from kvrunahead.ranks.launcher import free_port
-
     gen, failed_starts = 0, 0
     workers = [i for i in range(len(procs)) if i != front]
     with forwarding_sigterm(procs):
         try:
             while procs[front].poll() is None:
+                if (silent := _front_silent(recovery)) is not None:
+                    log.error("%s; ending the server", silent)
+                    _end(procs)
+                    return FRONT_SILENT
                 failed = [i for i in workers if procs[i].poll() not in (None, 0)]
                 report = recovery.lost(gen)
                 if failed or report is not None:
-                    ready = any(recovery.all_ready(gen, [i]) for i in workers) or gen == 0
-                    failed_starts = 0 if ready else failed_starts + 1
+                    failed_starts = 0 if gen == 0 or recovery.joined(gen) else failed_starts + 1
                     if failed_starts >= GIVE_UP_AFTER:
-                        log.error("%d generations of workers in a row ended before they were ready; "
+                        log.error("%d generations of workers in a row ended before the front met them; "
                                   "stopping the server", failed_starts)
                         procs[front].send_signal(signal.SIGTERM)
                         break
@@ -113,8 +118,8 @@ def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: Re
                             else f"the front lost rank {report.get('rank', '?')} ({report.get('why', '')})")
                     _end(procs[i] for i in workers)
                     gen += 1
-                    port = free_port()
-                    for i, p in zip(workers, start(gen, port)):
+                    started, port = start(gen)
+                    for i, p in zip(workers, started):
                         procs[i] = p
                     recovery.announce(Started(gen, port, tuple(failed)))
                     log.warning("%s; starting the workers again (generation %d)", what, gen)
@@ -134,6 +139,19 @@ def supervise_recovering(procs: list[subprocess.Popen], front: int, recovery: Re
             p.kill()
             p.wait()
     return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _front_silent(recovery: RecoveryDir) -> str | None:
+    """Why the front counts as lost (no beat for its ``--timeout``), or None."""
+    heard = recovery.front_silence()
+    if heard is None:
+        return None
+    silent_s, beat = heard
+    timeout_s = float(beat.get("timeout_s") or DEFAULT_FRONT_TIMEOUT_S)
+    if silent_s <= timeout_s:
+        return None
+    return (f"the front (rank {beat.get('rank', '?')}, pid {beat.get('pid', '?')}) has not beaten for "
+            f"{silent_s:.0f} s (--timeout {timeout_s:g})")
 
 
 def _end(procs) -> None:

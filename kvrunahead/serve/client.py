@@ -11,8 +11,10 @@ import asyncio
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
+from kvrunahead.net.faults import maybe_stall
 from kvrunahead.serve.asking import asking
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.sequence import (
@@ -40,6 +42,8 @@ class AsyncEngineClient:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop_error: str | None = None
+        self.step_began_s: float | None = None  # the engine's heartbeat: when the step now running began (monotonic)
+        self.step_ended_s = time.monotonic()  # and when the last one ended
         # in a copy of this thread's context: torch keeps dynamo's settings in context variables (a compiled model's
         # recompile limit and error handling, model/compiled.py), which a new thread would start without
         self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), name="kvr-engine",
@@ -61,6 +65,21 @@ class AsyncEngineClient:
     @property
     def in_flight(self) -> int:
         return len(self._queues)
+
+    def step_age_s(self) -> float:
+        """Seconds since the engine last finished a step (an idle engine steps every ``heartbeat_s``)."""
+        return time.monotonic() - self.step_ended_s
+
+    def stuck(self) -> str | None:
+        """Why the engine counts as stuck (a step it began has not ended within ``--timeout``), or None."""
+        began, timeout_s = self.step_began_s, self.engine.config.run.timeout_s
+        if began is None or time.monotonic() - began <= timeout_s:
+            return None
+        return f"the engine's step has run {time.monotonic() - began:.0f} s (--timeout {timeout_s:g})"
+
+    def workers_down(self) -> str | None:
+        """Why no new prompt is taken (the workers lost past the front's patience), or None."""
+        return self.engine.recovery.overdue if self.engine.recovery is not None else None
 
     def recovery(self) -> dict:
         """The workers' restarts so far and, while a worker is lost, which, since when and why."""
@@ -135,7 +154,7 @@ class AsyncEngineClient:
                 if not engine.has_work():
                     self._wake.wait(engine.config.heartbeat_s)
                     self._wake.clear()
-                self._dispatch(engine.step())
+                self._dispatch(self._step())
         except Exception as e:  # noqa: BLE001 - a bug in the loop must still end every request
             log.exception("the engine loop failed")
             self._loop_error = f"{type(e).__name__}: {e}"
@@ -143,6 +162,15 @@ class AsyncEngineClient:
             return
         engine.shutdown()
         self._dispatch(engine.fail_all("the server shut down", on_purpose=True))
+
+    def _step(self) -> list[Event]:
+        self.step_began_s = time.monotonic()
+        try:
+            if self.engine.has_work():
+                maybe_stall()
+            return self.engine.step()
+        finally:
+            self.step_ended_s, self.step_began_s = time.monotonic(), None
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:

@@ -62,6 +62,7 @@ class Recovery:
         self.down_s: list[float] = []  # seconds from each loss to serving over every rank again
         # how long prefills wait for the workers: then they end with an error, and new prompts get a 503
         self.patience_s = max(60.0, 3 * cfg.timeout_s)
+        self.beating = folder.beat(ctx.rank, cfg.timeout_s)  # the launcher ends the server if the front falls silent
 
     @property
     def overdue(self) -> str | None:
@@ -155,6 +156,7 @@ class Recovery:
         except Exception as e:  # noqa: BLE001 - a worker of the new generation gone before the rendezvous ended
             self.lose(e)
             return False
+        self.folder.say_joined(newest)
         self.down_s.append(time.monotonic() - self.lost.since_monotonic)
         self.restarts += 1
         log.warning("serving over all %d ranks again (generation %d), %.1f s after the loss", self.ctx.world_size,

@@ -22,6 +22,7 @@ class Sampler:
         self.ends = set(eos_token_ids or ()) | set(params.stop_token_ids)  # what min_tokens holds back
         self.output: list[int] = []
         self.last: TokenLogprob | None = None  # the last token's log-probabilities, where the request asks for them
+        self.adjust = Adjustments(params, self.prompt_ids, self.ends) if params.adjusts_logits else None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -32,20 +33,25 @@ class Sampler:
         """Take ``token`` as if chosen (a request running again after a worker's loss, its stream's tokens fed
         back): the penalties count it, no log-probabilities are reported."""
         self.last = None
-        self.output.append(token)
+        self._took(token)
         return token
 
     def __call__(self, logits: torch.Tensor) -> int:
         token = self.choose(logits)
         if self.params.logprobs is not None:
             self.last = logprobs_of(logits, token, self.params.logprobs)
-        self.output.append(token)
+        self._took(token)
         return token
+
+    def _took(self, token: int) -> None:
+        self.output.append(token)
+        if self.adjust is not None:
+            self.adjust.took(token)
 
     def choose(self, logits: torch.Tensor) -> int:
         params = self.params
-        if params.adjusts_logits:
-            logits = adjusted(logits.detach().float().cpu(), params, self.prompt_ids, self.output, self.ends)
+        if self.adjust is not None:
+            logits = self.adjust(logits.detach().float().cpu())
         if params.temperature == 0:
             return int(logits.argmax())  # as the runner's greedy decode: the served text equals kvr-prefill's
         logits = logits.detach().float().cpu() / params.temperature
@@ -72,22 +78,57 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     """The logits with vLLM's adjustments, in its order: the bias, the repetition penalty over the prompt's and
     the output's tokens (a positive logit divided by it, a negative one multiplied), the frequency and presence
     penalties over the output's, and the end tokens masked while fewer than ``min_tokens`` were chosen."""
-    logits = logits.clone()
-    for token, bias in params.logit_bias.items():
-        logits[token] += bias
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output)), dtype=torch.long, device=logits.device)
-        if seen.numel():
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                       values * params.repetition_penalty)
-    if output and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=logits.device),
-                                minlength=logits.numel()).float()
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    if len(output) < params.min_tokens and ends:
-        logits[torch.tensor(sorted(ends), dtype=torch.long, device=logits.device)] = float("-inf")
-    return logits
+    adjust = Adjustments(params, prompt_ids, ends)
+    for token in output:
+        adjust.took(token)
+    return adjust(logits)
+
+
+class Adjustments:
+    """One request's logit adjustments, each one tensor operation per token whatever its size: the bias as an
+    index-add, the tokens seen (prompt and output) as a mask and the output's counts as a vector, both kept as
+    tokens are chosen rather than rebuilt from the token lists at every step."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], ends: set[int]) -> None:
+        self.params, self.prompt_ids = params, prompt_ids
+        self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        self.bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        self.ends = torch.tensor(sorted(ends), dtype=torch.long)
+        self.output: list[int] = []  # chosen before the vocabulary's size was known (the first logits)
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def took(self, token: int) -> None:
+        if self.counts is None:
+            self.output.append(token)
+        else:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+    def _start(self, vocab: int) -> None:
+        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        self.seen[torch.tensor(self.prompt_ids, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32)
+        for token in self.output:
+            self.took(token)
+        self.output = []
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        params = self.params
+        if self.counts is None:
+            self._start(logits.numel())
+        logits = logits.clone()
+        if self.bias_ids.numel():
+            logits.index_add_(0, self.bias_ids, self.bias)
+        if params.repetition_penalty != 1.0:
+            penalised = torch.where(logits > 0, logits / params.repetition_penalty,
+                                    logits * params.repetition_penalty)
+            logits = torch.where(self.seen, penalised, logits)
+        if params.frequency_penalty or params.presence_penalty:
+            logits -= params.frequency_penalty * self.counts + params.presence_penalty * (self.counts > 0).float()
+        if self.ends.numel() and int(self.counts.sum()) < params.min_tokens:
+            logits[self.ends] = float("-inf")
+        return logits
 
 
 def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

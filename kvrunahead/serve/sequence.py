@@ -57,6 +57,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be between -2**63 and 2**63-1 (a torch long, as vLLM takes), got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
@@ -187,36 +189,59 @@ class StopText:
 
     Text that could still turn into a stop string (a suffix that is a prefix of one) or a partial UTF-8 character
     (the decoder's U+FFFD) is held back until the next token decides it, so no client ever sees part of a stop
-    string.
+    string. The work per token is bounded by the stops, not by the text: a stop is looked for only where it could
+    end in text not yet shown, and the held-back suffix is found from the stops' positions of its last character.
     """
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in stop if s]
+        self.longest = max(map(len, self.stop), default=0)
+        # per stop, each character's places in it as the lengths of the prefixes ending there (longest first), its
+        # whole length left out: the prefixes a text ending in that character may hold back
+        self.prefixes: list[dict[str, list[int]]] = []
+        for s in self.stop:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(s) - 1, 0, -1):
+                ends.setdefault(s[k - 1], []).append(k)
+            self.prefixes.append(ends)
         self.shown = 0  # characters of the decoded text already emitted
 
     def advance(self, text: str) -> tuple[str, bool]:
         """Given the whole decoded output so far, the new text to show and whether a stop string ended it."""
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        start = max(0, self.shown - self.longest - PARTIAL_CHARS)  # what was shown held no stop; a late U+FFFD
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             delta, self.shown = text[self.shown:cut], max(self.shown, cut)
             return delta, True
-        safe = len(text)
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
+        safe = len(text) - self._held(text)
         if text.endswith("\ufffd"):
             safe = min(safe, len(text) - 1)
         delta = text[self.shown:safe] if safe > self.shown else ""
         self.shown = max(self.shown, safe)
         return delta, False
 
+    def _held(self, text: str) -> int:
+        """The longest suffix of ``text`` that begins a stop string (0: none)."""
+        if not text:
+            return 0
+        held = 0
+        for s, ends in zip(self.stop, self.prefixes):
+            for k in ends.get(text[-1], ()):
+                if k <= held:
+                    break
+                if k <= len(text) and text.endswith(s[:k]):
+                    held = k
+                    break
+        return held
+
     def flush(self, text: str) -> str:
         """The held-back text when the request ends for another reason (length, EOS)."""
         delta = text[self.shown:]
         self.shown = len(text)
         return delta
+
+
+PARTIAL_CHARS = 4  # the characters a partial UTF-8 character may decode to before it is whole
 
 
 @dataclass

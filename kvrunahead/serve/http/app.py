@@ -10,6 +10,8 @@ without the server's ``--api-key``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -35,25 +37,46 @@ log = logging.getLogger(__name__)
 # --- the routes --------------------------------------------------------------------------------------------------
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request's JSON body, refused before it is read whole where it is over ``limit`` bytes (413) or not JSON
-    by its Content-Type (415)."""
+    """The request's JSON body, refused where it is over ``limit`` bytes (413, before it is kept whole) or not JSON
+    by its Content-Type (415). A body refused for its size is still read to its end (and dropped, up to
+    ``DRAIN_BYTES`` for ``DRAIN_S``), so that a client still sending reads the 413 rather than a reset connection."""
     kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if kind != "application/json":
         raise ApiError(415, f"the body must be JSON (Content-Type: application/json), not {kind!r}",
                        code="unsupported_media_type")
+    stream = request.stream()
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        await _drain(stream)
         raise ApiError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} "
                        "(--max-request-bytes)", code="request_too_large")
     body = bytearray()
     try:
-        async for part in request.stream():
+        async for part in stream:
             body += part
             if len(body) > limit:
+                await _drain(stream)
                 raise ApiError(413, f"the body is over {limit} bytes (--max-request-bytes)", code="request_too_large")
     except ClientDisconnect:  # gone before its body was whole: nobody reads the answer; no fault is logged
         raise ApiError(400, "the client went away before its body was whole", code="client_disconnected") from None
     return bytes(body)
+
+
+DRAIN_BYTES = 64 * 1024 * 1024
+DRAIN_S = 10.0
+
+
+async def _drain(stream) -> None:
+    """Read and drop the rest of a refused body, at most ``DRAIN_BYTES`` for ``DRAIN_S``."""
+    async def drop() -> None:
+        seen = 0
+        async for part in stream:
+            seen += len(part)
+            if seen > DRAIN_BYTES:
+                return
+
+    with contextlib.suppress(ClientDisconnect, TimeoutError):
+        await asyncio.wait_for(drop(), DRAIN_S)
 
 
 async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
@@ -189,11 +212,16 @@ def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = D
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """What a load balancer reads: 200 ``ok`` while prompts are served, 200 ``degraded`` while a lost worker is
+        brought back within the front's patience, 503 once prompts are refused (the engine dead, draining, the
+        workers not back) or while a step has run past ``--timeout``."""
+        recovery = client.recovery()
         refusal = streams.unavailable(client)
         if refusal is not None:
-            return JSONResponse({"status": refusal.code}, status_code=503)
+            return JSONResponse({"status": refusal.code, "message": refusal.message, **recovery}, status_code=503)
+        if (stuck := client.stuck()) is not None:
+            return JSONResponse({"status": "engine_stuck", "message": stuck, **recovery}, status_code=503)
         # a lost worker: still serving (its decodes go on, prefills wait for the workers), said with which rank
-        recovery = client.recovery()
         return JSONResponse({"status": "degraded" if "degraded" in recovery else "ok", **recovery})
 
     @app.get("/metrics")

@@ -94,7 +94,10 @@ def _logprobs(req) -> int | None:
 def check_token_ids(tokenizer, req) -> None:
     """``stop_token_ids`` and ``logit_bias``'s keys must be tokens of the vocabulary."""
     vocab = getattr(tokenizer, "VOCAB_SIZE", None) or len(tokenizer)
-    for param, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", map(int, req.logit_bias or {}))):
+    for param, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", req.logit_bias or {})):
+        ids = list(map(int, ids))
+        if ids and 0 <= min(ids) and max(ids) < vocab:
+            continue
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param=param)

@@ -62,13 +62,16 @@ class Metrics:
                                      "a worker rank was lost.", registry=r)
         self.prefix_bytes = Gauge("kvr_prefix_cache_bytes", "Bytes of K,V the prefix cache holds (bounded by "
                                   "--prefix-cache-tokens).", registry=r)
+        self.step_age = Gauge("kvr_engine_step_age_seconds", "Seconds since the engine last finished a step (the "
+                              "engine's heartbeat: an idle engine steps every second; /health says 503 once a step "
+                              "has run past --timeout).", registry=r)
         self._restarts: Callable[[], int] = lambda: 0
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
     def track(self, queue_depth: Callable[[], float], running: Callable[[], float],
               degraded: Callable[[], float] = lambda: 0.0, restarts: Callable[[], int] = lambda: 0,
-              prefix_bytes: Callable[[], float] = lambda: 0.0) -> None:
+              prefix_bytes: Callable[[], float] = lambda: 0.0, step_age: Callable[[], float] = lambda: 0.0) -> None:
         """Read the gauges (and the restarts) from the engine at each scrape rather than keeping a second count of
         its state."""
         self.queue_depth.set_function(queue_depth)
@@ -77,6 +80,7 @@ class Metrics:
         self.vllm.running.set_function(running)
         self.degraded.set_function(degraded)
         self.prefix_bytes.set_function(prefix_bytes)
+        self.step_age.set_function(step_age)
         self._restarts = restarts
 
     def refused(self, outcome: str) -> None:

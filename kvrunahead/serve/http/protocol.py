@@ -25,6 +25,11 @@ _NEUTRAL: dict[str, tuple] = {
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a batch, packed into one prefill)
 MAX_N = 16  # choices per prompt
+# Stop strings, matched on the engine's thread at every token: bounded, so that no request slows the others' steps
+# (OpenAI takes 4, TGI 4 by default, vLLM any number)
+MAX_STOPS = 32
+MAX_STOP_CHARS = 256
+MAX_ID_DIGITS = 10  # a token id as a logit_bias key: a vocabulary of up to 10**10 tokens
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +47,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)  # vLLM's range: a torch long
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user label: recorded nowhere, changes nothing
@@ -74,8 +79,9 @@ class _Request(BaseModel):
     @classmethod
     def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"a logit_bias key is a token id, got {token!r}")
+            if not (token.isascii() and token.isdigit() and len(token) <= MAX_ID_DIGITS):
+                raise ValueError(f"a logit_bias key is a token id (ASCII digits, at most {MAX_ID_DIGITS}), got "
+                                 f"{token[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"a logit_bias value is between -100 and 100, got {bias} for token {token}")
         return value
@@ -86,6 +92,10 @@ class _Request(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
             raise ValueError("a stop string must not be empty")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters, got {max(map(len, stops))}")
         return value
 
     @property

@@ -44,7 +44,14 @@ def unavailable(client) -> ApiError | None:
     if client.draining:
         return ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
                         code="draining", outcome="unavailable")
+    if (why := client.workers_down()) is not None:
+        return workers_down(f"{why}: retry later")
     return None
+
+
+def workers_down(message: str) -> ApiError:
+    return ApiError(503, message, type="server_error", code="workers_down", outcome="unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 # --- one request through the engine ------------------------------------------------------------------------------
@@ -143,8 +150,7 @@ def refusals(client):
     except ValueError as e:  # the engine's own check of the parameters or the prompt
         raise ApiError(400, str(e)) from None
     except WorkersDown as e:
-        raise ApiError(503, str(e), type="server_error", code="workers_down", outcome="unavailable",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise workers_down(str(e)) from None
     except EngineDead as e:
         raise unavailable(client) or ApiError(503, str(e), type="server_error", outcome="unavailable") from None
 
