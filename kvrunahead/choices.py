@@ -24,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("fcfs", "lars")
 # The CPU kernels (kvrunahead/kernels, model/linears.py): the choices and the environment variables that carry them
 # to the ranks a tool starts.
-ATTENTION_KERNELS = ("ours", "torch")
+ATTENTION_KERNELS = ("auto", "ours", "torch")
 ATTENTION_KERNEL_ENV = "KVR_ATTENTION_KERNEL"
 LINEARS = ("onednn", "torch")
 LINEARS_ENV = "KVR_LINEARS"

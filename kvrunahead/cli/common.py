@@ -89,8 +89,9 @@ def _choice_in_env(flag: str, env: str, choices: tuple[str, ...], help: str):
 def attention_kernel_option():
     return _choice_in_env(
         "--attention-kernel", ATTENTION_KERNEL_ENV, ATTENTION_KERNELS,
-        "CPU attention: ours (default: kvrunahead's kernel, built once into ~/.cache/kvrunahead on first use; "
-        "torch's where it cannot be built) or torch (torch's SDPA and flash kernels).")
+        "CPU attention: auto (default: the faster on this CPU in each dtype, timed once when the kernel is built; "
+        "kvr-kernels prints the rates), ours (kvrunahead's kernel, built once into ~/.cache/kvrunahead; torch's "
+        "where it cannot be built) or torch (torch's SDPA and flash kernels).")
 
 
 def linears_option():

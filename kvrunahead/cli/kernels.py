@@ -14,7 +14,8 @@ from kvrunahead.cli import common
 @click.option("--verbose", is_flag=True, help="Show the compiler's commands.")
 def main(verbose: bool) -> None:
     """Compile the CPU attention kernel into the cache folder (~/.cache/kvrunahead/kernels, or KVR_CACHE), once per
-    machine and torch version, and print the instruction set it runs with here. Exit 1 where it cannot be built
+    machine and torch version, and print the instruction set it runs with here; time it against torch's attention
+    in float32 and bfloat16 (once per build) and print both rates and what --attention-kernel auto runs. Exit 1 where it cannot be built
     (the tools then run torch's attention)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvrunahead import kernels
@@ -23,3 +24,13 @@ def main(verbose: bool) -> None:
         click.echo(f"kvr-kernels: the CPU attention kernel could not be built: {kernels.why_not_built()}", err=True)
         sys.exit(1)
     click.echo(f"CPU attention kernel: {kernels.isa()} ({kernels.cache_dir()})")
+    picks = kernels.auto_choice()
+    for dtype, pick in picks.items():
+        click.echo(f"  {dtype:9} ours {pick['ours_gflops']:7.1f} GFLOP/s, torch's {pick['torch_gflops']:7.1f} GFLOP/s: "
+                   f"--attention-kernel auto runs {pick['kernel']}")
+    if kernels.chosen() != "auto":
+        click.echo(f"  ({kernels.ENV}={kernels.chosen()} overrides the choice)")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,14 +5,18 @@ torch custom op). It is compiled on first use through ``torch.utils.cpp_extensio
 (``KVR_CACHE``, default ``~/.cache/kvrunahead``) and found there afterwards; ``kvr-kernels`` does it ahead of
 time. Where it cannot be built (no compiler), the attention falls back to torch's kernels and says so once.
 
-Which kernel runs: ``--attention-kernel ours|torch`` on every tool, or ``KVR_ATTENTION_KERNEL`` (the tools set it
-for the ranks they start). ``ours`` is the default; it applies to CPU tensors only (a GPU runs torch's flash
-attention).
+Which kernel runs: ``--attention-kernel auto|ours|torch`` on every tool, or ``KVR_ATTENTION_KERNEL`` (the tools set
+it for the ranks they start); it applies to CPU tensors only (a GPU runs torch's flash attention). ``auto``, the
+default, runs the faster on this CPU in each dtype: the first time it is asked (``kvr-kernels``, or a tool's first
+run) ours and torch's are timed on a causal block and a decode step in float32 and bfloat16, and the choice and
+both rates are kept beside the kernel (``choice.json``) and said once. Our kernel has no AMX tile path, so on a
+Xeon with AMX torch's wins in bfloat16; elsewhere ours does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -50,7 +54,8 @@ def set_kernel(name: str) -> None:
 
 
 def chosen() -> str:
-    name = os.environ.get(ENV, "ours") or "ours"
+    """The setting: ``auto``, ``ours`` or ``torch``."""
+    name = os.environ.get(ENV, "auto") or "auto"
     if name not in KERNELS:
         raise ValueError(f"{ENV}={name!r}: one of {', '.join(KERNELS)}")
     return name
@@ -93,9 +98,58 @@ def why_not_built() -> str | None:
     return _state.get("error")
 
 
-def ours_on_cpu() -> bool:
-    """Whether CPU attention runs our kernel: chosen, and built (built now if it has not been)."""
-    return chosen() == "ours" and build()
+def ours_on_cpu(dtype=None) -> bool:
+    """Whether CPU attention in ``dtype`` runs our kernel: chosen (by the setting, or by ``auto``'s timings), and
+    built (built now if it has not been). ``dtype`` None: in any dtype."""
+    name = chosen()
+    if name == "torch" or not build():
+        return False
+    if name == "ours":
+        return True
+    picks = auto_choice()
+    if dtype is None:
+        return any(pick["kernel"] == "ours" for pick in picks.values())
+    pick = picks.get(str(dtype).removeprefix("torch."))
+    return pick is None or pick["kernel"] == "ours"
+
+
+CHOICE_FILE = "choice.json"
+DTYPES = ("float32", "bfloat16")
+
+
+def auto_choice() -> dict[str, dict]:
+    """``auto``'s choice per dtype (``{"kernel": "ours" | "torch", "ours_gflops": .., "torch_gflops": ..}``): read
+    from beside the kernel, or timed now and kept there (said once)."""
+    with _lock:
+        if "choice" in _state:
+            return _state["choice"]
+    path = cache_dir() / CHOICE_FILE
+    try:
+        picks = json.loads(path.read_text())["dtypes"]
+    except (OSError, ValueError, KeyError):
+        from kvrunahead.kernels.timing import time_kernels
+
+        log.warning("timing the CPU attention kernels (once per kernel build: --attention-kernel auto)")
+        picks = time_kernels(DTYPES)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"dtypes": picks, "threads": _threads(), "at": time.time()}, indent=1))
+        tmp.replace(path)
+        log.warning("%s", describe_choice(picks))
+    with _lock:
+        _state["choice"] = picks
+    return picks
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def describe_choice(picks: dict[str, dict]) -> str:
+    return "attention kernel auto: " + "; ".join(
+        f"{dtype} {pick['kernel']} (ours {pick['ours_gflops']:.1f}, torch's {pick['torch_gflops']:.1f} GFLOP/s)"
+        for dtype, pick in picks.items())
 
 
 def isa() -> str | None:
@@ -108,13 +162,15 @@ def isa() -> str | None:
     return torch.ops.kvr.isa()
 
 
-def describe(device_type: str = "cpu") -> str:
-    """The attention kernel a run on ``device_type`` uses, for its report: ``ours (avx512bf16)``, ``torch``, or
-    ``torch (ours could not be built: ...)``."""
+def describe(device_type: str = "cpu", dtype=None) -> str:
+    """The attention kernel a run on ``device_type`` in ``dtype`` uses, for its report: ``ours (avx512bf16)``,
+    ``torch (auto)``, ``torch (chosen)``, or ``torch (ours could not be built: ...)``."""
     if device_type != "cpu":
         return "torch"
     if chosen() == "torch":
         return "torch (chosen)"
     if not build():
         return f"torch (ours could not be built: {why_not_built()})"
-    return f"ours ({isa()})"
+    if not ours_on_cpu(dtype):
+        return "torch (auto)"
+    return f"ours ({isa()})" + (" (auto)" if chosen() == "auto" else "")

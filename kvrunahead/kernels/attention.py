@@ -88,9 +88,9 @@ def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_position: int = 0
 
 
 def usable(q: torch.Tensor) -> bool:
-    """Whether ``q``'s attention runs on our kernel: a CPU tensor of float32 or bfloat16, our kernel chosen and
-    built."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kernels.ours_on_cpu()
+    """Whether ``q``'s attention runs on our kernel: a CPU tensor of float32 or bfloat16, our kernel chosen for its
+    dtype and built."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kernels.ours_on_cpu(q.dtype)
 
 
 def _head_contiguous(t: torch.Tensor) -> torch.Tensor:

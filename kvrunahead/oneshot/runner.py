@@ -256,7 +256,7 @@ def finish_result(cfg: RunConfig, ran: Ran, ttft_s: float, ranks: list[RankStats
         rope_extension=prepared.rope.describe() if prepared.rope else None,
         kvr_attention=(f"{prepared.kvr_attention} ({prepared.attention_source})"
                        if cfg.mode.startswith(("kvr", "spp")) else None),
-        attention_kernel=kernels.describe(device.type),
+        attention_kernel=kernels.describe(device.type, ran.dtype),
         linears="onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
         sliding_layers=sum(layout.window(i) is not None for i in range(layout.num_layers)),
         full_chain_bytes=full_chain_bytes(layout, partition) if cfg.mode == "kvr" and layout.windows else None,
