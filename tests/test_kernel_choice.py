@@ -68,7 +68,7 @@ def test_without_a_kept_choice_kvr_kernels_times_both_and_keeps_it(cache):
     assert r.returncode == 0, r.stderr
     kept = json.loads((folder / kernels.CHOICE_FILE).read_text())["dtypes"]
     assert set(kept) == {"float32", "bfloat16"}
-    for dtype, pick in kept.items():
+    for pick in kept.values():
         faster = "ours" if pick["ours_gflops"] >= pick["torch_gflops"] else "torch"
         assert pick["kernel"] == faster and pick["ours_gflops"] > 0 and pick["torch_gflops"] > 0
         assert f"runs {pick['kernel']}" in r.stdout

@@ -14,8 +14,9 @@ from kvrunahead.cli import common
 @click.option("--verbose", is_flag=True, help="Show the compiler's commands.")
 def main(verbose: bool) -> None:
     """Compile the CPU attention kernel into the cache folder (~/.cache/kvrunahead/kernels, or KVR_CACHE), once per
-    machine and torch version, and print the instruction set it runs with here; time it against torch's attention
-    in float32 and bfloat16 (once per build) and print both rates and what --attention-kernel auto runs. Exit 1 where it cannot be built
+    machine and torch version, and print the instruction set it runs with here; time it against torch's
+    attention in float32 and bfloat16 (once per build) and print both rates and what --attention-kernel auto
+    runs. Exit 1 where it cannot be built
     (the tools then run torch's attention)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvrunahead import kernels

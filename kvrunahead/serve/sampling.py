@@ -11,6 +11,9 @@ import torch
 from kvrunahead.serve.sequence import SamplingParams, TokenLogprob
 
 
+SAMPLING_EPS = 1e-5  # vLLM's: below it a temperature means greedy
+
+
 class Sampler:
     """One request's token choice; it remembers the tokens it chose (the penalties count them). Sampling runs on
     the CPU in float32 whatever the model's device and dtype, so a seed gives the same tokens on any device."""
@@ -52,7 +55,7 @@ class Sampler:
         params = self.params
         if self.adjust is not None:
             logits = self.adjust(logits.detach().float().cpu())
-        if params.temperature == 0:
+        if params.temperature < SAMPLING_EPS:  # as vLLM: a temperature this small is greedy (1e-320 divides to inf)
             return int(logits.argmax())  # as the runner's greedy decode: the served text equals kvr-prefill's
         logits = logits.detach().float().cpu() / params.temperature
         if params.top_k > 0:
