@@ -113,15 +113,17 @@ def test_the_launcher_starts_a_failed_or_reported_generation_again_and_ends_with
     started: list[tuple[int, int]] = []
     spawned: list[subprocess.Popen] = []
 
-    def start(gen: int, port: int) -> list[subprocess.Popen]:
+    def start(gen: int) -> tuple[list[subprocess.Popen], int]:
+        port = 40000 + gen
         started.append((gen, port))
         if gen == 1:
             for rank in (0, 1):
                 folder.say_ready(1, rank)
+            folder.say_joined(1)
             folder.report_lost(1, 0, "test: stopped")  # the front finds generation 1's rank 0 silent
         news = [_sleeper(), _sleeper()]
         spawned.extend(news)
-        return news
+        return news, port
 
     procs = [_sleeper(3, 0.5), _sleeper(), _sleeper(7, 4.0)]  # two workers, the front (rank 2) ends last with 7
     first_survivor = procs[1]
@@ -141,5 +143,37 @@ def test_the_launcher_gives_up_after_generations_that_never_get_ready(tmp_path):
     front = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(600)"])
     procs = [_sleeper(1, 0.2), front]
-    code = supervise_recovering(procs, 1, folder, lambda gen, port: [_sleeper(1, 0.2)], grace_s=2.0)
+    code = supervise_recovering(procs, 1, folder, lambda gen: ([_sleeper(1, 0.2)], 40000 + gen), grace_s=2.0)
     assert code == 1 and folder.started(3) is not None and folder.started(4) is None  # a worker failed: non-zero
+
+
+def test_generations_ready_but_never_met_by_the_front_count_as_failed_starts(tmp_path):
+    """Workers that load and say ready, then end, while the front never joins them: three such generations and
+    the launcher gives up (a ready that the front never met is no start)."""
+    folder = RecoveryDir(tmp_path)
+    front = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(600)"])
+
+    def start(gen: int) -> tuple[list[subprocess.Popen], int]:
+        folder.say_ready(gen, 0)
+        return [_sleeper(1, 0.5)], 40000 + gen
+
+    code = supervise_recovering([_sleeper(1, 0.2), front], 1, folder, start, grace_s=2.0)
+    assert code == 1 and folder.started(3) is not None and folder.started(4) is None
+
+
+def test_a_front_silent_past_its_timeout_ends_every_rank(tmp_path):
+    """The front beats, then stops beating (SIGSTOP): after its --timeout the launcher kills every rank, the
+    stopped front too, and returns FRONT_SILENT."""
+    from kvrunahead.ranks.supervise import FRONT_SILENT
+
+    folder = RecoveryDir(tmp_path)
+    worker = _sleeper()
+    front = subprocess.Popen([sys.executable, "-c", "import os, signal, sys\n"
+                              f"from kvrunahead.ranks.recovery import RecoveryDir\n"
+                              f"RecoveryDir({str(tmp_path)!r})._write('front', {{'pid': os.getpid(), 'rank': 1, "
+                              "'timeout_s': 1.5, 'at': 0})\nos.kill(os.getpid(), signal.SIGSTOP)"])
+    t0 = time.monotonic()
+    code = supervise_recovering([worker, front], 1, folder, lambda gen: ([_sleeper()], 0), grace_s=2.0)
+    assert code == FRONT_SILENT and time.monotonic() - t0 < 10
+    assert worker.poll() is not None and front.poll() is not None

@@ -62,7 +62,8 @@ class Recovery:
         self.down_s: list[float] = []  # seconds from each loss to serving over every rank again
         # how long prefills wait for the workers: then they end with an error, and new prompts get a 503
         self.patience_s = max(60.0, 3 * cfg.timeout_s)
-        self.beating = folder.beat(ctx.rank, cfg.timeout_s)  # the launcher ends the server if the front falls silent
+        # the launcher ends the server if the front falls silent
+        self.beating = folder.beat(ctx.rank, cfg.timeout_s) if folder is not None else None
 
     @property
     def overdue(self) -> str | None:
