@@ -10,7 +10,6 @@ import torch
 
 from kvrunahead.serve.sequence import SamplingParams, TokenLogprob
 
-
 SAMPLING_EPS = 1e-5  # vLLM's: below it a temperature means greedy
 
 

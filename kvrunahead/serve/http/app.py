@@ -143,6 +143,33 @@ def _tokenizer_routes(app: FastAPI, client, max_request_bytes: int) -> None:
         return {"prompt": client.decode(req.tokens)}
 
 
+def _probe_routes(app: FastAPI, client, metrics: Metrics) -> None:
+    """What monitors read, open without the API key: ``/version``, ``/health`` and ``/metrics``."""
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """What a load balancer reads: 200 ``ok`` while prompts are served, 200 ``degraded`` while a lost worker is
+        brought back within the front's patience, 503 once prompts are refused (the engine dead, draining, the
+        workers not back) or while a step has run past ``--timeout``."""
+        recovery = client.recovery()
+        refusal = streams.unavailable(client)
+        if refusal is not None:
+            return JSONResponse({"status": refusal.code, "message": refusal.message, **recovery}, status_code=503)
+        if (stuck := client.stuck()) is not None:
+            return JSONResponse({"status": "engine_stuck", "message": stuck, **recovery}, status_code=503)
+        # a lost worker: still serving (its decodes go on, prefills wait for the workers), said with which rank
+        return JSONResponse({"status": "degraded" if "degraded" in recovery else "ok", **recovery})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -206,27 +233,6 @@ def build_app(client, metrics: Metrics | None = None, max_request_bytes: int = D
 
     _tokenizer_routes(app, client, max_request_bytes)
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """What a load balancer reads: 200 ``ok`` while prompts are served, 200 ``degraded`` while a lost worker is
-        brought back within the front's patience, 503 once prompts are refused (the engine dead, draining, the
-        workers not back) or while a step has run past ``--timeout``."""
-        recovery = client.recovery()
-        refusal = streams.unavailable(client)
-        if refusal is not None:
-            return JSONResponse({"status": refusal.code, "message": refusal.message, **recovery}, status_code=503)
-        if (stuck := client.stuck()) is not None:
-            return JSONResponse({"status": "engine_stuck", "message": stuck, **recovery}, status_code=503)
-        # a lost worker: still serving (its decodes go on, prefills wait for the workers), said with which rank
-        return JSONResponse({"status": "degraded" if "degraded" in recovery else "ok", **recovery})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
+    _probe_routes(app, client, metrics)
 
     return app
