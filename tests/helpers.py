@@ -10,7 +10,6 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from kvrunahead.ranks.launcher import free_port
 from kvrunahead.ranks.launcher import rank_env as launcher_rank_env
 
 HERE = Path(__file__).parent
@@ -36,20 +35,12 @@ def run_cases(world_size: int, cases: list[dict], tmp: Path, timeout_s: float = 
     """Run ``cases`` (RunConfig kwargs by name) on ``world_size`` real ranks; the last rank's results."""
     cases_file, out_file = tmp / "cases.json", tmp / "out.json"
     cases_file.write_text(json.dumps(cases))
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "rank_harness.py"), str(cases_file), str(out_file)],
-            env=rank_env(r, world_size, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world_size)
-    ]
-    outputs = wait_all(procs, timeout_s)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, f"rank exit codes {codes}\n" + "\n".join(outputs)
+    # one launcher: the ranks are forked from it with its imports done (kvrunahead/ranks/fork.py)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rank_harness", str(world_size), str(cases_file),
+                             str(out_file)], cwd=HERE.parent, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (output,) = wait_all([proc], timeout_s)
+    assert proc.returncode == 0, f"the ranks' exit code {proc.returncode}\n{output}"
     results: dict = {}
     for r in range(world_size):
         results.update(json.loads(Path(f"{out_file}.{r}").read_text()))

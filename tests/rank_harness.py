@@ -1,6 +1,7 @@
 """Runs many prefills on one set of ranks (started by tests/helpers.py) and writes the last rank's results.
 
-Usage: python tests/rank_harness.py CASES.json OUT.json  (with RANK/WORLD_SIZE/MASTER_* in the env)
+Usage: python -m tests.rank_harness P CASES.json OUT.json  (P ranks, started as kvr-prefill starts them)
+       python -m tests.rank_harness CASES.json OUT.json  (one rank, with RANK/WORLD_SIZE/MASTER_* in the env)
 """
 
 import json
@@ -57,4 +58,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4:
+        from kvrunahead.ranks.launcher import spawn
+
+        sys.exit(spawn(int(sys.argv[1]), sys.argv[2:], module="tests.rank_harness", fork=True))
     main()

@@ -1,13 +1,18 @@
-"""The three launchers start the same program and agree; the default model decodes like generate()."""
+"""The three launchers start the same program and agree; the default model decodes like generate(); a rank forked
+from the launcher runs as a started one would."""
 
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import kvr_prefill
+
+ROOT = Path(__file__).parent.parent
 
 ARGS = ["--model", "tiny-neox", "--ctx", "200", "--partition", "0,130,200", "--max-new-tokens", "5", "--verify",
         "--json"]
@@ -87,3 +92,35 @@ def test_mpi_transport_outside_mpirun_is_refused():
     proc = kvr_prefill("--model", "tiny-llama", "--ctx", "64", "--nproc", "2", "--transport", "mpi")
     assert proc.returncode != 0
     assert "needs the ranks to be started by mpirun" in proc.stderr
+
+
+FORKING_LAUNCHER = """
+import json, os, sys, tempfile, threading, time
+import numpy  # noqa: F401  (its BLAS pool of threads ends itself at a fork)
+from kvrunahead.ranks.fork import can_fork, fork_rank
+out = sys.argv[1]
+owned = tempfile.TemporaryDirectory()  # the launcher's to remove at its exit, never a rank's
+first = can_fork()
+rank = fork_rank("tests.fork_probe", [out, "3"], dict(os.environ, RANK="5"), lambda: None)
+code = rank.wait(timeout=60)
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+print(json.dumps(dict(first=first, code=code, kept=os.path.isdir(owned.name), me=os.getpid(),
+                      with_a_thread=can_fork())))
+"""
+
+
+def test_a_forked_rank_runs_its_module_with_its_environment_and_none_of_the_launchers_exit_work(tmp_path):
+    """What spawn(fork=True) relies on: the child runs ``python -m MODULE ARGV`` as ``__main__`` with the rank's
+    environment, its exit code and its own atexit work reach the launcher, the launcher's temporary folder
+    outlives it; and a launcher with a thread of its own does not fork."""
+    out = tmp_path / "rank.json"
+    r = subprocess.run([sys.executable, "-c", FORKING_LAUNCHER, str(out)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    launcher = json.loads(r.stdout)
+    rank = json.loads(out.read_text())
+    assert launcher["first"] and launcher["code"] == 3 and launcher["kept"], launcher
+    assert rank == {"argv": [str(out), "3"], "rank": "5", "ppid": launcher["me"], "main": "__main__",
+                    "name": "kvr-rank-5"}
+    assert (tmp_path / "rank.json.atexit").read_text() == "ran"
+    assert launcher["with_a_thread"] is False

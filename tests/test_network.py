@@ -235,8 +235,11 @@ TIMEOUT = 8
 BOUND = 40  # start-up of the tiny model and the launcher's grace, beyond --timeout (34 s in all on an AVX2-only EPYC)
 
 
+RUN_MARK = "KVR_TEST_FAULTY_RUN"  # in the environment of this file's faulty runs and of every rank they start
+
+
 def _faulty_prefill(fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, KVRUNAHEAD_INJECT_FAULT=fault)
+    env = dict(os.environ, KVRUNAHEAD_INJECT_FAULT=fault, **{RUN_MARK: str(os.getpid())})
     t = time.monotonic()
     proc = kvr_prefill(*TINY, "--nproc", "2", "--ctx", "3000", "--timeout", str(TIMEOUT), *args, env=env,
                        timeout_s=240)
@@ -244,8 +247,16 @@ def _faulty_prefill(fault: str, *args: str) -> tuple[subprocess.CompletedProcess
 
 
 def _no_rank_left() -> bool:
-    out = subprocess.run(["pgrep", "-f", "kvrunahead.cli"], capture_output=True, text=True).stdout.split()
-    return not [pid for pid in out if int(pid) != os.getpid()]
+    """No process of this file's faulty runs is left (other tools running on the host do not count)."""
+    mark = f"{RUN_MARK}={os.getpid()}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0") and int(pid) != os.getpid():
+                    return False
+        except OSError:
+            continue
+    return True
 
 
 @pytest.mark.parametrize("fault, who, what", [

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrunahead.ranks.fork import RANK_NAME
+
 KINDS = ("chat", "stream", "ids", "cancel", "disconnect", "hostile")
 WEIGHTS = (0.3, 0.3, 0.1, 0.1, 0.1, 0.1)
 
@@ -186,11 +188,20 @@ class Load:
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """pid by rank of the ranks a ``kvr-serve --nproc`` launcher started."""
+    """pid by rank of the ranks a ``kvr-serve --nproc`` launcher started: a forked rank by its process name
+    (ranks/fork.py), a started one by the ``RANK`` of its environment."""
     out = {}
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and int((d / "stat").read_text().split(")")[1].split()[1]) == launcher_pid:
+            if not d.name.isdigit():
+                continue
+            stat = (d / "stat").read_text()
+            if int(stat.rpartition(")")[2].split()[1]) != launcher_pid:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name.startswith(RANK_NAME):
+                out[int(name[len(RANK_NAME):])] = int(d.name)
+            else:
                 env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
                 out[int(env["RANK"])] = int(d.name)
         except (OSError, KeyError, IndexError, ValueError):

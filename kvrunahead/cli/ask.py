@@ -113,7 +113,7 @@ def main(context_file, questions_file, no_chat, nproc, max_new_tokens, verify, a
             raise InputError(str(e)) from None
         if launcher == "single" and nproc > 1:
             prepare(cfg, nproc)  # one clear error here rather than one per rank
-            sys.exit(spawn(nproc, sys.argv[1:], module="kvrunahead.cli.ask"))
+            sys.exit(spawn(nproc, sys.argv[1:], module="kvrunahead.cli.ask", fork=True))
         job = AskJob(context_ids, question_ids, questions, max_new_tokens)
         result = run(cfg, launcher, world_size, lambda c, world: ask_on_world(c, world, job, verify))
     if result is None:

@@ -239,7 +239,7 @@ def main(ctx, prompt_file, prompts_file, batching, step_tokens, no_chat, nproc, 
         groups = tp_groups(cfg, world_size)  # a bad TP shape: one line, before any rank starts
         if launcher == "single" and nproc > 1:
             prepare(cfg, groups)  # one clear error here rather than one per rank
-            sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
+            sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg), fork=True))
         if launcher == "single" and network_spec(cfg).emulated:
             raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         result = run(cfg, launcher, world_size, on_engine.run_on_world)
@@ -265,7 +265,7 @@ def _run_batch(prompts_file, batching, step_tokens, ctx, prompt_file, no_chat, n
     check_batch(cfg, batching, world_size)
     tp_groups(cfg, world_size)  # a bad TP shape: one line, before any rank starts
     if launcher == "single" and nproc > 1:
-        sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg)))
+        sys.exit(spawn(nproc, sys.argv[1:], net=network_spec(cfg), fork=True))
     return run_batch(cfg, launcher, world_size, tokenize_prompts(cfg, texts), batching, step_tokens)
 
 

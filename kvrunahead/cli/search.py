@@ -125,7 +125,7 @@ def main(nproc: int, contexts: str, **options) -> None:
             model_search(opts, nproc)
         elif launcher == "single" and nproc > 1:
             t = time.perf_counter()
-            code = spawn(nproc, sys.argv[1:], module="kvrunahead.cli.search", net=net)
+            code = spawn(nproc, sys.argv[1:], module="kvrunahead.cli.search", net=net, fork=True)
             click.echo(f"search took {time.perf_counter() - t:.0f} s", err=True)
             sys.exit(code)
         else:

@@ -374,10 +374,12 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
             if nproc > 1 or restarts:
                 front = nproc - 1 if recover and nproc > 1 and options["tp"] == 1 else None
                 from kvrunahead.ranks.launcher import spawn_restarting
+                from kvrunahead.serve import engine  # noqa: F401  (imported once here, the forked ranks share it)
+                from kvrunahead.serve.http import app  # noqa: F401
 
                 # the ranks get the grace to drain, and a failed rank's peers get --timeout to notice it
                 sys.exit(spawn_restarting(nproc, sys.argv[1:], restarts, max(5.0, options["timeout_s"] + 5.0),
-                                          "kvrunahead.cli.serve", net, front))
+                                          "kvrunahead.cli.serve", net, front, fork=True))
             if net.emulated:
                 raise InputError("--net cap=... emulates one host per rank: give --nproc 2 or more")
         run_rank(options, launcher, host, port, grace_s, verbose)

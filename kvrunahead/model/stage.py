@@ -192,6 +192,8 @@ def model_names(folder: Path) -> Callable[[str], str]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
+    if not (folder / "config.json").is_file():  # tensors without a model: their names are the only ones
+        return str
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from kvrunahead.net import liveness
 from kvrunahead.net.session import network
 from kvrunahead.net.spec import NetSpec
+from kvrunahead.ranks.fork import ForkedRank, can_fork, fork_rank
 from kvrunahead.ranks.recovery import DIR_ENV, GENERATION_ENV, RecoveryDir
 from kvrunahead.ranks.supervise import supervise, supervise_recovering
 from kvrunahead.ranks.transport import import_mpi
@@ -161,21 +162,25 @@ def rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1", **e
 
 
 def spawn(nproc: int, argv: list[str], grace_s: float = 5.0, module: str = "kvrunahead.cli.prefill", net=None,
-          front: int | None = None) -> int:
+          front: int | None = None, fork: bool = False) -> int:
     """Start ``nproc`` local ranks running this same command; return the first non-zero exit code.
 
     ``net`` (a ``NetSpec``) with a cap puts every rank on an emulated host of its own, and with noise runs the
     sidecar beside them; both are removed when the ranks end, however they end. ``front``: the rank of a server
     that outlives its workers (ranks/recovery.py): a worker's loss starts its generation of workers again, on the
-    same hosts, and only the front's end ends the job.
+    same hosts, and only the front's end ends the job. ``fork``: this process is the tool the ranks run (its
+    imports done), so a rank on this host is forked from it where that is safe (ranks/fork.py).
     """
     with network(net or NetSpec(), nproc) as hosts, tempfile.TemporaryDirectory(prefix="kvr-recovery-") as folder:
-        def start(rank: int, port: int, gen: int) -> subprocess.Popen:
+        def start(rank: int, port: int, gen: int) -> subprocess.Popen | ForkedRank:
             extra = dict(KVRUNAHEAD_SPAWNED="1", **hosts.env)
             if front is not None:
                 extra.update({DIR_ENV: folder, GENERATION_ENV: str(gen)})
-            return subprocess.Popen(hosts.prefix(rank) + [sys.executable, "-m", module, *argv],
-                                    env=rank_env(rank, nproc, port, hosts.master_addr, **extra),
+            env = rank_env(rank, nproc, port, hosts.master_addr, **extra)
+            prefix = hosts.prefix(rank)
+            if fork and not prefix and can_fork():
+                return fork_rank(module, argv, env, _dies_with(os.getpid()))
+            return subprocess.Popen(prefix + [sys.executable, "-m", module, *argv], env=env,
                                     preexec_fn=_dies_with(os.getpid()))
 
         port = free_port()
@@ -210,14 +215,14 @@ PR_SET_PDEATHSIG = 1
 
 
 def spawn_restarting(nproc: int, argv: list[str], restarts: int, grace_s: float, module: str, net=None,
-                     front: int | None = None) -> int:
+                     front: int | None = None, fork: bool = False) -> int:
     """``spawn`` the ranks; while they end with an error and restarts are left, spawn them again (every rank, the
     same command without ``--restarts``). Returns the last exit code (0 after a drain; an interrupt is never
     restarted). ``front``: as ``spawn``'s (a lost worker's generation is started again within one spawn)."""
     argv = _without_restarts(argv)
     code = 0
     for attempt in range(restarts + 1):
-        code = spawn(nproc, argv, grace_s=grace_s, module=module, net=net, front=front)
+        code = spawn(nproc, argv, grace_s=grace_s, module=module, net=net, front=front, fork=fork)
         if code in (0, 130) or attempt == restarts:
             return code
         log.warning("the server ended with exit code %d; starting it again (%d of %d restarts)", code, attempt + 1,
