@@ -35,11 +35,21 @@ def write_table() -> Callable[..., Path]:
     return write
 
 
+# The files that take longest (over 3 minutes each of one process on 2 cores): run first, so that under
+# ``-n 2 --dist loadfile`` the two processes end together rather than one waiting out a long file alone.
+LONGEST_FIRST = ("test_tp.py", "test_serve_fuzz.py", "test_exactness.py", "test_spp.py", "test_network.py",
+                 "test_tp_checkpoints.py", "test_attention_memory.py", "test_kvp.py", "test_search_cli.py",
+                 "test_serve_front.py", "test_serve_cli.py", "test_serve_degree.py", "test_serve_recovery.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under ``KVR_TEST_COMPILE=1`` (the serve tests with every engine compiled, docs/testing.md) each test's time
-    limit is ``COMPILE_SLOWDOWN`` times its own."""
+    """The longest files first (a stable sort: a file's tests keep their order). Under ``KVR_TEST_COMPILE=1`` (the
+    serve tests with every engine compiled, docs/testing.md) each test's time limit is ``COMPILE_SLOWDOWN`` times
+    its own."""
     import os
 
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if not os.environ.get("KVR_TEST_COMPILE"):
         return
     from tests.helpers import COMPILE_SLOWDOWN  # imports torch: only here

@@ -201,7 +201,7 @@ def test_smollm2_on_a_fresh_learned_file_then_restarted_on_a_poisoned_one_never_
     with serving("--learn", str(learned), model=model) as server:
         url = server.url(timeout_s=300)
         wrong += _issue_request_four_times(url, model)
-        wrong += _fuzz(url, model, _cases(model, rng, 40, 49152, (700, 1500)))
+        wrong += _fuzz(url, model, _cases(model, rng, 30, 49152, (700, 1500)))
         assert not wrong, "\n".join(wrong)
         log = "".join(server.lines)
     assert "engine step failed" not in log and learned.exists(), log
@@ -210,7 +210,7 @@ def test_smollm2_on_a_fresh_learned_file_then_restarted_on_a_poisoned_one_never_
     with serving("--learn", str(learned), model=model) as server:
         url = server.url(timeout_s=300)
         wrong += _issue_request_four_times(url, model)
-        wrong += _fuzz(url, model, _cases(model, rng, 60, 49152, (900,)))
+        wrong += _fuzz(url, model, _cases(model, rng, 30, 49152, (900,)))
         log = "".join(server.lines)
         assert server.proc.poll() is None, log
     assert not wrong, "\n".join(wrong)
@@ -261,7 +261,7 @@ def test_random_requests_never_end_the_tiny_server(name, tmp_path):
     rng = random.Random(sum(map(ord, name)))
     with serving(*args, model=model, nproc=nproc, env=env) as server:
         url = server.url()
-        wrong = _fuzz(url, model, _cases(model, rng, 50, ByteTokenizer.VOCAB_SIZE, (600, 2000)))
+        wrong = _fuzz(url, model, _cases(model, rng, 30, ByteTokenizer.VOCAB_SIZE, (600, 2000)))
         log = "".join(server.lines)
         assert server.proc.poll() is None, log
     assert not wrong, "\n".join(wrong) + "\n" + log[-3000:]

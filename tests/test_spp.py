@@ -206,8 +206,8 @@ def test_a_pipelined_prefill_chunked_by_a_small_step_budget_answers_as_one_proce
 
 
 @pytest.mark.timeout(600)
-def test_kvr_serve_prefill_spp_answers_an_8k_prompt_with_kvr_prefill_s_text():
-    """The real SmolLM2 at 8k over two ranks: the openai client's greedy completion through the pipeline is the
+def test_kvr_serve_prefill_spp_answers_a_4k_prompt_with_kvr_prefill_s_text():
+    """The real SmolLM2 at 4k over two ranks: the openai client's greedy completion through the pipeline is the
     text ``kvr-prefill`` prints for the same prompt (the chain's prefill there)."""
     import subprocess
     import sys
@@ -216,12 +216,12 @@ def test_kvr_serve_prefill_spp_answers_an_8k_prompt_with_kvr_prefill_s_text():
     from kvrunahead.decide.policy import prepare
     from tests.test_serve_cli import ENV, ROOT, _api, serving
 
-    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--ctx", "8k",
+    r = subprocess.run([sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--ctx", "4k",
                         "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=400, env=ENV,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr
     expected = json.loads(r.stdout)["generated_text"]
-    ids = prepare(RunConfig(context_len=8192), 2).ids
+    ids = prepare(RunConfig(context_len=4096), 2).ids
     with serving("--prefill", "spp", "--degree", "2", model="smollm2-135m") as server:
         c = _api(server.url(timeout_s=300)).with_options(timeout=300).completions.create(
             model="smollm2-135m", prompt=ids, max_tokens=12, temperature=0)

@@ -75,7 +75,7 @@ def test_a_saved_checkpoint_verifies_on_one_tp_group(family, tmp_path):
     assert out["tp"] == 2 and out["world_size"] == 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_neox"])  # plain, sliding windows, fused q,k,v
 def test_a_saved_checkpoint_verifies_on_a_chain_of_two_tp_groups(family, tmp_path):
     out = _verified("--model", str(saved(family, tmp_path)), "--no-chat", "--nproc", "4", "--tp", "2", "--ctx", "300",
                     "--partition", "0.6,0.4", "--max-new-tokens", "6")
