@@ -35,8 +35,9 @@ def write_table() -> Callable[..., Path]:
     return write
 
 
-# The files that take longest (over 3 minutes each of one process on 2 cores): run first, so that under
-# ``-n 2 --dist loadfile`` the two processes end together rather than one waiting out a long file alone.
+# The files that take longest (over 3 minutes each of one process on 2 cores), collected first. Under
+# ``-n 2 --dist loadfile`` pytest-xdist hands files out in its own order (in one run test_serve_fuzz.py still ran
+# last), so this orders a one-process run only.
 LONGEST_FIRST = ("test_tp.py", "test_serve_fuzz.py", "test_exactness.py", "test_spp.py", "test_network.py",
                  "test_tp_checkpoints.py", "test_attention_memory.py", "test_kvp.py", "test_search_cli.py",
                  "test_serve_front.py", "test_serve_cli.py", "test_serve_degree.py", "test_serve_recovery.py")
