@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from kvrunahead import kernels
 from kvrunahead.kernels import attention as kernel
 from kvrunahead.modes.kvr import split_attention
 
@@ -39,13 +40,15 @@ def inputs(context: int, part: int):
     return q, torch.randn(1, KV_HEADS, context, HEAD_DIM), torch.randn(1, KV_HEADS, context, HEAD_DIM)
 
 
-def need_bytes(part: int) -> int:
+def need_bytes(context: int, part: int) -> int:
     """What the blocks need at once, float32. torch's kernels: the diagonal block's K,V repeated to the query heads
     and its output (3 outputs' worth), then the prefix block's grouped queries and output beside the diagonal output
-    it merges into (3 again), with two log-sum-exp rows. Ours (kvrunahead/kernels): its output and log-sum-exp
-    only, every block's scratch within a few hundred kB per thread."""
+    it merges into (3 again), with two log-sum-exp rows. Ours (kvrunahead/kernels): its output and log-sum-exp,
+    every block's scratch within a few hundred kB per thread, and on its tile path one K,V head's keys and values
+    packed in blocks of 64 (one head at a time)."""
     if kernel.usable(torch.empty(0)):
-        return (part * HEADS * HEAD_DIM + part * HEADS) * 4
+        packed = 2 * -(-context // 64) * 64 * HEAD_DIM * 4 if kernels.path("float32") in ("amx", "brgemm") else 0
+        return (part * HEADS * HEAD_DIM + part * HEADS) * 4 + packed
     return (3 * part * HEADS * HEAD_DIM + 2 * part * HEADS) * 4
 
 
@@ -58,7 +61,7 @@ def main() -> None:
     reset_high_water()
     split_attention(None, q, k, v, None, scaling=HEAD_DIM**-0.5)
     peak = high_water_bytes()
-    print(json.dumps({"peak_extra_bytes": peak - base, "need_bytes": need_bytes(part)}))
+    print(json.dumps({"peak_extra_bytes": peak - base, "need_bytes": need_bytes(context, part)}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def peak(part: int, kernel: str) -> dict:
 
 @pytest.mark.parametrize("kernel", ["ours", "torch"])
 def test_split_attention_at_32k_needs_within_10_percent_of_its_blocks(kernel):
-    # One 16k x 32k float32 score matrix per head would be 2 GiB; torch's blocks need about 110 MB, ours 38 MB.
+    # One 16k x 32k float32 score matrix per head would be 2 GiB; torch's blocks need about 110 MB, ours 38 MB (55
+    # with its tile path's packed K,V head).
     m = peak(16384, kernel)
     assert m["peak_extra_bytes"] <= 1.10 * m["need_bytes"], m
 

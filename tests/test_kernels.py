@@ -32,17 +32,42 @@ U16 = 2.0 ** -8
 
 
 def _isas() -> list[str]:
+    """The vector path at each instruction set this CPU has, then the tile path (prefill rows through ATen's
+    batch-reduce GEMM) where it has AVX2."""
     if not kernels.build():
         return ["portable"]
     host = torch.ops.kvr.isa()
     order = ["portable", "avx2", "avx512", "avx512bf16"]
-    return order[: order.index(host) + 1]
+    return order[: order.index(host) + 1] + (["tiles"] if host != "portable" else [])
 
 
 @pytest.fixture(params=_isas())
 def isa(request, monkeypatch):
-    monkeypatch.setenv("KVR_ATTENTION_ISA", request.param)
+    if request.param == "tiles":
+        monkeypatch.delenv("KVR_ATTENTION_ISA", raising=False)
+        monkeypatch.setenv("KVR_ATTENTION_TILES", "1")
+    else:
+        monkeypatch.setenv("KVR_ATTENTION_ISA", request.param)
+        monkeypatch.setenv("KVR_ATTENTION_TILES", "0")
     return request.param
+
+
+def test_the_tile_path_is_what_prefill_rows_take_where_it_is_on(monkeypatch):
+    """KVR_ATTENTION_TILES turns it on and off in both dtypes; AMX tiles (bfloat16 in VNNI pairs) only where the
+    CPU has them, and said so where it does not."""
+    if torch.ops.kvr.isa() == "portable":
+        pytest.skip("no AVX2 on this CPU: the tile path does not run here")
+    monkeypatch.setenv("KVR_ATTENTION_TILES", "0")
+    assert kernels.path("float32") == kernels.path("bfloat16") == kernels.isa()
+    monkeypatch.setenv("KVR_ATTENTION_TILES", "1")
+    amx = kernels.path("bfloat16") == "amx"
+    assert kernels.path("float32") == "brgemm" and kernels.path("bfloat16") in ("amx", "brgemm")
+    monkeypatch.setenv("KVR_ATTENTION_TILES", "yes")
+    with pytest.raises(RuntimeError, match="neither 0 nor 1"):
+        kernels.path("float32")
+    if not amx:
+        pytest.skip("no AMX on this CPU: the tile path's bfloat16 runs oneDNN's kernels on plain blocks here, and "
+                    "its VNNI packing for AMX is not exercised")
 
 
 def reference(q, rows, causal, window, scale):

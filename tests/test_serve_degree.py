@@ -162,3 +162,38 @@ def test_gemma3_s_degree_comes_from_its_measured_tables(shipped_profiles_only):
     policy = DegreePolicy(cfg, resolve_config("gemma3-270m"), 2, 2, "split", 1, "auto", 2)
     assert policy.choose(16384).source.startswith("measured:")
     assert policy.choose(2048).source.startswith("cost model:")  # below the tables' 8k: the cost model
+
+
+def test_every_length_is_decided_at_the_start_and_a_request_only_looks_it_up(shipped_profiles_only, monkeypatch):
+    """The server prices each length step up to its max_model_len before it serves: a request of any length runs
+    neither the cost model nor a partition search, nor reads a table."""
+    from types import SimpleNamespace
+
+    from kvrunahead.serve import degree as degree_module
+    from kvrunahead.serve import placement as placement_module
+    from kvrunahead.serve.degree import step_ends
+    from kvrunahead.serve.placement import Placement
+    from kvrunahead.sim.flops import prompt_work
+
+    cfg = RunConfig(threads=1)
+    config = resolve_config(cfg.model)
+    ctx = SimpleNamespace(rank=1, front=1, tp_rank=0, tp=1, world_size=2, solo_threads=2,
+                          layout=SimpleNamespace(windows=()))
+    placement = Placement(ctx, cfg, config, "split", "auto", 1, 2, prompt_work(config), 0, None)
+    placement.decide_up_to(8192)
+    steps = len(step_ends(8192))
+    assert placement.degrees.priced == steps and placement.partitions_chosen == steps
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a request priced its layout")
+
+    for where, name in ((degree_module, "simulate"), (degree_module, "search_partition"),
+                        (placement_module, "choose_partition"), (placement_module, "kvp_predicted_faster")):
+        monkeypatch.setattr(where, name, refused)
+    lengths = (2, 17, 63, 64, 65, 700, 4095, 4097, 6000, 8191, 8192)
+    for n in lengths:
+        seg, placed, _ = placement.prompt(f"r{n}", list(range(n)), None)
+        assert placed.boundaries[-1] == n and placed.degree in (1, 2)
+        if placed.degree == 2:  # the step's shares, cut at this length
+            assert len(placed.boundaries) == 3 and 0 < placed.boundaries[1] < n
+    assert placement.degrees.priced == steps and placement.partitions_chosen == steps

@@ -74,6 +74,7 @@ def test_the_timings_persist_and_another_setting_starts_afresh(tmp_path, caplog)
     path = tmp_path / "learned.json"
     first = LayoutLearner({"model": "a"}, path, NAMES)
     _serve(first, 1024, {1: 1.0, 2: 1.0}, {1: 0.5, 2: 1.0}, 10, random.Random(3))
+    first.flush()  # written on a thread of its own
     again = LayoutLearner({"model": "a"}, path, NAMES)
     assert again.timings() == first.timings() == 10
     assert again.choose(1024, {1: 1.0, 2: 1.0}).basis == "learned"  # no exploration after a restart
@@ -106,6 +107,7 @@ def test_the_policy_follows_its_timings_and_exports_them_as_the_table_pair(shipp
     choice = policy.choose(n)
     assert (choice.degree, choice.basis) == (1, "learned")
     assert "learned: 1 rank 5.000 s" in choice.source and "the prior: cost model" in choice.source
+    policy.learner.flush()
     files = list((tmp_path / "learned").glob("*.json"))  # --learn auto: in the cache folder, named by setting
     assert len(files) == 1 and "smollm2-135m_p2_float32_cpu_split" in files[0].name
 
@@ -223,6 +225,7 @@ def test_a_learned_file_is_checked_on_load_and_what_cannot_serve_is_ignored_with
     assert f"ignored {len(bad) + 1} learned timing(s) that cannot serve" in caplog.text
     assert "[0, -3, 5]" in caplog.text
     learner.learn(5, 1, 0.1, 0.01, (0, 5))  # the next save keeps only what can serve
+    learner.flush()
     saved = json.loads(path.read_text())["buckets"]["5"]
     assert saved["2"] == [good] and len(saved["1"]) == 2 and "7" not in saved
     for garbage in ("[1, 2]", '{"format": 1, "key": {"model": "m"}, "buckets": [1]}', "{", '"x"'):

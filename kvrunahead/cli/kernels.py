@@ -25,6 +25,8 @@ def main(verbose: bool) -> None:
         click.echo(f"kvr-kernels: the CPU attention kernel could not be built: {kernels.why_not_built()}", err=True)
         sys.exit(1)
     click.echo(f"CPU attention kernel: {kernels.isa()} ({kernels.cache_dir()})")
+    for dtype in kernels.DTYPES:
+        click.echo(f"  {dtype:9} prefill rows take the {kernels.path(dtype)} path")
     picks = kernels.auto_choice()
     for dtype, pick in picks.items():
         click.echo(f"  {dtype:9} ours {pick['ours_gflops']:7.1f} GFLOP/s, torch's {pick['torch_gflops']:7.1f} GFLOP/s: "

@@ -9,8 +9,11 @@ Which kernel runs: ``--attention-kernel auto|ours|torch`` on every tool, or ``KV
 it for the ranks they start); it applies to CPU tensors only (a GPU runs torch's flash attention). ``auto``, the
 default, runs the faster on this CPU in each dtype: the first time it is asked (``kvr-kernels``, or a tool's first
 run) ours and torch's are timed on a causal block and a decode step in float32 and bfloat16, and the choice and
-both rates are kept beside the kernel (``choice.json``) and said once. Our kernel has no AMX tile path, so on a
-Xeon with AMX torch's wins in bfloat16; elsewhere ours does.
+both rates are kept beside the kernel (``choice.json``) and said once.
+
+A prefill's rows take the kernel's tile path: Q.K^T and P.V through ATen's batch-reduce GEMM (AMX tiles on a Xeon
+that has them, oneDNN's AVX-512 or AVX2 micro-kernels elsewhere); decode rows take its vector path. ``path(dtype)``
+says which a prefill row takes here.
 """
 
 from __future__ import annotations
@@ -153,8 +156,8 @@ def describe_choice(picks: dict[str, dict]) -> str:
 
 
 def isa() -> str | None:
-    """The instruction set the kernel runs with on this CPU (``avx512bf16``, ``avx512``, ``avx2``, ``portable``),
-    or None where it is not built."""
+    """The instruction set the kernel's vector path runs with on this CPU (``avx512bf16``, ``avx512``, ``avx2``,
+    ``portable``), or None where it is not built."""
     if not build():
         return None
     import torch
@@ -162,9 +165,19 @@ def isa() -> str | None:
     return torch.ops.kvr.isa()
 
 
+def path(dtype="float32") -> str | None:
+    """The path a prefill row takes in ``dtype`` on this CPU: ``amx`` (tiles), ``brgemm`` (oneDNN's AVX-512 or
+    AVX2 micro-kernels), or the vector path's instruction set; None where the kernel is not built."""
+    if not build():
+        return None
+    import torch
+
+    return torch.ops.kvr.path(str(dtype).removeprefix("torch.") == "bfloat16")
+
+
 def describe(device_type: str = "cpu", dtype=None) -> str:
-    """The attention kernel a run on ``device_type`` in ``dtype`` uses, for its report: ``ours (avx512bf16)``,
-    ``torch (auto)``, ``torch (chosen)``, or ``torch (ours could not be built: ...)``."""
+    """The attention kernel a run on ``device_type`` in ``dtype`` uses, for its report: ``ours (amx)``,
+    ``ours (brgemm, avx2)``, ``torch (auto)``, ``torch (chosen)``, or ``torch (ours could not be built: ...)``."""
     if device_type != "cpu":
         return "torch"
     if chosen() == "torch":
@@ -173,4 +186,6 @@ def describe(device_type: str = "cpu", dtype=None) -> str:
         return f"torch (ours could not be built: {why_not_built()})"
     if not ours_on_cpu(dtype):
         return "torch (auto)"
-    return f"ours ({isa()})" + (" (auto)" if chosen() == "auto" else "")
+    way = path(dtype or "float32")
+    how = way if way in ("amx", isa()) else f"{way}, {isa()}"
+    return f"ours ({how})" + (" (auto)" if chosen() == "auto" else "")

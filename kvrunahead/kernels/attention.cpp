@@ -7,15 +7,24 @@
 // materialised. The query heads of one K,V head are attended together, so every K,V load serves all of them (GQA,
 // MQA). Scores, softmax and accumulation are float32; inputs are float32 or bfloat16.
 //
-// The work item is (row, K,V head, block of query positions). Its queries are packed transposed once (Qt), and each
+// Prefill rows (kTileMinPositions query positions or more) take the tile path where it is on: the K,V a call reads
+// are packed once into blocks, and each work item (row, K,V head, up to kTileRows query vectors) multiplies Q.K^T
+// and P.V with ATen's batch-reduce GEMM (cpublas::brgemm: AMX tiles where the CPU has them, oneDNN's AVX-512 or
+// AVX2 micro-kernels elsewhere), its online softmax between them in AVX2.
+//
+// The other rows (decode, a few positions), and every row where the tile path is off, take the vector path: the
+// work item is (row, K,V head, block of query positions). Its queries are packed transposed once (Qt), and each
 // block of keys is scored as S^T[key][query] with the keys broadcast from the cache in place, so the online
 // softmax's maxima and sums run down the columns as plain vector operations. bfloat16 multiplies in pairs with
-// AVX-512-BF16's vdpbf16ps (the probabilities rounded to bfloat16 for P.V, as every bf16 flash kernel does); float32
-// with AVX-512 FMA. Anything else (AVX2 hosts, head sizes not a multiple of 16) runs the portable loop, compiled for
-// AVX2 where the CPU has it. The instruction set is chosen at run time (KVR_ATTENTION_ISA forces one, for tests).
+// AVX-512-BF16's vdpbf16ps (the probabilities rounded to bfloat16 for P.V, as every bf16 flash kernel does, and as
+// the tile path does too); float32 with AVX-512 FMA. AVX2 hosts (and head sizes not a multiple of 16) run the same
+// layout in 8-lane FMA, bfloat16 widened to float32 per block; head sizes not a multiple of 8 run the portable
+// loop. The instruction set is chosen at run time (KVR_ATTENTION_ISA forces one, KVR_ATTENTION_TILES=0|1 the tile
+// path off or on, for tests).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -28,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -241,6 +251,189 @@ template <typename T>
 __attribute__((flatten)) static void portable_item_avx2(const Problem& p, const Item& it) {
   portable_item<T>(p, it);
 }
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 with FMA: the wide path's layout (S^T, the queries as lanes) in 8-lane vectors, any head size a multiple of 8.
+// Every size of item takes it, a decode row's grouped heads too (up to 8 of them fill one vector). bfloat16 blocks
+// are widened to float32 once per block of keys, which every query of the item then reads: the products are
+// float32's.
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __m256 exp2_256(__m256 x) {  // 2^x, about 2 ulp; 2^-inf = 0 (below -126.5 it is 0)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);  // [-0.5, 0.5]
+  __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.339887440266574e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618437357674640e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550332471162809e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.402264791363012e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931472028550421e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.f));
+  // 2^n for n in [-127, 127]: n = -127 gives the bits of 0.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// S^T[j][i] = sum_t K[j][t] Qt[t][i] for R keys and MV vectors of 8 query lanes.
+template <int R, int MV>
+static inline void qk_avx2(const float* const* krow, const float* qt, int64_t ldq, int64_t d, float* s, int64_t lds) {
+  __m256 acc[R][MV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < d; ++t) {
+    __m256 qv[MV];
+    for (int v = 0; v < MV; ++v) qv[v] = _mm256_loadu_ps(qt + t * ldq + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 kb = _mm256_broadcast_ss(krow[r] + t);
+      for (int v = 0; v < MV; ++v) acc[r][v] = _mm256_fmadd_ps(kb, qv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) _mm256_storeu_ps(s + r * lds + 8 * v, acc[r][v]);
+}
+
+// O[i][c] += sum_j P^T[j][i] V[j][c] for R query rows, NC vectors of 8 columns from column c0.
+template <int R, int NC>
+static inline void pv_avx2(const float* pt, int64_t ldp, const float* const* vrow, int64_t nk, float* o, int64_t ldo,
+                           int64_t c0) {
+  __m256 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) acc[r][n] = _mm256_loadu_ps(o + r * ldo + c0 + 8 * n);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m256 vv[NC];
+    for (int n = 0; n < NC; ++n) vv[n] = _mm256_loadu_ps(vrow[j] + c0 + 8 * n);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(pt + j * ldp + r);
+      for (int n = 0; n < NC; ++n) acc[r][n] = _mm256_fmadd_ps(pb, vv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NC; ++n) _mm256_storeu_ps(o + r * ldo + c0 + 8 * n, acc[r][n]);
+}
+
+static inline void widen_bf16_rows(const bf16* const* src, int64_t nk, int64_t d, float* dst, const float** rows) {
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t t = 0; t < d; t += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[j] + t));
+      _mm256_storeu_ps(dst + j * d + t, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    rows[j] = dst + j * d;
+  }
+}
+
+template <typename T>
+static void avx2_item(const Problem& p, const Item& it) {
+  constexpr bool BF = std::is_same_v<T, bf16>;
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d, mrows = it.npos * g;
+  const int64_t MP = (mrows + 15) / 16 * 16;  // query lanes, in pairs of vectors
+  const float c = p.scale * kLog2e;
+  thread_local std::vector<float> qt, sbuf, obuf, kwide, vwide, mlq;
+  thread_local std::vector<const T*> krow, vrow;
+  thread_local std::vector<const float*> kf, vf;
+  qt.assign(d * MP, 0.f);
+  sbuf.resize(kBlockKeys * MP);
+  obuf.assign(MP * d, 0.f);
+  mlq.resize(4 * MP);
+  krow.resize(kBlockKeys + 1);
+  vrow.resize(kBlockKeys + 1);
+  kf.resize(kBlockKeys);
+  vf.resize(kBlockKeys);
+  if constexpr (BF) {
+    kwide.resize(kBlockKeys * d);
+    vwide.resize(kBlockKeys * d);
+  }
+  for (int64_t i = 0; i < mrows; ++i) {  // Qt[t][i], pre-scaled into log2 units; lanes past mrows stay zero
+    const T* q = static_cast<const T*>(p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g));
+    for (int64_t t = 0; t < d; ++t) qt[t * MP + i] = load_f(q, t) * c;
+  }
+  float* m = mlq.data();
+  float* l = m + MP;
+  float* qpos_f = m + 2 * MP;
+  float* alpha = m + 3 * MP;
+  for (int64_t i = 0; i < MP; ++i) {
+    qpos_f[i] = static_cast<float>(i < mrows ? i / g : 0);  // relative to qa: exact in float32 below 2^24
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
+  const __m256 neg = _mm256_set1_ps(kNegInf);
+  each_key_block<T>(p, r, it.h, qa, qb, krow.data(), vrow.data(), [&](int64_t ka, int64_t nk) {
+    const float* const* K;
+    const float* const* V;
+    if constexpr (BF) {
+      widen_bf16_rows(krow.data(), nk, d, kwide.data(), kf.data());
+      widen_bf16_rows(vrow.data(), nk, d, vwide.data(), vf.data());
+      K = kf.data();
+      V = vf.data();
+    } else {
+      K = krow.data();
+      V = vrow.data();
+    }
+    float* s = sbuf.data();
+    for (int64_t i0 = 0; i0 < MP; i0 += 16) {
+      int64_t j = 0;
+      for (; j + 4 <= nk; j += 4) qk_avx2<4, 2>(K + j, qt.data() + i0, MP, d, s + j * MP + i0, MP);
+      for (; j < nk; ++j) qk_avx2<1, 2>(K + j, qt.data() + i0, MP, d, s + j * MP + i0, MP);
+    }
+    const bool full = all_visible(p, ka, ka + nk - 1, qa, qb);
+    for (int64_t i0 = 0; i0 < MP; i0 += 8) {
+      __m256 mx = neg;
+      const __m256 qp = _mm256_loadu_ps(qpos_f + i0);
+      for (int64_t j = 0; j < nk; ++j) {
+        __m256 x = _mm256_loadu_ps(s + j * MP + i0);
+        if (!full) {
+          const __m256 kp = _mm256_set1_ps(static_cast<float>(ka + j - qa));
+          __m256 hide = _mm256_setzero_ps();
+          if (p.causal) hide = _mm256_or_ps(hide, _mm256_cmp_ps(kp, qp, _CMP_GT_OQ));
+          if (p.window > 0)
+            hide = _mm256_or_ps(hide, _mm256_cmp_ps(kp, _mm256_sub_ps(qp, _mm256_set1_ps(static_cast<float>(p.window))),
+                                                    _CMP_LE_OQ));
+          x = _mm256_blendv_ps(x, neg, hide);
+          _mm256_storeu_ps(s + j * MP + i0, x);
+        }
+        mx = _mm256_max_ps(mx, x);
+      }
+      const __m256 mold = _mm256_loadu_ps(m + i0);
+      const __m256 mnew = _mm256_max_ps(mold, mx);
+      const __m256 base = _mm256_blendv_ps(mnew, _mm256_setzero_ps(), _mm256_cmp_ps(mnew, neg, _CMP_EQ_OQ));
+      const __m256 a = exp2_256(_mm256_sub_ps(mold, base));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m256 e = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j * MP + i0), base));
+        _mm256_storeu_ps(s + j * MP + i0, e);  // S^T becomes P^T in place
+        sum = _mm256_add_ps(sum, e);
+      }
+      _mm256_storeu_ps(alpha + i0, a);
+      _mm256_storeu_ps(m + i0, mnew);
+      _mm256_storeu_ps(l + i0, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(l + i0), a), sum));
+    }
+    for (int64_t i = 0; i < mrows; ++i) {
+      if (alpha[i] != 1.f) {
+        const __m256 a = _mm256_set1_ps(alpha[i]);
+        for (int64_t t = 0; t < d; t += 8)
+          _mm256_storeu_ps(obuf.data() + i * d + t, _mm256_mul_ps(a, _mm256_loadu_ps(obuf.data() + i * d + t)));
+      }
+    }
+    // O += P V, 16 columns and 6 rows (12 accumulators) at a time; a last 8 columns 12 rows at a time.
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+      int64_t i = 0;
+      if (d - c0 >= 16) {
+        for (; i + 6 <= mrows; i += 6) pv_avx2<6, 2>(s + i, MP, V, nk, obuf.data() + i * d, d, c0);
+        for (; i < mrows; ++i) pv_avx2<1, 2>(s + i, MP, V, nk, obuf.data() + i * d, d, c0);
+      } else {
+        for (; i + 12 <= mrows; i += 12) pv_avx2<12, 1>(s + i, MP, V, nk, obuf.data() + i * d, d, c0);
+        for (; i < mrows; ++i) pv_avx2<1, 1>(s + i, MP, V, nk, obuf.data() + i * d, d, c0);
+      }
+    }
+  });
+  write_result(p, it, obuf.data(), d, m, l);
+}
+
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -733,6 +926,202 @@ static void avx512_dispatch(const Problem& p, const Item& it) {
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------------------------
+// The tile path, for rows of at least kTileMinPositions query positions (prefill): Q.K^T and P.V are ATen's
+// batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's micro-kernels): AMX tiles where the CPU has them, its
+// AVX-512 or AVX2 kernels elsewhere. The keys and values a call reads are packed once per call, in blocks of
+// kBlockKeys aligned to their piece (K^T and V; bfloat16 in VNNI pairs where the CPU packs), and every work item
+// of that K,V head reads the packed blocks. A work item is up to kTileRows query vectors; its block of scores is a
+// plain [query][key] row each, masked by position as a range of keys.
+
+constexpr int kTileRows = 256;         // query vectors per work item on the tile path
+constexpr int kTileMinPositions = 16;  // a row with fewer query positions runs the vector path
+
+struct Packed {  // one K,V head's keys and values as the tile path reads them, in blocks of kBlockKeys per piece
+  bool vnni = false;
+  int64_t h = -1;  // the K,V head packed
+  std::vector<int64_t> first;  // per piece: the index of its first block, or -1 when no tile row reads it
+  std::vector<int64_t> blocks;  // per piece: its number of blocks
+  at::Tensor k, v;  // [count, kBlockKeys * d] of the input dtype, zero past a piece's last key
+  int64_t block_elems = 0;
+  const void* kblock(int64_t pi, int64_t bi) const {
+    return static_cast<const char*>(k.data_ptr()) + (first[pi] + bi) * block_elems * k.element_size();
+  }
+  const void* vblock(int64_t pi, int64_t bi) const {
+    return static_cast<const char*>(v.data_ptr()) + (first[pi] + bi) * block_elems * v.element_size();
+  }
+};
+
+// K^T [t][j] (or [t/2][j][2] in pairs) and V [j][c] (or [j/2][c][2]) of one block of nk keys.
+template <typename T>
+static void pack_block(const Strided& K, const Strided& V, int64_t b, int64_t h, int64_t j0, int64_t nk, int64_t d,
+                       bool vnni, T* kt, T* vb) {
+  constexpr int64_t N = kBlockKeys;
+  std::memset(kt, 0, sizeof(T) * N * d);
+  std::memset(vb, 0, sizeof(T) * N * d);
+  for (int64_t j = 0; j < nk; ++j) {
+    const T* kr = static_cast<const T*>(K.at(b, h, j0 + j));
+    const T* vr = static_cast<const T*>(V.at(b, h, j0 + j));
+    if (vnni) {
+      for (int64_t t = 0; t < d; ++t) kt[((t >> 1) * N + j) * 2 + (t & 1)] = kr[t];
+      for (int64_t c = 0; c < d; ++c) vb[((j >> 1) * d + c) * 2 + (j & 1)] = vr[c];
+    } else {
+      for (int64_t t = 0; t < d; ++t) kt[t * N + j] = kr[t];
+      std::memcpy(vb + j * d, vr, sizeof(T) * d);
+    }
+  }
+}
+
+// Head h's blocks of every piece a tile row reads, packed in parallel into pk (its buffers kept for the next head).
+template <typename T>
+static void pack_head(const Problem& p, const std::vector<bool>& tile_row, int64_t h, Packed& pk) {
+  if (pk.first.empty()) {  // the first head: which pieces, how many blocks, the buffers
+    pk.vnni = std::is_same_v<T, bf16> && at::native::cpublas::could_pack(at::kBFloat16);
+    pk.first.assign(p.pieces.size(), -1);
+    pk.blocks.assign(p.pieces.size(), 0);
+    pk.block_elems = kBlockKeys * p.d;
+    int64_t count = 0;
+    for (size_t r = 0; r < p.rows.size(); ++r) {
+      if (!tile_row[r]) continue;
+      for (int64_t pi = p.rows[r].piece_lo; pi < p.rows[r].piece_hi; ++pi) {
+        if (pk.first[pi] >= 0) continue;
+        const Piece& pc = p.pieces[pi];
+        pk.blocks[pi] = (pc.k_hi - pc.k_lo + kBlockKeys - 1) / kBlockKeys;
+        pk.first[pi] = count;
+        count += pk.blocks[pi];
+      }
+    }
+    const auto dtype = std::is_same_v<T, bf16> ? at::kBFloat16 : at::kFloat;
+    pk.k = at::empty({count, pk.block_elems}, at::TensorOptions().dtype(dtype));
+    pk.v = at::empty({count, pk.block_elems}, at::TensorOptions().dtype(dtype));
+  }
+  pk.h = h;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (piece, block)
+  for (size_t pi = 0; pi < p.pieces.size(); ++pi)
+    for (int64_t bi = 0; pk.first[pi] >= 0 && bi < pk.blocks[pi]; ++bi) tasks.emplace_back(pi, bi);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const auto [pi, bi] = tasks[i];
+      const Piece& pc = p.pieces[pi];
+      const int64_t j0 = pc.k_lo + bi * kBlockKeys;
+      pack_block<T>(p.k[pc.t], p.v[pc.t], pc.b, h, j0, std::min<int64_t>(kBlockKeys, pc.k_hi - j0), p.d, pk.vnni,
+                    static_cast<T*>(const_cast<void*>(pk.kblock(pi, bi))),
+                    static_cast<T*>(const_cast<void*>(pk.vblock(pi, bi))));
+    }
+  });
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// Eight float32 probabilities to bfloat16 (round to nearest even; they are finite).
+static inline void store_bf16x8(bf16* dst, __m256 x) {
+  __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+template <typename T>
+static void tiles_item(const Problem& p, const Packed& pk, const Item& it) {
+  using Elem = std::conditional_t<std::is_same_v<T, bf16>, at::BFloat16, float>;
+  constexpr int64_t N = kBlockKeys;
+  const Row& r = p.rows[it.row];
+  const int64_t g = p.group, d = p.d, mrows = it.npos * g;
+  const float c = p.scale * kLog2e;
+  thread_local std::vector<T> qbuf, pbuf;
+  thread_local std::vector<float> sbuf, obuf, ml;
+  qbuf.resize(mrows * d);
+  pbuf.resize(mrows * N);
+  sbuf.resize(mrows * N);
+  obuf.assign(mrows * d, 0.f);
+  ml.resize(3 * mrows);
+  float* m = ml.data();
+  float* l = m + mrows;
+  float* alpha = m + 2 * mrows;
+  for (int64_t i = 0; i < mrows; ++i) {  // Q rows in the item's order: position-major, the group's heads within
+    const T* q = static_cast<const T*>(p.q.at(r.b, it.h * g + i % g, r.q_lo + it.i0 + i / g));
+    std::memcpy(qbuf.data() + i * d, q, sizeof(T) * d);
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  const int64_t qa = r.q_pos + it.i0, qb = qa + it.npos - 1;
+  const __m256 neg = _mm256_set1_ps(kNegInf);
+  const __m256 cv = _mm256_set1_ps(c);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
+    const Piece& pc = p.pieces[pi];
+    int64_t lo, hi;
+    visible_span(p, pc, qa, qb, &lo, &hi);
+    if (lo >= hi) continue;
+    for (int64_t bi = (lo - pc.k_lo) / N; pc.k_lo + bi * N < hi; ++bi) {
+      const int64_t j0 = pc.k_lo + bi * N, nk = std::min<int64_t>(N, pc.k_hi - j0);
+      const int64_t ka = pc.k_pos + (j0 - pc.k_lo);  // the block's first key position
+      at::native::cpublas::brgemm(mrows, N, d, d, N, N, false, reinterpret_cast<const Elem*>(qbuf.data()),
+                                  static_cast<const Elem*>(pk.kblock(pi, bi)), sbuf.data(), pk.vnni);
+      for (int64_t i = 0; i < mrows; ++i) {
+        const int64_t qpos = qa + i / g;
+        // The keys this query sees are the range [jlo, jhi) of the block.
+        int64_t jlo = 0, jhi = nk;
+        if (p.causal) jhi = std::min<int64_t>(jhi, qpos - ka + 1);
+        if (p.window > 0) jlo = std::max<int64_t>(0, qpos - p.window + 1 - ka);
+        float* s = sbuf.data() + i * N;
+        T* prow = pbuf.data() + i * N;
+        const __m256i vlo = _mm256_set1_epi32(static_cast<int>(std::max<int64_t>(jlo, -1)));
+        const __m256i vhi = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(jhi, -1, N)));
+        __m256 mx = neg;
+        for (int64_t j = 0; j < N; j += 8) {
+          const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(j)));
+          const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(vlo, idx), _mm256_cmpgt_epi32(vhi, idx));
+          const __m256 x = _mm256_blendv_ps(neg, _mm256_mul_ps(_mm256_loadu_ps(s + j), cv), _mm256_castsi256_ps(in));
+          _mm256_storeu_ps(s + j, x);
+          mx = _mm256_max_ps(mx, x);
+        }
+        float mxs[8];
+        _mm256_storeu_ps(mxs, mx);
+        float rowmax = kNegInf;
+        for (float x : mxs) rowmax = std::max(rowmax, x);
+        const float mnew = std::max(m[i], rowmax);
+        if (mnew == kNegInf) {  // nothing visible yet: the row's probabilities are 0
+          std::memset(prow, 0, sizeof(T) * N);
+          alpha[i] = 1.f;
+          continue;
+        }
+        const __m256 base = _mm256_set1_ps(mnew);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < N; j += 8) {
+          const __m256 e = exp2_256(_mm256_sub_ps(_mm256_loadu_ps(s + j), base));
+          sum = _mm256_add_ps(sum, e);
+          if constexpr (std::is_same_v<T, bf16>) {
+            store_bf16x8(prow + j, e);
+          } else {
+            _mm256_storeu_ps(prow + j, e);
+          }
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, sum);
+        float total = 0.f;
+        for (float x : sums) total += x;
+        alpha[i] = std::exp2(m[i] - mnew);
+        l[i] = l[i] * alpha[i] + total;
+        m[i] = mnew;
+      }
+      for (int64_t i = 0; i < mrows; ++i) {
+        if (alpha[i] == 1.f) continue;
+        const __m256 a = _mm256_set1_ps(alpha[i]);
+        float* o = obuf.data() + i * d;
+        for (int64_t t = 0; t < d; t += 8) _mm256_storeu_ps(o + t, _mm256_mul_ps(a, _mm256_loadu_ps(o + t)));
+      }
+      at::native::cpublas::brgemm(mrows, d, N, N, d, d, true, reinterpret_cast<const Elem*>(pbuf.data()),
+                                  static_cast<const Elem*>(pk.vblock(pi, bi)), obuf.data(), pk.vnni);
+    }
+  }
+  write_result(p, it, obuf.data(), d, m, l);
+}
+
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------------------
 
 enum class Isa { portable, avx2, avx512, avx512bf16 };
 
@@ -775,16 +1164,48 @@ using ItemFn = void (*)(const Problem&, const Item&);
 static ItemFn pick(const Problem& p, Isa isa) {
   // The vector paths hold at most kTargetRows query vectors (a block of one position carries the whole group).
   const bool fits = p.d % 16 == 0 && p.group <= kTargetRows;
+  const bool fits_avx2 = p.d % 8 == 0 && p.group <= kTargetRows;
   if (p.bf16_in) {
     if (isa == Isa::avx512bf16 && fits) return avx512_dispatch<bf16>;
+    if (isa >= Isa::avx2 && fits_avx2) return avx2_item<bf16>;
     return isa >= Isa::avx2 ? portable_item_avx2<bf16> : portable_item<bf16>;
   }
   if (isa >= Isa::avx512 && fits) return avx512_dispatch<float>;
+  if (isa >= Isa::avx2 && fits_avx2) return avx2_item<float>;
   return isa >= Isa::avx2 ? portable_item_avx2<float> : portable_item<float>;
+}
+
+// The tile path: KVR_ATTENTION_TILES=1 or 0 forces it on or off for both dtypes. By default float32 takes it
+// (oneDNN's float32 micro-kernels run at the GEMM rate on AVX2 and up), and bfloat16 where the CPU has AMX tiles
+// (cpublas::could_pack) or no bfloat16 vector path of ours (AVX2 hosts, which widen it); an AVX-512-BF16 host
+// without AMX keeps its vdpbf16ps path for bfloat16. The tile path needs AVX2 and a head size that is a multiple
+// of 8.
+static bool tiles_wanted(bool bf16_in) {
+  const char* want = std::getenv("KVR_ATTENTION_TILES");
+  if (want && *want) {
+    const std::string w(want);
+    TORCH_CHECK(w == "0" || w == "1", "KVR_ATTENTION_TILES=", w, " is neither 0 nor 1");
+    return w == "1";
+  }
+  if (!bf16_in) return true;
+  return at::native::cpublas::could_pack(at::kBFloat16) || chosen_isa() < Isa::avx512bf16;
+}
+
+static bool tiles_on(const Problem& p) {
+  return chosen_isa() >= Isa::avx2 && p.d % 8 == 0 && tiles_wanted(p.bf16_in);
 }
 
 std::string isa() {
   return isa_name(chosen_isa());
+}
+
+// The path a prefill row (kTileMinPositions positions or more, head size a multiple of 8) takes in this dtype:
+// "amx" (tiles), "brgemm" (oneDNN's AVX-512 or AVX2 micro-kernels), or the vector path's instruction set.
+std::string path(bool bfloat16) {
+  const Isa i = chosen_isa();
+  if (i >= Isa::avx2 && tiles_wanted(bfloat16))
+    return bfloat16 && at::native::cpublas::could_pack(at::kBFloat16) ? "amx" : "brgemm";
+  return isa_name(i);
 }
 
 static Strided strided(const at::Tensor& t, const char* what) {
@@ -864,9 +1285,17 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, at::TensorList
   p.lse_sb = p.heads * n;
   p.lse_n = n;
 
-  const int64_t block = std::max<int64_t>(1, kTargetRows / p.group);
+  // Rows of kTileMinPositions or more positions take the tile path where it is on; the rest the vector path.
+  const bool tiles = tiles_on(p);
+  std::vector<bool> tile_row(p.rows.size(), false);
+  bool any_tiles = false;
+  for (size_t r = 0; r < p.rows.size(); ++r) {
+    tile_row[r] = tiles && p.rows[r].q_hi - p.rows[r].q_lo >= kTileMinPositions;
+    any_tiles = any_tiles || tile_row[r];
+  }
   std::vector<Item> items;
   for (int64_t r = 0; r < static_cast<int64_t>(p.rows.size()); ++r) {
+    const int64_t block = std::max<int64_t>(1, (tile_row[r] ? kTileRows : kTargetRows) / p.group);
     const int64_t len = p.rows[r].q_hi - p.rows[r].q_lo;
     for (int64_t i0 = 0; i0 < len; i0 += block)
       for (int64_t h = 0; h < p.kv_heads; ++h) items.push_back(Item{r, h, i0, std::min(block, len - i0)});
@@ -874,15 +1303,37 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, at::TensorList
   // Causal blocks late in a row see the most keys: hand the heaviest out first, pulled by whichever thread is free.
   std::reverse(items.begin(), items.end());
   const ItemFn fn = pick(p, chosen_isa());
-  std::atomic<int64_t> next{0};
-  const int64_t count = static_cast<int64_t>(items.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
-  if (threads <= 1) {
-    for (const Item& it : items) fn(p, it);
-  } else {
+  // Items pulled by whichever thread is free, over one range of them at a time.
+  const auto run_all = [&](const std::vector<Item>& todo, auto&& run) {
+    std::atomic<int64_t> next{0};
+    const int64_t count = static_cast<int64_t>(todo.size());
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+    if (threads <= 1) {
+      for (const Item& it : todo) run(it);
+      return;
+    }
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t i = next++; i < count; i = next++) fn(p, items[i]);
+      for (int64_t i = next++; i < count; i = next++) run(todo[i]);
+      if (any_tiles) at::native::cpublas::brgemm_release(true);
     });
+  };
+  std::vector<Item> vector_items;
+  std::vector<std::vector<Item>> tile_items(p.kv_heads);  // the tile path packs one K,V head at a time
+  for (const Item& it : items) (tile_row[it.row] ? tile_items[it.h] : vector_items).push_back(it);
+  run_all(vector_items, [&](const Item& it) { fn(p, it); });
+  if (any_tiles) {
+    Packed packed;
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      if (tile_items[h].empty()) continue;
+      if (p.bf16_in) {
+        pack_head<bf16>(p, tile_row, h, packed);
+        run_all(tile_items[h], [&](const Item& it) { tiles_item<bf16>(p, packed, it); });
+      } else {
+        pack_head<float>(p, tile_row, h, packed);
+        run_all(tile_items[h], [&](const Item& it) { tiles_item<float>(p, packed, it); });
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
   }
   return {out, lse};
 }
@@ -893,6 +1344,7 @@ TORCH_LIBRARY(kvr, m) {
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor rows, Tensor pieces, bool causal, int window, "
         "float scale, bool out_float) -> (Tensor, Tensor)");
   m.def("isa() -> str", &kvr::isa);
+  m.def("path(bool bfloat16) -> str", &kvr::path);
 }
 
 TORCH_LIBRARY_IMPL(kvr, CPU, m) {

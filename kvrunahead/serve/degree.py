@@ -97,13 +97,33 @@ def learned_folder() -> Path:
     return cache_root() / "learned"
 
 
-STEP_TOKENS = 64  # lengths within one step share their choice: pricing a length costs the front milliseconds
+# Lengths within one step share their choice (priced at the step's end): 64 tokens up to 4096, then 256 up to
+# 16384, then 1024, so a step is never more than about 6% of its length and a server of 32k prices 128 of them.
+STEPS = ((4096, 64), (16384, 256), (None, 1024))
+
+
+def step_end(n: int) -> int:
+    """The end of the length step ``n`` falls in."""
+    for limit, step in STEPS:
+        if limit is None or n <= limit:
+            return -(-n // step) * step
+    raise AssertionError("the last step has no limit")
+
+
+def step_ends(max_len: int) -> list[int]:
+    """Every step's end up to the step of ``max_len``."""
+    ends, n = [], 1
+    while not ends or ends[-1] < max_len:
+        ends.append(step_end(n))
+        n = ends[-1] + 1
+    return ends
 
 
 class DegreePolicy:
-    """The degree per prompt length, decided once per ``STEP_TOKENS`` of length (priced at the step's end) and
-    remembered: traffic rarely repeats a length exactly, and each new price runs the cost model on the front before
-    the prefill."""
+    """The degree per prompt length, decided once per step of length (``step_end``: priced at the step's end) and
+    remembered: traffic rarely repeats a length exactly, and each price runs the cost model or reads the tables.
+    The server prices every step up to its ``max_model_len`` at its start (``decide_up_to``), so a request's own
+    choice is a look-up (and the learned layout's correction of it, serve/learning.py)."""
 
     def __init__(self, cfg: RunConfig, config, world_size: int, local_world_size: int, attention: str,
                  threads: int, degree: str = "auto", solo_threads: int | None = None,
@@ -115,8 +135,20 @@ class DegreePolicy:
         self.local_world_size, self.attention, self.threads = local_world_size, attention, threads
         self.solo_threads = solo_threads or threads
         self.forced = parse_degree(degree, world_size)
-        self._decide = lru_cache(maxsize=4096)(self._measured_or_predicted)
+        self._decide = lru_cache(maxsize=None)(self._measured_or_predicted)
         self._costs: dict[int, tuple[CostModel | None, str]] = {}  # threads -> the cost model and its profile
+        self.priced = 0  # steps priced (tables read or the cost model run): at the start, not per request
+
+    def decide_up_to(self, max_len: int) -> int:
+        """Price every step up to ``max_len`` tokens now (the server's start), so that no request runs the cost
+        model or reads a table: a request looks its step's choice up. Returns the steps priced."""
+        if self.p == 1 or self.forced is not None:
+            return 0
+        before = self.priced
+        for edge in step_ends(max_len):
+            if edge >= self.p:
+                self._decide(edge)
+        return self.priced - before
 
     def choose(self, n: int, explore: bool = True) -> DegreeChoice:
         """The degree for ``n`` tokens; ``explore``: False where the prefill will not be timed (packed, after a
@@ -148,7 +180,7 @@ class DegreePolicy:
 
     def _prior(self, n: int) -> DegreeChoice:
         """The tables' or the cost model's choice for ``n`` tokens, priced at the end of its 64-token step."""
-        return self._decide(-(-n // STEP_TOKENS) * STEP_TOKENS)
+        return self._decide(step_end(n))
 
     @staticmethod
     def _prices(prior: DegreeChoice, n: int) -> dict[int, float]:
@@ -157,6 +189,7 @@ class DegreePolicy:
         return {d: s * n / prior.priced_at for d, s in prior.prices} if prior.priced_at else {}
 
     def _measured_or_predicted(self, n: int) -> DegreeChoice:
+        self.priced += 1
         measured, unmeasured = self._from_tables(n)
         if measured is not None:
             return measured

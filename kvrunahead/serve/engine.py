@@ -101,6 +101,8 @@ class Engine:
         folder = RecoveryDir.for_front(self.is_front, world.tp, world.world_size)  # None: no worker is brought back
         self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, Held(
             self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish))
+        if self.is_front:  # every length's layout decided now, not while a request waits
+            self.placement.decide_up_to(self.max_model_len)
         warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -390,6 +392,8 @@ class Engine:
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False
         self.error = self.error or "shut down"
+        if self.placement.degrees.learner is not None:
+            self.placement.degrees.learner.flush()
 
 
 def _drained(inbox: queue.SimpleQueue) -> list:

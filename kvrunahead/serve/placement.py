@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from kvrunahead.config import RunConfig
@@ -31,7 +32,7 @@ from kvrunahead.modes.packing import EDGE_SLACK, cuts_after_cached, packed_cuts
 from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
 from kvrunahead.serve import learning
 from kvrunahead.serve.config import EngineConfig
-from kvrunahead.serve.degree import DegreeChoice, DegreePolicy, layout_learner
+from kvrunahead.serve.degree import DegreeChoice, DegreePolicy, layout_learner, step_end, step_ends
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.serve.step import workers
@@ -135,10 +136,11 @@ class Placement:
         # over a TP group each rank keeps its own heads of every entry, the front's changes replayed by its peers
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
+        self.partitions_chosen = 0  # partitions chosen by policy.choose_partition: at the start, not per request
         self._learned: dict[int, tuple] = {}  # prompt length -> (the rates it was balanced at, (partition, source))
         cost = layer_cost(model_config)
         self.rank_work = lambda prefix, tokens: cost.rank_flops(prefix, tokens, attention)  # partition.Work
-        self._kvp: dict[int, bool] = {}  # prompt length -> whether --decode auto decodes it KV-cache parallel
+        self._kvp: dict[int, bool] = {}  # length step -> whether --decode auto decodes it KV-cache parallel
         self.kvp_possible = why_not_kvp(model_config) is None
 
     def cacheable(self, rope) -> bool:
@@ -167,15 +169,16 @@ class Placement:
                         "no prefill: the prefix cache kept its first-token logits", len(ids))
         return placed, PrefillOutcome(entry.logits, cache, shared=True)
 
-    def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None
+    def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None, explore: bool = True
                ) -> tuple[Prompt, Placed, list | None]:
         """Where one prompt's prefill runs, as a segment: its new tokens only where the prefix cache holds its
         start (the held K,V, per layer, for the front), else on one rank or over the chain as the degree policy
-        says. A prompt scored (``score``, plans.Scorable) prefills whole: a cached position has no logits."""
+        says. A prompt scored (``score``, plans.Scorable) prefills whole: a cached position has no logits.
+        ``explore``: False where decodes wait behind the prefill (the learned layout tries no other then)."""
         cached, entry = self.prefixes.longest(ids) if self.cacheable(rope) and score is None else (0, None)
         if entry is not None:
             return self._after_cached(request_id, ids, cached, entry)
-        choice = self.degrees.choose(len(ids))
+        choice = self.degrees.choose(len(ids), explore)
         cut = choice.degree > 1 and (self.peer is not None or self.pipeline is None or score is not None)
         if cut:  # the chain's or the peer's partition of this very prompt, else the prompt runs on one rank
             try:
@@ -250,12 +253,13 @@ class Placement:
             return self.run.decode == "kvp"
         if self.ctx.tp > 1:  # the cost model prices KVP's step on ranks that hold the whole model: asked, not chosen
             return False
-        if n not in self._kvp:
+        edge = step_end(n)  # decided once per length step, at its end (decide_up_to: at the start)
+        if edge not in self._kvp:
             chain, _ = self.degrees.cost_model(self.degrees.threads)
             solo, _ = self.degrees.cost_model(self.degrees.solo_threads)
-            self._kvp[n] = (self.kvp_possible and chain is not None and solo is not None
-                            and kvp_predicted_faster(chain, solo, n, self.ctx.world_size))
-        return self._kvp[n]
+            self._kvp[edge] = (self.kvp_possible and chain is not None and solo is not None
+                               and kvp_predicted_faster(chain, solo, edge, self.ctx.world_size))
+        return self._kvp[edge]
 
     def _after_cached(self, request_id: str, ids: list[int], cached: int, entry: CachedPrompt
                       ) -> tuple[Prompt, Placed, list]:
@@ -368,11 +372,52 @@ class Placement:
         return self._learned_partition(n) or self._chosen_partition(n)
 
     def _chosen_partition(self, n: int):
+        """``n`` tokens' partition as chosen (policy.choose_partition). Where it is ``auto`` or a table's, the choice
+        is made once per length step (degree.step_end), at the step's end (a file read or a search, at the start:
+        ``decide_up_to``), and ``n`` takes that partition's shares."""
         if n not in self._partitions:
-            try:
-                partition, source, _ = choose_partition(self.run, self.model_config, n, self.ctx.world_size,
-                                                        self.attention, self.local_world_size)
-            except (PartitionError, TableError) as e:
-                raise InputError(str(e)) from None
-            self._partitions[n] = partition, source
+            edge = step_end(n)
+            stepped = self.run.table or self.run.partition.strip() in ("auto", "table")
+            if not stepped or edge == n:
+                self._partitions[n] = self._choose(n)
+            else:
+                base, source = self._chosen_partition(edge)
+                sizes = [b - a for a, b in zip(base.boundaries, base.boundaries[1:])]
+                try:
+                    self._partitions[n] = Partition.from_ratios(sizes, n), f"{source}; its shares at {edge} tokens"
+                except PartitionError as e:
+                    raise InputError(str(e)) from None
         return self._partitions[n]
+
+    def _choose(self, n: int):
+        self.partitions_chosen += 1
+        try:
+            partition, source, _ = choose_partition(self.run, self.model_config, n, self.ctx.world_size,
+                                                    self.attention, self.local_world_size)
+        except (PartitionError, TableError) as e:
+            raise InputError(str(e)) from None
+        return partition, source
+
+    def decide_up_to(self, max_len: int) -> None:
+        """At the server's start: the chain's partition and the degree of every length step up to ``max_len``
+        tokens, so that no request reads a table, searches a partition or runs the cost model (logged with the
+        seconds it took)."""
+        p = self.ctx.world_size
+        if p == 1 or self.peer is not None:
+            return
+        t0, said = time.perf_counter(), time.perf_counter()
+        edges = step_ends(max_len)
+        for i, edge in enumerate(edges):
+            if edge >= p:
+                try:
+                    self._chosen_partition(edge)
+                except InputError:
+                    pass  # a request of this length is refused or runs alone, as it would have been
+                self.decodes_kvp(edge)
+            if time.perf_counter() - said > 5:
+                log.warning("deciding the layout of each length: %d of %d steps", i + 1, len(edges))
+                said = time.perf_counter()
+        priced = self.degrees.decide_up_to(max_len)
+        log.warning("decided the partition and the degree of %d length steps, up to %d tokens, in %.1f s",
+                    len(edges), max_len, time.perf_counter() - t0)
+        log.debug("%d steps priced", priced)

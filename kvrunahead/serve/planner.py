@@ -70,7 +70,7 @@ class StepPlanner:
                 segments, cuts = planned
         elif prompts:
             seq = prompts[0]
-            planned, refused = self._guarded(prompts, lambda: self._segment(seq, step.chunk_end),
+            planned, refused = self._guarded(prompts, lambda: self._segment(seq, step.chunk_end, not step.decodes),
                                              None if seq.prefilled else lambda why: self._alone(seq, why))
             if planned is not None:
                 seg, held = planned
@@ -132,14 +132,15 @@ class StepPlanner:
         seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
         return (asking.with_questions(seg, request) if request.questions else seg), None
 
-    def _segment(self, seq: Sequence, chunk_end: int | None) -> tuple[Prompt, list | None]:
+    def _segment(self, seq: Sequence, chunk_end: int | None, explore: bool = True) -> tuple[Prompt, list | None]:
         """The prefill's segment: the whole prompt where the scheduler did not chunk it (placed by the prefix cache
-        and the degree policy; a context carries its questions), else its next chunk, up to ``chunk_end``."""
+        and the degree policy, which explores no other layout while decodes wait: ``explore``; a context carries
+        its questions), else its next chunk, up to ``chunk_end``."""
         n, request = seq.prompt_len, seq.request
         if chunk_end is None:
             seq.prefill_start_s = time.monotonic()
             seg, placed, held = self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope,
-                                                      request.params.prompt_logprobs)
+                                                      request.params.prompt_logprobs, explore)
             seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
             return (asking.with_questions(seg, request) if request.questions else seg), held
         done = seq.prefilled

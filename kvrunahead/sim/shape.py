@@ -84,9 +84,20 @@ class ModelShape:
         return asdict(self)
 
 
+_SHAPES: dict[tuple[str, str, str], ModelShape] = {}
+
+
 def shape_from_config(config, dtype: str, name: str = "") -> ModelShape:
     """The shape of a transformers model, with each layer's sliding window (the cost model prices a sliding layer's
-    attention over its window, and its traffic as the window's K,V, for the KV chain)."""
+    attention over its window, and its traffic as the window's K,V, for the KV chain). Built once per config: it
+    instantiates the model on the meta device."""
+    key = (config.to_json_string(), dtype, name)
+    if key not in _SHAPES:
+        _SHAPES[key] = _shape_from_config(config, dtype, name)
+    return _SHAPES[key]
+
+
+def _shape_from_config(config, dtype: str, name: str) -> ModelShape:
     import torch  # here, not at the top: kvr-plan and kvr-search import this module and answer --help torch-free
     from transformers import AutoModelForCausalLM
 
