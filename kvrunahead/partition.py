@@ -155,7 +155,7 @@ def equal_level_sizes(works: list[Callable[[float, float], float]], n: int) -> l
 
     def within(i: int, prefix: float, level: float) -> float:
         lo, hi = 0.0, float(n)
-        for _ in range(60):
+        while hi - lo > 1e-6:  # a millionth of a token: the sizes are rounded to tokens
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if works[i](prefix, mid) <= level else (lo, mid)
         return lo
@@ -171,6 +171,8 @@ def equal_level_sizes(works: list[Callable[[float, float], float]], n: int) -> l
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sum(covered(mid)) < n else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
     sizes = covered(hi)
     return [x * n / sum(sizes) for x in sizes]
 

@@ -16,7 +16,7 @@ from kvrunahead.errors import InputError
 from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.load import resolve_config
 from kvrunahead.ranks.launcher import World
-from kvrunahead.serve.chunking import CORRECTION_CAP, LEARN_CHUNKS, ChunkPlanner, Slack, relative_slack
+from kvrunahead.serve.chunking import ALONE_BUDGETS, CORRECTION_CAP, LEARN_CHUNKS, ChunkPlanner, Slack, relative_slack
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
 from kvrunahead.serve.placement import kvp_predicted_faster
@@ -402,3 +402,40 @@ def test_the_prefix_cache_keeps_a_chunked_caches_positions_without_the_room_for_
     assert k0.untyped_storage().nbytes() == k0.numel() * 4 and v0.untyped_storage().nbytes() == v0.numel() * 4
     assert k1.data_ptr() == stacked[0].data_ptr() and v1.data_ptr() == stacked[1].data_ptr()  # not copied
 
+
+def test_a_prompt_alone_runs_in_chunks_of_growing_length_and_one_beside_others_in_the_budget():
+    """Alone on the server a long prompt's chunk may take as long as its prefill so far, up to ALONE_BUDGETS
+    budgets (fewer chunks, each one's fixed cost paid fewer times; an arrival waits at most that long); beside a
+    decode or a waiting request it is cut to the budget; --chunk-tokens cuts it whatever else runs."""
+    planner = ChunkPlanner(_cost(), 2, "split", prompt_work(resolve_config("smollm2-135m")), 0.5)
+    n = 16384
+    ends, done = [], 0
+    while done < n:
+        alone = Scheduler(8, chunks=planner)
+        if done:
+            alone.resume(_seq("long", n, 0.0, prefilled=done))
+        else:
+            alone.add(_seq("long", n, 0.0))
+        step = alone.schedule(1.0)
+        done = step.chunk_end or n
+        ends.append(done)
+        before = ends[-2] if len(ends) > 1 else 0
+        assert step.budget_s == pytest.approx(min(max(0.5, planner.predict_s(0, before)), ALONE_BUDGETS * 0.5)
+                                              if before else 0.5)
+    budgeted, done = 0, 0
+    while done < n:
+        done, budgeted = planner.end(n, done, 0.5), budgeted + 1
+    assert ends[0] == planner.end(n, 0) and len(ends) < budgeted / 2
+    for other in ("decoding", "waiting"):
+        busy = Scheduler(8, chunks=planner, mixed=True)
+        busy.resume(_seq("long", n, 0.0, prefilled=8000))
+        if other == "decoding":
+            busy.start_decoding(_seq("short", 100, 0.5))
+        else:
+            busy.add(_seq("short", 100, 0.5))
+        step = busy.schedule(1.0)
+        assert [s.request_id for s in step.prefills] == ["long"], other
+        assert step.chunk_end == planner.end(n, 8000) < n, other
+    fixed = Scheduler(8, chunks=dataclasses.replace(planner, fixed=1000))
+    fixed.resume(_seq("long", n, 0.0, prefilled=8000))
+    assert fixed.schedule(1.0).chunk_end == 9000

@@ -170,6 +170,7 @@ def test_every_length_is_decided_at_the_start_and_a_request_only_looks_it_up(shi
     from types import SimpleNamespace
 
     from kvrunahead.serve import degree as degree_module
+    from kvrunahead.serve import partitions as partitions_module
     from kvrunahead.serve import placement as placement_module
     from kvrunahead.serve.degree import step_ends
     from kvrunahead.serve.placement import Placement
@@ -182,13 +183,13 @@ def test_every_length_is_decided_at_the_start_and_a_request_only_looks_it_up(shi
     placement = Placement(ctx, cfg, config, "split", "auto", 1, 2, prompt_work(config), 0, None)
     placement.decide_up_to(8192)
     steps = len(step_ends(8192))
-    assert placement.degrees.priced == steps and placement.partitions_chosen == steps
+    assert placement.degrees.priced == steps and placement.partitions.choices == steps
 
     def refused(*args, **kwargs):
         raise AssertionError("a request priced its layout")
 
     for where, name in ((degree_module, "simulate"), (degree_module, "search_partition"),
-                        (placement_module, "choose_partition"), (placement_module, "kvp_predicted_faster")):
+                        (partitions_module, "choose_partition"), (placement_module, "kvp_predicted_faster")):
         monkeypatch.setattr(where, name, refused)
     lengths = (2, 17, 63, 64, 65, 700, 4095, 4097, 6000, 8191, 8192)
     for n in lengths:
@@ -196,4 +197,4 @@ def test_every_length_is_decided_at_the_start_and_a_request_only_looks_it_up(shi
         assert placed.boundaries[-1] == n and placed.degree in (1, 2)
         if placed.degree == 2:  # the step's shares, cut at this length
             assert len(placed.boundaries) == 3 and 0 < placed.boundaries[1] < n
-    assert placement.degrees.priced == steps and placement.partitions_chosen == steps
+    assert placement.degrees.priced == steps and placement.partitions.choices == steps

@@ -470,3 +470,14 @@ def test_the_plan_over_tp_groups_has_tp_over_every_rank_beside_it():
     assert {"single", "tp x8", "tp x16", "kvr x2 of tp8", "ring x2 of tp8"} <= set(options)
     assert options["kvr x2 of tp8"].ttft_s < options["tp x8"].ttft_s < options["single"].ttft_s
     assert options["tp x8"].weight_bytes < options["single"].weight_bytes / 4
+
+
+@pytest.mark.parametrize("tokens,kept,window", [(1, 0, 4), (4, 0, 4), (5, 0, 4), (9, 3, 4), (12, 2, 4), (13, 0, 4),
+                                                (1000, 63, 64), (1000, 17, 64), (64, 0, 64), (63, 63, 64)])
+def test_a_sliding_layers_price_is_the_sum_over_its_blocks_of_queries(tokens, kept, window):
+    """window_attention_s prices the part's blocks of ``window`` queries in closed form: the same as each block's
+    masked call over the keys its window reaches, summed."""
+    m = unit_model()
+    blocks = sum(m.masked_s(min(a + window, tokens) - a, kept + min(a + window, tokens) - max(0, kept + a - window + 1))
+                 for a in range(0, tokens, window))
+    assert m.window_attention_s("split", tokens, kept, window) == pytest.approx(blocks, rel=1e-12)

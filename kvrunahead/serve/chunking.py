@@ -32,6 +32,7 @@ MIN_CHUNK = 16  # tokens: the shortest chunk; past a few thousand positions a ch
 ROUND = 64  # prompt lengths are priced in steps of this many tokens (a whole prompt's prediction, for LARS)
 LEARN_CHUNKS = 8  # the last chunks whose measured / predicted seconds correct the next predictions
 CORRECTION_CAP = 4.0  # the correction stays within [1 / CAP, CAP] of the model
+ALONE_BUDGETS = 4  # alone on the server a prompt's chunk may run as long as its prefill so far, up to this many budgets
 
 
 def relative_slack(arrival_s: float, target_s: float, remaining_s: float, total_s: float, now: float) -> float:
@@ -90,11 +91,13 @@ class ChunkPlanner:
         return self.predict_s(done, end) * self.correction
 
     def record(self, cuts: tuple[int, ...], seconds: float, budget_s: float, learn: bool = True,
-               beside_s: float = 0.0) -> dict:
+               beside: list[int] = ()) -> dict:
         """What a response reports of one chunk: its positions, cuts, time (its step's, the decode rows beside it
         included), the model's prediction, the correction that sized it, its budget. ``learn``: the step's measured
-        time corrects the next predictions; ``beside_s``: the decode rows' predicted share of it."""
+        time corrects the next predictions; ``beside``: the contexts of the decode rows that shared its step (their
+        predicted share of it is left out of what it teaches)."""
         predicted, correction = self.predict_s(cuts[0], cuts[-1]), self.correction
+        beside_s = self.cost.decode_step_s(list(beside)) if beside else 0.0
         if learn and predicted > 0 and seconds > 0:
             self._ratios.append(seconds / (predicted + beside_s))
         return {"start": cuts[0], "end": cuts[-1], "cuts": list(cuts), "seconds": seconds,

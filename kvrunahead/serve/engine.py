@@ -101,9 +101,7 @@ class Engine:
         folder = RecoveryDir.for_front(self.is_front, world.tp, world.world_size)  # None: no worker is brought back
         self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, Held(
             self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish))
-        if self.is_front:  # every length's layout decided now, not while a request waits
-            self.placement.decide_up_to(self.max_model_len)
-        warm.warm_up(self.placement, self.attention)  # with --compile: the first requests' shape families, now
+        warm.warm_up(self.placement, self.attention, self.max_model_len)  # every length's layout; compiled shapes
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
@@ -248,19 +246,13 @@ class Engine:
         n = seq.prompt_len
         seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, step.budget_s,
                                                      learn=0 < seg.start and seg.end < n,
-                                                     beside_s=self._rows_s(step.decodes)))
+                                                     beside=[s.next_position + 1 for s in step.decodes
+                                                             if self.config.mixed_steps]))
         seq.prefilled = seg.end
         if seg.end < n:
             self.scheduler.resume(seq)
             return False
         return True
-
-    def _rows_s(self, decodes: list[Sequence]) -> float:
-        """The predicted seconds of the decode rows riding along a chunk (left out of what its time teaches the
-        chunk planner)."""
-        if not decodes or self.chunks is None or not self.config.mixed_steps:
-            return 0.0
-        return self.chunks.cost.decode_step_s([s.next_position + 1 for s in decodes])
 
     def _asked(self, seq: Sequence, outcome: StepOutcome) -> list[Event]:
         """A request carrying questions after its step: its context cached, its questions' first tokens taken
@@ -392,8 +384,7 @@ class Engine:
                 log.warning("could not tell the workers to shut down: %s", e)
         self.healthy = False
         self.error = self.error or "shut down"
-        if self.placement.degrees.learner is not None:
-            self.placement.degrees.learner.flush()
+        self.placement.flush()
 
 
 def _drained(inbox: queue.SimpleQueue) -> list:

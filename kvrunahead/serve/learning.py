@@ -41,7 +41,7 @@ MIN_TIMINGS = 3
 KEEP = 12
 REFRESH_EVERY = 10
 REFRESH_WITHIN = 1.10
-RULED_OUT = 1.25  # the prior misses the crossover by 5-11% on a host it was not measured on: a margin past that
+RULED_OUT = 1.5
 FORMAT = 1
 QUANTUM = 8  # a learned partition's boundaries, in tokens
 

@@ -23,16 +23,14 @@ import time
 from dataclasses import dataclass
 
 from kvrunahead.config import RunConfig
-from kvrunahead.decide.policy import choose_partition, plan_stages
-from kvrunahead.decide.tables import TableError
+from kvrunahead.decide.policy import plan_stages
 from kvrunahead.decode.kvp import why_not_kvp
 from kvrunahead.errors import InputError
 from kvrunahead.modes import MODES, check_model
 from kvrunahead.modes.packing import EDGE_SLACK, cuts_after_cached, packed_cuts
-from kvrunahead.partition import Partition, PartitionError, boundaries_at_rates
-from kvrunahead.serve import learning
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.degree import DegreeChoice, DegreePolicy, layout_learner, step_end, step_ends
+from kvrunahead.serve.partitions import ChainPartitions
 from kvrunahead.serve.prefix_cache import CachedPrompt, PrefixCache
 from kvrunahead.serve.sequence import RequestFigures
 from kvrunahead.serve.step import workers
@@ -55,7 +53,6 @@ from kvrunahead.serve.step.plans import (
 )
 from kvrunahead.serve.step.rank import RankContext
 from kvrunahead.sim.costmodel import CostModel
-from kvrunahead.sim.flops import layer_cost
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +132,8 @@ class Placement:
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries, learner)
         # over a TP group each rank keeps its own heads of every entry, the front's changes replayed by its peers
         self.prefixes = PrefixCache(prefix_cache_tokens)
-        self._partitions: dict[int, tuple] = {}  # prompt length -> (partition, where it comes from)
-        self.partitions_chosen = 0  # partitions chosen by policy.choose_partition: at the start, not per request
-        self._learned: dict[int, tuple] = {}  # prompt length -> (the rates it was balanced at, (partition, source))
-        cost = layer_cost(model_config)
-        self.rank_work = lambda prefix, tokens: cost.rank_flops(prefix, tokens, attention)  # partition.Work
+        self.partitions = ChainPartitions(run, model_config, ctx.world_size, local_world_size, attention, ctx.tp,
+                                          learner)
         self._kvp: dict[int, bool] = {}  # length step -> whether --decode auto decodes it KV-cache parallel
         self.kvp_possible = why_not_kvp(model_config) is None
 
@@ -221,28 +215,6 @@ class Placement:
         self.degrees.learn(n, figures.degree, seconds, figures.boundaries,
                            tuple(r["compute_s"] for r in ranks) if chain else ())
 
-    def _learned_partition(self, n: int):
-        learner = self.degrees.learner
-        if learner is None or self.run.partition != "auto" or self.run.table or self.ctx.tp > 1:
-            return None
-        found = learner.rates(n, self.ctx.world_size, self.rank_work)
-        if found is None:
-            return None
-        rates, runs = found
-        if self._learned.get(n, (None,))[0] != tuple(rates):  # the latest KEEP timings: their count stops growing
-            try:  # learned from other lengths of the bucket: valid for this one or not used
-                bounds = boundaries_at_rates(rates, self.rank_work, n, learning.QUANTUM)
-            except ValueError as e:  # a PartitionError among them
-                log.warning("the learned rates %s cannot cut %d tokens (%s): the partition as chosen before", rates,
-                            n, e)
-                self._learned[n] = tuple(rates), None
-                return None
-            _, before = self._chosen_partition(n)
-            source = (f"learned: balanced at the ranks' rates in {runs} served prefill(s) at "
-                      f"{learning.bucket_range(n)} tokens (before: {before})")
-            self._learned[n] = tuple(rates), (Partition(bounds), source)
-        return self._learned[n][1]
-
     def decodes_kvp(self, n: int) -> bool:
         """Whether an ``n``-token prompt prefilled over the chain decodes KV-cache parallel: as ``--decode`` says,
         or with ``auto`` where the cost model predicts its decode step faster so than on the front alone with the
@@ -319,9 +291,8 @@ class Placement:
                                             basis=choice.basis)
 
     def use_partition(self, n: int, partition, source: str) -> None:
-        """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare): used as it is,
-        not chosen a second time."""
-        self._partitions[n] = partition, source
+        """The partition already chosen for ``n`` tokens (a one-shot run's plan, policy.prepare)."""
+        self.partitions.use(n, partition, source)
 
     def use_stages(self, n: int, stages: tuple[int, ...], chunk: int, source: str) -> None:
         """The pipeline already planned for ``n`` tokens (a one-shot run's, policy.prepare)."""
@@ -364,39 +335,13 @@ class Placement:
             else "gathered"
 
     def partition(self, n: int):
-        """The chain's partition for ``n`` tokens: where the server learns (``--learn``) and the partition is
-        ``auto``, the one at which the ranks' rates in the chain prefills it timed at this length's bucket balance
-        their compute (search.balance's criterion, online: the rates come from the served prompts); else as
-        ``kvr-prefill`` would choose it (policy.choose_partition), decided once per length: the table lookup reads
-        files and the cost model searches, neither belongs in every request's step."""
-        return self._learned_partition(n) or self._chosen_partition(n)
+        """The chain's partition for ``n`` tokens and where it comes from (serve/partitions.py)."""
+        return self.partitions.of(n)
 
-    def _chosen_partition(self, n: int):
-        """``n`` tokens' partition as chosen (policy.choose_partition). Where it is ``auto`` or a table's, the choice
-        is made once per length step (degree.step_end), at the step's end (a file read or a search, at the start:
-        ``decide_up_to``), and ``n`` takes that partition's shares."""
-        if n not in self._partitions:
-            edge = step_end(n)
-            stepped = self.run.table or self.run.partition.strip() in ("auto", "table")
-            if not stepped or edge == n:
-                self._partitions[n] = self._choose(n)
-            else:
-                base, source = self._chosen_partition(edge)
-                sizes = [b - a for a, b in zip(base.boundaries, base.boundaries[1:])]
-                try:
-                    self._partitions[n] = Partition.from_ratios(sizes, n), f"{source}; its shares at {edge} tokens"
-                except PartitionError as e:
-                    raise InputError(str(e)) from None
-        return self._partitions[n]
-
-    def _choose(self, n: int):
-        self.partitions_chosen += 1
-        try:
-            partition, source, _ = choose_partition(self.run, self.model_config, n, self.ctx.world_size,
-                                                    self.attention, self.local_world_size)
-        except (PartitionError, TableError) as e:
-            raise InputError(str(e)) from None
-        return partition, source
+    def flush(self) -> None:
+        """Wait until the learned timings are on disk (the server's shutdown)."""
+        if self.degrees.learner is not None:
+            self.degrees.learner.flush()
 
     def decide_up_to(self, max_len: int) -> None:
         """At the server's start: the chain's partition and the degree of every length step up to ``max_len``
@@ -410,7 +355,7 @@ class Placement:
         for i, edge in enumerate(edges):
             if edge >= p:
                 try:
-                    self._chosen_partition(edge)
+                    self.partitions.chosen(edge)
                 except InputError:
                     pass  # a request of this length is refused or runs alone, as it would have been
                 self.decodes_kvp(edge)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrunahead.choices import SCHEDULES
-from kvrunahead.serve.chunking import ChunkPlanner, Slack
+from kvrunahead.serve.chunking import ALONE_BUDGETS, ChunkPlanner, Slack
 from kvrunahead.serve.sequence import QueueFull, Sequence
 
 
@@ -112,7 +112,7 @@ class Scheduler:
     def _sized(self, decodes: list[Sequence], prefills: list[Sequence], now: float) -> Step:
         """The step, its prefill's chunk sized: a prompt whose one-step prefill would overrun the budget (never one
         carrying questions, nor one the prefix cache answers whole) runs its next chunk, the longest expected to
-        fit this chunk's budget."""
+        fit this chunk's budget (``--chunk-tokens``: its chunk)."""
         step = Step(decodes, prefills)
         if self.chunks is None or len(prefills) != 1:
             return step
@@ -121,6 +121,12 @@ class Scheduler:
                                   or self.answered(seq)):
             return step
         step.budget_s = self.chunk_budget(seq, now)
+        if seq.prefilled and not self.chunks.fixed and not (self.running or self.waiting or self.prefilling):
+            # Nothing decodes and nothing waits: the chunk may take as long as the prompt's prefill so far, up to
+            # ALONE_BUDGETS budgets, so a prompt alone runs in fewer, longer chunks (each chunk's fixed cost paid
+            # fewer times) and a request that arrives meanwhile waits at most that long.
+            step.budget_s = max(step.budget_s, min(ALONE_BUDGETS * step.budget_s,
+                                                   self.chunks.predict_s(0, seq.prefilled)))
         step.chunk_end = self.chunks.end(seq.prompt_len, seq.prefilled, step.budget_s)
         return step
 

@@ -1,5 +1,7 @@
-"""The compiled server's warm-up: before ``kvr-serve`` says it is serving, the front runs the shape families its
-first requests would otherwise compile on (model/compiled.py), so no client waits minutes on its first prompt.
+"""The server's warm-up, before ``kvr-serve`` says it is serving: the front decides the layout of every length
+(``Placement.decide_up_to``), so that no request waits on a table read, a partition search or the cost model; and
+with ``--compile`` it runs the shape families its first requests would otherwise compile on (model/compiled.py), so
+no client waits minutes on its first prompt.
 
 Two prompts on the front alone and two over the chain, each pair of different lengths (the second checks that a new
 length does not compile again), through the engine's own step (``workers.tell``, then ``executor.run_step``):
@@ -26,10 +28,13 @@ WARM_UP_TOKENS = 16  # per rank: short, the families are what compiles, not the 
 
 
 @torch.no_grad()
-def warm_up(placement, attention: str) -> None:
-    """Run the warm-up prompts from the front (``placement``: its ``Placement``), logged with their seconds; the
-    workers take part in those over the chain from their ``worker_loop``."""
+def warm_up(placement, attention: str, max_len: int) -> None:
+    """Decide every length's layout up to ``max_len`` tokens and run the warm-up prompts from the front
+    (``placement``: its ``Placement``), logged with their seconds; the workers take part in those over the chain
+    from their ``worker_loop``."""
     ctx = placement.ctx
+    if ctx.rank == ctx.front and ctx.tp_rank == 0:  # the one rank that chooses
+        placement.decide_up_to(max_len)
     if ctx.rank != ctx.front or not is_compiled(ctx.lm.model):
         return
     places = [(1, "on the front")] + ([(ctx.world_size, "over the chain")] if ctx.world_size > 1 else [])

@@ -113,11 +113,17 @@ class CostModel:
         the kept prefix and the part."""
         if attention != "split":
             return self.masked_s(tokens, kept + tokens)
-        total = 0.0
-        for a in range(0, tokens, window):
+        if tokens <= 0:
+            return 0.0
+
+        def block(a: int) -> float:  # the queries [a, a + window) of the part
             e = min(a + window, tokens)
-            total += self.masked_s(e - a, kept + e - max(0, kept + a - window + 1))
-        return total
+            return self.masked_s(e - a, kept + e - max(0, kept + a - window + 1))
+
+        whole = tokens // window  # every whole block after the first costs the same: its window, and one before
+        last = whole * window
+        return (block(0) + max(whole - 1, 0) * block(window)
+                + (block(last) if 0 < last < tokens else 0.0))
 
     def copy_s(self, nbytes: float) -> float:
         return nbytes / self.profile.memory_Bps

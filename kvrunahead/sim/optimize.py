@@ -37,8 +37,12 @@ class ModelSearch:
 
 def balanced_boundaries(model: CostModel, context_len: int, world_size: int, attention: str) -> tuple[int, ...]:
     """Boundaries with equal per-layer compute on every rank (continuous solution, rounded to tokens)."""
-    layers = range(model.layers) if model.shape.sliding else (0,)  # a sliding layer's work is not the others'
-    sizes = equal_work_sizes(lambda prefix, n: sum(model.rank_layer_s(attention, n, prefix, i) for i in layers),
+    # a layer's cost depends on its window alone: one layer of each window, times the layers that have it
+    kinds: dict = {}
+    for i in range(model.layers) if model.shape.sliding else (0,):
+        kinds.setdefault(model.shape.window(i), [i, 0])[1] += 1
+    layers = list(kinds.values())
+    sizes = equal_work_sizes(lambda prefix, n: sum(k * model.rank_layer_s(attention, n, prefix, i) for i, k in layers),
                              context_len, world_size)
     bounds = [0]
     for s in sizes[:-1]:
