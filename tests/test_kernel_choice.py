@@ -73,3 +73,26 @@ def test_without_a_kept_choice_kvr_kernels_times_both_and_keeps_it(cache):
         assert pick["kernel"] == faster and pick["ours_gflops"] > 0 and pick["torch_gflops"] > 0
         assert f"runs {pick['kernel']}" in r.stdout
     assert "attention kernel auto:" in r.stderr  # said once, in the log
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_what_our_attention_hands_to_sdpa_sees_the_last_positions_of_its_keys(window):
+    """The model's attention with our kernel on a dtype the kernel does not take (here float64, as float32 where
+    auto runs torch's): queries that are the last of their keys see every key up to their own position (within
+    the window), as the one-process model's mask says, not the first keys SDPA's causal flag would align them to."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvrunahead.model.attention import cpu_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (3, 7, 7))
+    out, _ = cpu_attention(SimpleNamespace(is_causal=True, num_key_value_groups=1), q, k, v, None, scaling=0.5,
+                           sliding_window=window)
+    scores = (q @ k.transpose(-1, -2)) * 0.5
+    positions = torch.arange(4, 7)[:, None]
+    keys = torch.arange(7)[None, :]
+    seen = (keys <= positions) & ((keys > positions - window) if window else True)
+    want = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-12)

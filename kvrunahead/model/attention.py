@@ -125,8 +125,21 @@ def cpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         out, _ = kernel.block(query, key, value, start, 0, causal=True, window=kwargs.get("sliding_window"),
                               scale=scaling, out_float=False)
         return out, None
+    if attention_mask is None and is_causal is not False and getattr(module, "is_causal", True):
+        # _cpu_mask left the mask out (the queries are the last of the keys): SDPA's own causal flag would align
+        # the queries with the first keys, so the mask is spelled out, the window's too
+        attention_mask = _last_positions_mask(query.shape[2], key.shape[2], kwargs.get("sliding_window"),
+                                              query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def _last_positions_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """Which keys each of the last ``queries`` of ``keys`` positions sees, causal (within ``window``)."""
+    q = torch.arange(keys - queries, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    seen = k <= q
+    return (seen & (k > q - window) if window else seen)[None, None]
 
 
 def _cpu_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,

@@ -252,7 +252,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 
     that pipeline stage's layers (model/stage.py); ``tp``: only this TP rank's shard, its rowwise outputs summed
     by ``collective`` (model/tp.py)."""
     config = extended(resolve_config(name), rope)
-    attn = attention_implementation(config, device)
+    attn = attention_implementation(config, device, dtype)
     if tp is not None:
         builder = ShardBuilder(config, tp)
         if name in PRESETS:  # drawn whole (the same numbers on every rank), then cut
@@ -302,15 +302,16 @@ def _eos(generation_config) -> frozenset[int]:
     return frozenset(eos_id if isinstance(eos_id, list) else [] if eos_id is None else [eos_id])
 
 
-def attention_implementation(config: PretrainedConfig, device: torch.device | None = None) -> str:
+def attention_implementation(config: PretrainedConfig, device: torch.device | None = None, dtype=None) -> str:
     """SDPA, or transformers' eager attention for the classes that refuse SDPA (Gemma 2, for its soft-capping). On
-    a CPU, where our kernel is chosen and built and the model calls attention through transformers' interface, our
-    kernel (model/attention.py's ``cpu_attention``: what it does not take goes to SDPA)."""
+    a CPU, where our kernel is chosen (in ``dtype``; None: in any) and built and the model calls attention through
+    transformers' interface, our kernel (model/attention.py's ``cpu_attention``: what it does not take goes to
+    SDPA)."""
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if not getattr(cls, "_supports_sdpa", True):
         return "eager"
     cpu = device is None or torch.device(device).type == "cpu"
-    if cpu and getattr(cls, "_supports_attention_backend", False) and kernels.ours_on_cpu():
+    if cpu and getattr(cls, "_supports_attention_backend", False) and kernels.ours_on_cpu(dtype):
         return CPU_KERNEL
     return "sdpa"
 
