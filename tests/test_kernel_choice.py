@@ -72,7 +72,15 @@ def test_without_a_kept_choice_kvr_kernels_times_both_and_keeps_it(cache):
         faster = "ours" if pick["ours_gflops"] >= pick["torch_gflops"] else "torch"
         assert pick["kernel"] == faster and pick["ours_gflops"] > 0 and pick["torch_gflops"] > 0
         assert f"runs {pick['kernel']}" in r.stdout
+        assert pick["tiles"] == (pick["tiles_gflops"] > pick["vector_gflops"]) and pick["vector_gflops"] > 0
     assert "attention kernel auto:" in r.stderr  # said once, in the log
+    for dtype, pick in kept.items():  # a process that reads the choice runs the faster path, and says which
+        said = subprocess.run([sys.executable, "-c", "from kvrunahead import kernels; kernels.auto_choice(); "
+                               f"print(kernels.path('{dtype}'), kernels.isa())"], capture_output=True, text=True,
+                              timeout=120, env={**ENV, "KVR_CACHE": str(root)}, cwd=ROOT)
+        path, isa = said.stdout.split()
+        assert (path in ("amx", "brgemm")) == pick["tiles"] and (path == isa) != pick["tiles"], (dtype, pick, path)
+        assert f"{dtype:9} prefill rows take the {path} path" in r.stdout
 
 
 @pytest.mark.parametrize("window", [None, 3])

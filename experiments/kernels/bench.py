@@ -2,8 +2,9 @@
 64), one thread, in interleaved rounds; beside them, the same thread's GEMM rate in each dtype and the memory's read
 bandwidth, which the kernel's rates are stated against.
 
-Cases (each through the path the engine takes with ``--attention-kernel ours`` and with ``torch``; ``vector`` is
-ours with its tile path off, KVR_ATTENTION_TILES=0):
+Cases (each through the path the engine takes with ``--attention-kernel ours`` and with ``torch``; ``tiles`` and
+``vector`` are ours with its tile path on and off, KVR_ATTENTION_TILES=1 and 0; a row's ``path`` names the one
+its prefill rows take by default on this host, the faster as ``kvr-kernels`` timed them):
 - causal prefill of 4k and 16k tokens (a chain rank's or one process's attention: ``split_block``);
 - a chunk of 128 and 512 queries after 8k and 16k keys (the chunked prefill's attention: ``split_block``);
 - decode: 8 rows of 150-1550 keys in one step (the mixed step's rows), and 1 row of 16k keys.
@@ -119,6 +120,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if not kernels.build():
         sys.exit(f"the kernel could not be built: {kernels.why_not_built()}")
+    kernels.auto_choice()  # the path each dtype's prefill rows take by default (timed once per build)
     env = environment("smollm2-135m layer shape", "none", 1, "none")
     base = {**env, "machine": machine(), "isa": kernels.isa(), "threads": 1,
             "path": {dt: kernels.path(dt) for dt in kernels.DTYPES},
@@ -134,11 +136,11 @@ def main() -> None:
                        "gflops": gemm_rate(dtype)})
             for name in names:
                 fn, flops, nbytes = CASES[name](dtype)
-                for which in ("ours", "vector", "torch"):
+                for which in ("tiles", "vector", "torch"):
                     if (rnd, name, dt, which) in seen:
                         continue
                     kernels.set_kernel("torch" if which == "torch" else "ours")
-                    tiles(which != "vector")
+                    os.environ["KVR_ATTENTION_TILES"] = "1" if which == "tiles" else "0"
                     s = median_time(fn, 3 if "16k" in name and "decode" not in name else 5)
                     write({**base, "round": rnd, "case": name, "dtype": dt, "kernel": which, "seconds": s,
                            "gflops": flops / s / 1e9, "gb_per_s": nbytes / s / 1e9 if nbytes else None})
@@ -147,14 +149,6 @@ def main() -> None:
             write({**base, "round": rnd, "case": "bandwidth", "dtype": "float32", "kernel": "-",
                    "gb_per_s": read_bandwidth() / 1e9})
     summarise(env["commit"])
-
-
-def tiles(on: bool) -> None:
-    """Our kernel's default paths, or its vector path alone."""
-    if on:
-        os.environ.pop("KVR_ATTENTION_TILES", None)
-    else:
-        os.environ["KVR_ATTENTION_TILES"] = "0"
 
 
 def write(row: dict) -> None:

@@ -14,10 +14,10 @@ from kvrunahead.cli import common
 @click.option("--verbose", is_flag=True, help="Show the compiler's commands.")
 def main(verbose: bool) -> None:
     """Compile the CPU attention kernel into the cache folder (~/.cache/kvrunahead/kernels, or KVR_CACHE), once per
-    machine and torch version, and print the instruction set it runs with here; time it against torch's
-    attention in float32 and bfloat16 (once per build) and print both rates and what --attention-kernel auto
-    runs. Exit 1 where it cannot be built
-    (the tools then run torch's attention)."""
+    machine and torch version, and print the instruction set it runs with here; time its two paths for prefill
+    rows (the tiles and the vector path) and it against torch's attention in float32 and bfloat16 (once per
+    build), and print the rates, the path it takes and what --attention-kernel auto runs. Exit 1 where it cannot
+    be built (the tools then run torch's attention)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvrunahead import kernels
 
@@ -25,9 +25,12 @@ def main(verbose: bool) -> None:
         click.echo(f"kvr-kernels: the CPU attention kernel could not be built: {kernels.why_not_built()}", err=True)
         sys.exit(1)
     click.echo(f"CPU attention kernel: {kernels.isa()} ({kernels.cache_dir()})")
+    picks = kernels.auto_choice()  # first: it sets the faster of the kernel's paths in each dtype
     for dtype in kernels.DTYPES:
-        click.echo(f"  {dtype:9} prefill rows take the {kernels.path(dtype)} path")
-    picks = kernels.auto_choice()
+        pick = picks.get(dtype, {})
+        timed = (f" (prefill rows: tiles {pick['tiles_gflops']:.1f}, vector path {pick['vector_gflops']:.1f} "
+                 "GFLOP/s)" if "tiles" in pick else "")
+        click.echo(f"  {dtype:9} prefill rows take the {kernels.path(dtype)} path{timed}")
     for dtype, pick in picks.items():
         click.echo(f"  {dtype:9} ours {pick['ours_gflops']:7.1f} GFLOP/s, torch's {pick['torch_gflops']:7.1f} GFLOP/s: "
                    f"--attention-kernel auto runs {pick['kernel']}")

@@ -9,10 +9,13 @@ Which kernel runs: ``--attention-kernel auto|ours|torch`` on every tool, or ``KV
 it for the ranks they start); it applies to CPU tensors only (a GPU runs torch's flash attention). ``auto``, the
 default, runs the faster on this CPU in each dtype: the first time it is asked (``kvr-kernels``, or a tool's first
 run) ours and torch's are timed on a causal block and a decode step in float32 and bfloat16, and the choice and
-both rates are kept beside the kernel (``choice.json``) and said once.
+both rates are kept beside the kernel (``choice.json``) and said once; so is the faster of our kernel's two paths
+for prefill rows, which ``ours`` runs on too (``KVR_ATTENTION_TILES`` and ``KVR_ATTENTION_TILES_<DTYPE>``, 1 or 0,
+force one).
 
-A prefill's rows take the kernel's tile path: Q.K^T and P.V through ATen's batch-reduce GEMM (AMX tiles on a Xeon
-that has them, oneDNN's AVX-512 or AVX2 micro-kernels elsewhere); decode rows take its vector path. ``path(dtype)``
+A prefill's rows take the kernel's tile path (Q.K^T and P.V through ATen's batch-reduce GEMM: AMX tiles on a Xeon
+that has them, oneDNN's AVX-512 or AVX2 micro-kernels elsewhere) or its vector path, whichever was timed faster;
+decode rows take the vector path. ``path(dtype)``
 says which a prefill row takes here.
 """
 
@@ -107,9 +110,9 @@ def ours_on_cpu(dtype=None) -> bool:
     name = chosen()
     if name == "torch" or not build():
         return False
+    picks = auto_choice()  # with ours chosen too: which of its paths is faster here
     if name == "ours":
         return True
-    picks = auto_choice()
     if dtype is None:
         return any(pick["kernel"] == "ours" for pick in picks.values())
     pick = picks.get(str(dtype).removeprefix("torch."))
@@ -138,6 +141,9 @@ def auto_choice() -> dict[str, dict]:
         tmp.write_text(json.dumps({"dtypes": picks, "threads": _threads(), "at": time.time()}, indent=1))
         tmp.replace(path)
         log.warning("%s", describe_choice(picks))
+    for dtype, pick in picks.items():  # the faster of its paths, unless the user set one (timing.tiles_variable)
+        if "tiles" in pick:
+            os.environ.setdefault(f"KVR_ATTENTION_TILES_{dtype.upper()}", "1" if pick["tiles"] else "0")
     with _lock:
         _state["choice"] = picks
     return picks
@@ -151,8 +157,15 @@ def _threads() -> int:
 
 def describe_choice(picks: dict[str, dict]) -> str:
     return "attention kernel auto: " + "; ".join(
-        f"{dtype} {pick['kernel']} (ours {pick['ours_gflops']:.1f}, torch's {pick['torch_gflops']:.1f} GFLOP/s)"
-        for dtype, pick in picks.items())
+        f"{dtype} {pick['kernel']} (ours {pick['ours_gflops']:.1f}{_paths(pick)}, torch's {pick['torch_gflops']:.1f} "
+        "GFLOP/s)" for dtype, pick in picks.items())
+
+
+def _paths(pick: dict) -> str:
+    if "tiles" not in pick:
+        return ""
+    return (f" on its {'tiles' if pick['tiles'] else 'vector path'}: prefill rows {pick['tiles_gflops']:.1f} on the "
+            f"tiles, {pick['vector_gflops']:.1f} on the vector path")
 
 
 def isa() -> str | None:

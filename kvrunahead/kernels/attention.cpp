@@ -1175,18 +1175,23 @@ static ItemFn pick(const Problem& p, Isa isa) {
   return isa >= Isa::avx2 ? portable_item_avx2<float> : portable_item<float>;
 }
 
-// The tile path: KVR_ATTENTION_TILES=1 or 0 forces it on or off for both dtypes. By default float32 takes it
-// (oneDNN's float32 micro-kernels run at the GEMM rate on AVX2 and up), and bfloat16 where the CPU has AMX tiles
-// (cpublas::could_pack) or no bfloat16 vector path of ours (AVX2 hosts, which widen it); an AVX-512-BF16 host
-// without AMX keeps its vdpbf16ps path for bfloat16. The tile path needs AVX2 and a head size that is a multiple
-// of 8.
+// The tile path: KVR_ATTENTION_TILES=1 or 0 forces it on or off for both dtypes, KVR_ATTENTION_TILES_FLOAT32 and
+// KVR_ATTENTION_TILES_BFLOAT16 for one (what the Python side sets from the paths it timed: kernels.auto_choice).
+// Without them float32 takes it (oneDNN's float32 micro-kernels run at the GEMM rate on AVX2), and bfloat16
+// where the CPU has AMX tiles (cpublas::could_pack) or no bfloat16 vector path of ours (AVX2 hosts, which widen
+// it). The tile path needs AVX2 and a head size that is a multiple of 8.
+static int tiles_forced(const char* name) {  // 1 or 0 as the variable says, -1 where it is unset
+  const char* want = std::getenv(name);
+  if (!want || !*want) return -1;
+  const std::string w(want);
+  TORCH_CHECK(w == "0" || w == "1", name, "=", w, " is neither 0 nor 1");
+  return w == "1";
+}
+
 static bool tiles_wanted(bool bf16_in) {
-  const char* want = std::getenv("KVR_ATTENTION_TILES");
-  if (want && *want) {
-    const std::string w(want);
-    TORCH_CHECK(w == "0" || w == "1", "KVR_ATTENTION_TILES=", w, " is neither 0 nor 1");
-    return w == "1";
-  }
+  int forced = tiles_forced("KVR_ATTENTION_TILES");
+  if (forced < 0) forced = tiles_forced(bf16_in ? "KVR_ATTENTION_TILES_BFLOAT16" : "KVR_ATTENTION_TILES_FLOAT32");
+  if (forced >= 0) return forced == 1;
   if (!bf16_in) return true;
   return at::native::cpublas::could_pack(at::kBFloat16) || chosen_isa() < Isa::avx512bf16;
 }

@@ -1,9 +1,13 @@
 """``--attention-kernel auto``'s measurement: our kernel and torch's timed on the same work in each dtype, at this
 process's threads. Two cases weigh equally: a causal block (a prefill's diagonal, 2048 queries) and a decode step
-(one query over 8192 keys), both of SmolLM2's shape (9 query heads over 3 K,V heads of 64)."""
+(one query over 8192 keys), both of SmolLM2's shape (9 query heads over 3 K,V heads of 64). Our kernel's prefill
+rows are timed on both its paths first (the tiles and the vector path: which is faster depends on the CPU, the
+vector path on AVX-512, the tiles on AVX2 and AMX), and ours runs on the faster."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import torch
@@ -21,11 +25,39 @@ def time_kernels(dtypes: tuple[str, ...]) -> dict[str, dict]:
         dtype = getattr(torch, name)
         cases = [_case(BLOCK, BLOCK, dtype, causal=True), _case(1, CONTEXT, dtype, causal=False)]
         flops = sum(case[-1] for case in cases)
-        ours = sum(_best(lambda c=c: _ours(*c[:4])) for c in cases)
+        paths = {}
+        for on in (True, False):
+            with tiles(name, on):
+                paths[on] = _best(lambda c=cases[0]: _ours(*c[:4]))
+        on = paths[True] < paths[False]
+        with tiles(name, on):
+            ours = sum(_best(lambda c=c: _ours(*c[:4])) for c in cases)
         theirs = sum(_best(lambda c=c: _torch(*c[:4])) for c in cases)
         picks[name] = {"kernel": "ours" if ours <= theirs else "torch", "ours_gflops": flops / ours / 1e9,
-                       "torch_gflops": flops / theirs / 1e9}
+                       "torch_gflops": flops / theirs / 1e9, "tiles": on,
+                       "tiles_gflops": cases[0][-1] / paths[True] / 1e9,
+                       "vector_gflops": cases[0][-1] / paths[False] / 1e9}
     return picks
+
+
+def tiles_variable(dtype: str) -> str:
+    """The variable that turns our kernel's tile path on (1) or off (0) for one dtype (attention.cpp)."""
+    return f"KVR_ATTENTION_TILES_{dtype.upper()}"
+
+
+@contextlib.contextmanager
+def tiles(dtype: str, on: bool):
+    """Our kernel's prefill rows in ``dtype`` on its tile path (``on``) or its vector path, within the block."""
+    name = tiles_variable(dtype)
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _case(queries: int, keys: int, dtype: torch.dtype, causal: bool):
