@@ -26,5 +26,5 @@ SCHEDULES = ("fcfs", "lars")
 # to the ranks a tool starts.
 ATTENTION_KERNELS = ("auto", "ours", "torch")
 ATTENTION_KERNEL_ENV = "KVR_ATTENTION_KERNEL"
-LINEARS = ("onednn", "torch")
+LINEARS = ("auto", "onednn", "torch")
 LINEARS_ENV = "KVR_LINEARS"

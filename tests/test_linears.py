@@ -16,6 +16,12 @@ from kvrunahead.model.load import load_model
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
 
+@pytest.fixture(autouse=True)
+def packed_linears(monkeypatch):
+    """The packed path itself, whatever ``auto`` would choose on this CPU."""
+    monkeypatch.setenv(linears.ENV, "onednn")
+
+
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not linears.bf16_supported(),
                                                              reason="no oneDNN bfloat16 on this CPU (AVX2 only)"))
 
@@ -107,3 +113,25 @@ def test_attention_mode_restores_the_implementation_it_found():
         with attention_mode(model, "eager", state=None):
             assert model.config._attn_implementation == "eager"
         assert _implementations(model) == before
+
+
+def test_auto_packs_a_dtypes_layers_where_onednn_was_timed_faster_and_keeps_the_timing(monkeypatch, tmp_path):
+    """``--linears auto`` (the default): both ways timed once per machine and torch version, the choice and the
+    rates kept in the cache folder; a dtype's layers packed where oneDNN was faster, left on F.linear where not."""
+    import json
+
+    monkeypatch.delenv(linears.ENV)
+    monkeypatch.setenv("KVR_CACHE", str(tmp_path))
+    picks = linears.auto_choice()
+    assert json.loads(linears.choice_file().read_text())["dtypes"] == picks
+    for name, pick in picks.items():
+        assert pick["torch_gflops"] > 0
+        faster = "onednn" if pick["onednn_gflops"] >= pick["torch_gflops"] else "torch"
+        assert pick["linears"] == faster or (name == "bfloat16" and not linears.bf16_supported()), (name, pick)
+    for way in ("torch", "onednn"):
+        linears.choice_file().write_text(json.dumps({"dtypes": {"float32": {
+            "linears": way, "onednn_gflops": 1.0, "torch_gflops": 1.0}}}))
+        monkeypatch.setattr(linears, "_picks", {})
+        layer = torch.nn.Linear(32, 8)
+        assert linears.prepack(layer) == (way == "onednn")
+        assert isinstance(layer, linears.PackedLinear) == (way == "onednn")

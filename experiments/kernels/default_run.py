@@ -1,12 +1,13 @@
 """The README's first command, `torchrun --nproc-per-node 2 --no-python kvr-prefill --ctx 16k`, in float32 and
-bfloat16, on our kernels (the defaults) and on torch's (`--attention-kernel torch --linears torch`), interleaved.
+bfloat16, with the defaults (auto: what this CPU was timed faster on), on our kernels (`--attention-kernel ours
+--linears onednn`) and on torch's (`--attention-kernel torch --linears torch`), interleaved.
 Each rank's counted FLOPs (its linears: 2 x the decoder's weights x its tokens; its attention: 4 x heads x head
 size x the pairs it scores, causal) over its compute time give its rate, stated against the thread's GEMM peak
 (experiments/kernels/rows.jsonl's `gemm` rows).
 
 Appends one row per run to default_run.jsonl (resumable per commit, round and setting).
 
-    python experiments/kernels/default_run.py [--rounds 2] [--torch-rounds 1]
+    python experiments/kernels/default_run.py [--rounds 2] [--torch-rounds 1] [--settings auto/auto,ours/onednn]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--torch-rounds", type=int, default=1)
+    ap.add_argument("--settings", default="auto/auto,ours/onednn,torch/torch",
+                    help="attention kernel/linears pairs; auto/auto is the README's command as it stands")
     args = ap.parse_args()
+    pairs = [tuple(x.split("/")) for x in args.settings.split(",")]
     env = environment("smollm2-135m", "torch", 1, "loopback")
     done = set()
     if ROWS_FILE.exists():
@@ -46,7 +50,7 @@ def main() -> None:
                 if r["commit"] == env["commit"]}
     for rnd in range(args.rounds):
         for dtype in ("float32", "bfloat16"):
-            for kernels in (("ours", "onednn"), ("torch", "torch")):
+            for kernels in pairs:
                 if kernels[0] == "torch" and rnd >= args.torch_rounds:
                     continue
                 setting = f"{dtype}/{kernels[0]}/{kernels[1]}"

@@ -97,8 +97,9 @@ def attention_kernel_option():
 def linears_option():
     return _choice_in_env(
         "--linears", LINEARS_ENV, LINEARS,
-        "CPU linear layers: onednn (default: weights prepacked once for oneDNN; a float32 decode row's layers but "
-        "the LM head stay on torch's, which is faster there) or torch (F.linear throughout).")
+        "CPU linear layers: auto (default: the faster on this CPU in each dtype of oneDNN with the weights packed "
+        "once and torch's F.linear, timed once per machine and torch version; kvr-kernels prints the rates), "
+        "onednn or torch.")
 
 
 def tp_option():

@@ -16,8 +16,9 @@ def main(verbose: bool) -> None:
     """Compile the CPU attention kernel into the cache folder (~/.cache/kvrunahead/kernels, or KVR_CACHE), once per
     machine and torch version, and print the instruction set it runs with here; time its two paths for prefill
     rows (the tiles and the vector path) and it against torch's attention in float32 and bfloat16 (once per
-    build), and print the rates, the path it takes and what --attention-kernel auto runs. Exit 1 where it cannot
-    be built (the tools then run torch's attention)."""
+    build), and print the rates, the path it takes and what --attention-kernel auto runs; time the linear layers
+    packed for oneDNN against F.linear (once per machine and torch version) and print what --linears auto runs.
+    Exit 1 where the kernel cannot be built (the tools then run torch's attention)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from kvrunahead import kernels
 
@@ -36,6 +37,11 @@ def main(verbose: bool) -> None:
                    f"--attention-kernel auto runs {pick['kernel']}")
     if kernels.chosen() != "auto":
         click.echo(f"  ({kernels.ENV}={kernels.chosen()} overrides the choice)")
+    from kvrunahead.model import linears
+
+    for dtype, pick in linears.auto_choice().items():
+        click.echo(f"  {dtype:9} linears: oneDNN packed {pick['onednn_gflops']:7.1f} GFLOP/s, F.linear "
+                   f"{pick['torch_gflops']:7.1f} GFLOP/s: --linears auto runs {pick['linears']}")
 
 
 if __name__ == "__main__":

@@ -12,30 +12,106 @@ which no forward does; so every layer takes the packed path.
 Applied by ``load_model`` after loading, to ``nn.Linear`` modules on the CPU in float32, and in bfloat16 where the
 CPU has oneDNN's bfloat16 path (AVX-512: an AVX2-only CPU keeps its bfloat16 layers on ``F.linear``); the weights
 stay as they are (state dicts, TP cuts and tied embeddings read them), the packed copy beside them.
-``KVR_LINEARS=torch`` (or ``--linears torch``) leaves every layer on ``F.linear``; ``torch.compile`` unpacks first
-(inductor chooses its own GEMMs).
+Which is faster depends on the CPU's BLAS: on an Intel Xeon without AMX, MKL's sgemm beat the packed layers (the
+16k default run 51.3 s on ``F.linear`` against 61.7 s packed, float32, experiments/kernels). So ``--linears auto``,
+the default, times both on a prompt-sized block of SmolLM2's shapes in each dtype, once per machine and torch
+version (``linears.json`` in the cache folder), and packs where oneDNN was faster. ``KVR_LINEARS=onednn|torch``
+(or ``--linears``) forces one; ``torch.compile`` unpacks first (inductor chooses its own GEMMs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from kvrunahead.choices import LINEARS, LINEARS_ENV
+from kvrunahead.config import cache_root
 
 ENV = LINEARS_ENV
 CHOICES = LINEARS
 
 
+log = logging.getLogger(__name__)
+# The timed block: 2048 rows through SmolLM2's q, k, gate and down shapes (out x in), best of RUNS each.
+TIMED_ROWS, TIMED_SHAPES, RUNS = 2048, ((576, 576), (192, 576), (1536, 576), (576, 1536)), 3
+
+
 def chosen() -> str:
-    name = os.environ.get(ENV, "onednn") or "onednn"
+    name = os.environ.get(ENV, "auto") or "auto"
     if name not in CHOICES:
         raise ValueError(f"{ENV}={name!r}: one of {', '.join(CHOICES)}")
     return name
+
+
+def choice_for(dtype: torch.dtype) -> str:
+    """``onednn`` or ``torch`` for layers in ``dtype``: as chosen, or with ``auto`` the faster here."""
+    name = chosen()
+    if name != "auto":
+        return name
+    return auto_choice().get(str(dtype).removeprefix("torch."), {}).get("linears", "onednn")
+
+
+def choice_file():
+    return cache_root() / "linears" / f"torch-{torch.__version__}.json"
+
+
+_picks: dict = {}
+
+
+def auto_choice() -> dict[str, dict]:
+    """Per dtype ``{"linears": "onednn" | "torch", "onednn_gflops": .., "torch_gflops": ..}``: read from the cache
+    folder, or timed now and kept there (said once)."""
+    path = choice_file()
+    if _picks.get("path") == path:
+        return _picks["dtypes"]
+    try:
+        picks = json.loads(path.read_text())["dtypes"]
+    except (OSError, ValueError, KeyError):
+        picks = {name: time_linears(getattr(torch, name)) for name in ("float32", "bfloat16")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"dtypes": picks, "threads": torch.get_num_threads(), "at": time.time()}, indent=1))
+        tmp.replace(path)
+        log.warning("CPU linears auto: %s", "; ".join(
+            f"{d} {p['linears']} (oneDNN packed {p['onednn_gflops']:.1f}, F.linear {p['torch_gflops']:.1f} GFLOP/s)"
+            for d, p in picks.items()))
+    _picks.update(path=path, dtypes=picks)
+    return picks
+
+
+@torch.no_grad()
+def time_linears(dtype: torch.dtype) -> dict:
+    """Both ways on the timed block at this process's threads; oneDNN's only where it computes ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(TIMED_ROWS, 576, generator=g).to(dtype)
+    layers = [torch.randn(o, i, generator=g).to(dtype) for o, i in TIMED_SHAPES]
+    inputs = [x if i == 576 else torch.randn(TIMED_ROWS, i, generator=g).to(dtype) for _, i in TIMED_SHAPES]
+    flops = sum(2.0 * TIMED_ROWS * o * i for o, i in TIMED_SHAPES)
+    plain = _best(lambda: [F.linear(a, w) for a, w in zip(inputs, layers)])
+    pick = {"linears": "torch", "torch_gflops": flops / plain / 1e9, "onednn_gflops": 0.0}
+    if dtype == torch.float32 or bf16_supported():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layers]
+        seconds = _best(lambda: [torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+                                 for a, w in zip(inputs, packed)])
+        pick.update(onednn_gflops=flops / seconds / 1e9, linears="onednn" if seconds <= plain else "torch")
+    return pick
+
+
+def _best(run) -> float:
+    run()
+    times = []
+    for _ in range(RUNS):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 class PackedLinear(torch.nn.Linear):
@@ -63,13 +139,13 @@ def bf16_supported() -> bool:
 
 @torch.no_grad()
 def prepack(model: torch.nn.Module) -> int:
-    """Pack every CPU linear layer of ``model`` for oneDNN, in place (unless ``KVR_LINEARS=torch`` or oneDNN is
-    missing); returns how many were packed."""
-    if chosen() != "onednn" or not torch.backends.mkldnn.is_available():
+    """Pack every CPU linear layer of ``model`` for oneDNN, in place, in each dtype where it is chosen (unless
+    oneDNN is missing); returns how many were packed."""
+    if chosen() == "torch" or not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     for module in model.modules():
-        if packable(module):
+        if packable(module) and choice_for(module.weight.dtype) == "onednn":
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
             module.register_buffer("packed", packed, persistent=False)
             module.__class__ = PackedLinear
