@@ -178,7 +178,7 @@ def test_every_length_is_decided_at_the_start_and_a_request_only_looks_it_up(shi
 
     cfg = RunConfig(threads=1)
     config = resolve_config(cfg.model)
-    ctx = SimpleNamespace(rank=1, front=1, tp_rank=0, tp=1, world_size=2, solo_threads=2,
+    ctx = SimpleNamespace(rank=1, front=1, tp_rank=0, is_front=True, tp=1, world_size=2, solo_threads=2,
                           layout=SimpleNamespace(windows=()))
     placement = Placement(ctx, cfg, config, "split", "auto", 1, 2, prompt_work(config), 0, None)
     placement.decide_up_to(8192)

@@ -129,24 +129,41 @@ def auto_choice() -> dict[str, dict]:
     with _lock:
         if "choice" in _state:
             return _state["choice"]
-    path = cache_dir() / CHOICE_FILE
-    try:
-        picks = json.loads(path.read_text())["dtypes"]
-    except (OSError, ValueError, KeyError):
+
+    def measure() -> dict[str, dict]:
         from kvrunahead.kernels.timing import time_kernels
 
         log.warning("timing the CPU attention kernels (once per kernel build: --attention-kernel auto)")
-        picks = time_kernels(DTYPES)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"dtypes": picks, "threads": _threads(), "at": time.time()}, indent=1))
-        tmp.replace(path)
-        log.warning("%s", describe_choice(picks))
-    for dtype, pick in picks.items():  # the faster of its paths, unless the user set one (timing.tiles_variable)
+        return time_kernels(DTYPES)
+
+    picks = kept_timings(cache_dir() / CHOICE_FILE, measure, describe_choice)
+    for dtype, pick in picks.items():  # the faster of its paths, unless the user set one
         if "tiles" in pick:
-            os.environ.setdefault(f"KVR_ATTENTION_TILES_{dtype.upper()}", "1" if pick["tiles"] else "0")
+            os.environ.setdefault(tiles_variable(dtype), "1" if pick["tiles"] else "0")
     with _lock:
         _state["choice"] = picks
     return picks
+
+
+def kept_timings(path: Path, measure, said) -> dict[str, dict]:
+    """The per-dtype timings kept at ``path``, or ``measure()``'s, kept there now and ``said(them)`` once in the
+    log (the attention kernels' choice, the linears')."""
+    try:
+        return json.loads(path.read_text())["dtypes"]
+    except (OSError, ValueError, KeyError):
+        pass
+    picks = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"dtypes": picks, "threads": _threads(), "at": time.time()}, indent=1))
+    tmp.replace(path)
+    log.warning("%s", said(picks))
+    return picks
+
+
+def tiles_variable(dtype: str) -> str:
+    """The variable that turns our kernel's tile path on (1) or off (0) for one dtype (attention.cpp)."""
+    return f"KVR_ATTENTION_TILES_{dtype.upper()}"
 
 
 def _threads() -> int:

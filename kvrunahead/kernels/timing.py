@@ -13,6 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvrunahead.kernels import tiles_variable
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 BLOCK, CONTEXT = 2048, 8192
 RUNS = 3
@@ -28,21 +30,16 @@ def time_kernels(dtypes: tuple[str, ...]) -> dict[str, dict]:
         paths = {}
         for on in (True, False):
             with tiles(name, on):
-                paths[on] = _best(lambda c=cases[0]: _ours(*c[:4]))
+                paths[on] = best_time(lambda c=cases[0]: _ours(*c[:4]))
         on = paths[True] < paths[False]
         with tiles(name, on):
-            ours = sum(_best(lambda c=c: _ours(*c[:4])) for c in cases)
-        theirs = sum(_best(lambda c=c: _torch(*c[:4])) for c in cases)
+            ours = sum(best_time(lambda c=c: _ours(*c[:4])) for c in cases)
+        theirs = sum(best_time(lambda c=c: _torch(*c[:4])) for c in cases)
         picks[name] = {"kernel": "ours" if ours <= theirs else "torch", "ours_gflops": flops / ours / 1e9,
                        "torch_gflops": flops / theirs / 1e9, "tiles": on,
                        "tiles_gflops": cases[0][-1] / paths[True] / 1e9,
                        "vector_gflops": cases[0][-1] / paths[False] / 1e9}
     return picks
-
-
-def tiles_variable(dtype: str) -> str:
-    """The variable that turns our kernel's tile path on (1) or off (0) for one dtype (attention.cpp)."""
-    return f"KVR_ATTENTION_TILES_{dtype.upper()}"
 
 
 @contextlib.contextmanager
@@ -79,7 +76,8 @@ def _torch(q, k, v, causal) -> None:
     F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def _best(run) -> float:
+def best_time(run) -> float:
+    """The fastest of RUNS runs of ``run()`` after one untimed (what it builds on first use)."""
     run()  # warm: the first call builds what it needs
     times = []
     for _ in range(RUNS):

@@ -22,10 +22,7 @@ version (``linears.json`` in the cache folder), and packs where oneDNN was faste
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import os
-import time
 from collections.abc import Iterator
 
 import torch
@@ -33,14 +30,15 @@ import torch.nn.functional as F
 
 from kvrunahead.choices import LINEARS, LINEARS_ENV
 from kvrunahead.config import cache_root
+from kvrunahead.kernels import DTYPES, kept_timings
+from kvrunahead.kernels.timing import best_time
 
 ENV = LINEARS_ENV
 CHOICES = LINEARS
 
 
-log = logging.getLogger(__name__)
-# The timed block: 2048 rows through SmolLM2's q, k, gate and down shapes (out x in), best of RUNS each.
-TIMED_ROWS, TIMED_SHAPES, RUNS = 2048, ((576, 576), (192, 576), (1536, 576), (576, 1536)), 3
+# The timed block: 2048 rows through SmolLM2's q, k, gate and down shapes (out x in).
+TIMED_ROWS, TIMED_SHAPES = 2048, ((576, 576), (192, 576), (1536, 576), (576, 1536))
 
 
 def chosen() -> str:
@@ -69,21 +67,13 @@ def auto_choice() -> dict[str, dict]:
     """Per dtype ``{"linears": "onednn" | "torch", "onednn_gflops": .., "torch_gflops": ..}``: read from the cache
     folder, or timed now and kept there (said once)."""
     path = choice_file()
-    if _picks.get("path") == path:
-        return _picks["dtypes"]
-    try:
-        picks = json.loads(path.read_text())["dtypes"]
-    except (OSError, ValueError, KeyError):
-        picks = {name: time_linears(getattr(torch, name)) for name in ("float32", "bfloat16")}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"dtypes": picks, "threads": torch.get_num_threads(), "at": time.time()}, indent=1))
-        tmp.replace(path)
-        log.warning("CPU linears auto: %s", "; ".join(
-            f"{d} {p['linears']} (oneDNN packed {p['onednn_gflops']:.1f}, F.linear {p['torch_gflops']:.1f} GFLOP/s)"
-            for d, p in picks.items()))
-    _picks.update(path=path, dtypes=picks)
-    return picks
+    if _picks.get("path") != path:
+        picks = kept_timings(path, lambda: {name: time_linears(getattr(torch, name)) for name in DTYPES},
+                             lambda picks: "CPU linears auto: " + "; ".join(
+                                 f"{d} {p['linears']} (oneDNN packed {p['onednn_gflops']:.1f}, F.linear "
+                                 f"{p['torch_gflops']:.1f} GFLOP/s)" for d, p in picks.items()))
+        _picks.update(path=path, dtypes=picks)
+    return _picks["dtypes"]
 
 
 @torch.no_grad()
@@ -94,24 +84,14 @@ def time_linears(dtype: torch.dtype) -> dict:
     layers = [torch.randn(o, i, generator=g).to(dtype) for o, i in TIMED_SHAPES]
     inputs = [x if i == 576 else torch.randn(TIMED_ROWS, i, generator=g).to(dtype) for _, i in TIMED_SHAPES]
     flops = sum(2.0 * TIMED_ROWS * o * i for o, i in TIMED_SHAPES)
-    plain = _best(lambda: [F.linear(a, w) for a, w in zip(inputs, layers)])
+    plain = best_time(lambda: [F.linear(a, w) for a, w in zip(inputs, layers)])
     pick = {"linears": "torch", "torch_gflops": flops / plain / 1e9, "onednn_gflops": 0.0}
     if dtype == torch.float32 or bf16_supported():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layers]
-        seconds = _best(lambda: [torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+        seconds = best_time(lambda: [torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
                                  for a, w in zip(inputs, packed)])
         pick.update(onednn_gflops=flops / seconds / 1e9, linears="onednn" if seconds <= plain else "torch")
     return pick
-
-
-def _best(run) -> float:
-    run()
-    times = []
-    for _ in range(RUNS):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 class PackedLinear(torch.nn.Linear):

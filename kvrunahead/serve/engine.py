@@ -109,7 +109,7 @@ class Engine:
 
     @property
     def is_front(self) -> bool:
-        return self.ctx.rank == self.ctx.front and self.ctx.tp_rank == 0
+        return self.ctx.is_front
 
     @property
     def tokenizer(self):

@@ -125,8 +125,7 @@ class Placement:
         self._pipelines: dict[int, tuple] = {}  # prompt length -> (stages, chunk, where they come from)
         self.local_world_size, self.work, self.heartbeat = local_world_size, work, heartbeat
         self.edge_slack = edge_slack  # how much of a part's work a packed cut gives up to sit on a prompt edge
-        front = ctx.rank == ctx.front and ctx.tp_rank == 0  # the one rank that chooses and times
-        learner = layout_learner(learn if front else "off", run, model_config, ctx.world_size, local_world_size,
+        learner = layout_learner(learn if ctx.is_front else "off", run, model_config, ctx.world_size, local_world_size,
                                  attention, threads, ctx.solo_threads, pipeline is not None)
         self.degrees = DegreePolicy(run, model_config, ctx.world_size, local_world_size, attention, threads, degree,
                                     ctx.solo_threads, lambda n: self.partition(n)[0].boundaries, learner)

@@ -33,7 +33,7 @@ def warm_up(placement, attention: str, max_len: int) -> None:
     (``placement``: its ``Placement``), logged with their seconds; the workers take part in those over the chain
     from their ``worker_loop``."""
     ctx = placement.ctx
-    if ctx.rank == ctx.front and ctx.tp_rank == 0:  # the one rank that chooses
+    if ctx.is_front:
         placement.decide_up_to(max_len)
     if ctx.rank != ctx.front or not is_compiled(ctx.lm.model):
         return

@@ -59,6 +59,11 @@ class RankContext:
         return self.world_size - 1
 
     @property
+    def is_front(self) -> bool:
+        """Whether this is the front's first TP rank: the one rank that steps the engine, chooses and times."""
+        return self.rank == self.front and self.tp_rank == 0
+
+    @property
     def front_rank(self) -> int:
         """The front's global rank: the first TP rank of the last group."""
         return self.front * self.tp
