@@ -8,6 +8,7 @@ it, so a request is planned the same way wherever it comes from.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from kvrunahead.decide.tables import Lookup, Table, TableError, TableKey, find_t
 from kvrunahead.decode.kvp import check_kvp
 from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.model.attention import uses_attention_interface
+from kvrunahead.model.compute import compute_rates, compute_settings
 from kvrunahead.model.device import check_device, config_dtype, default_threads, dtype_name
 from kvrunahead.model.layout import soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
@@ -29,9 +31,10 @@ from kvrunahead.net.spec import NetError, NetSpec, parse_net
 from kvrunahead.partition import Partition, PartitionError, check_fits, parse_partition
 from kvrunahead.prompt import PromptError, build_prompt
 from kvrunahead.sim.flops import estimated_partition
-from kvrunahead.sim.optimize import predicted_partition, predicted_pipeline
+from kvrunahead.sim.optimize import predicted_partition, predicted_pipeline, reweighted_partition
 from kvrunahead.sim.shape import config_hash
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
@@ -119,7 +122,8 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
         lo, hi = (table.entries[0].context_len, table.entries[-1].context_len) if table.entries else (0, -1)
         if lo <= context_len <= hi:
             lookup = table.lookup(context_len, name=path.name)
-            return lookup.partition, lookup.source
+            return _fresh_or_reweighted(table, lookup, path.name, config, key, context_len, attention, threads,
+                                        cfg.tp)
         why = (f"{context_len} tokens is outside {path.name} ({lo}..{hi})" if table.entries
                else f"{path.name} has no entries")
     if key.device_kind == "cpu":
@@ -131,6 +135,33 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
             why = f"{why}; {e}"
     partition = estimated_partition(config, context_len, key.world_size, attention)
     return partition, f"cost estimate of the ranks' work ({why})"
+
+
+_said_stale: set[str] = set()
+
+
+def _fresh_or_reweighted(table: Table, lookup: Lookup, name: str, config, key: TableKey, context_len: int,
+                         attention: str, threads: int, tp: int) -> tuple[Partition, str]:
+    """The table's partition where the run computes as the table was searched; else (a stale table: said once per
+    table) the partition re-weighted by the cost model for the change of this CPU's rates, until the table is
+    searched again."""
+    run = compute_settings(key.dtype, key.device_kind)
+    stale = table.stale(run, name)
+    if stale is None:
+        return lookup.partition, lookup.source
+    if name not in _said_stale:
+        _said_stale.add(name)
+        log.warning("%s", stale)
+    searched, now = compute_rates(table.searched_with(), key.dtype), compute_rates(run, key.dtype)
+    if key.device_kind != "cpu" or searched is None or now is None:
+        return lookup.partition, f"{lookup.source} (stale: no rates to re-weight it by)"
+    try:
+        partition = reweighted_partition(config, key.dtype, threads, context_len, key.world_size, attention,
+                                         list(lookup.partition.ratios), searched, now, key.bandwidth, tp)
+    except ProfileError as e:
+        return lookup.partition, f"{lookup.source} (stale; not re-weighted: {e})"
+    return partition, f"{lookup.source}, stale: re-weighted by the cost model for {run['attention_kernel']} " \
+        f"attention and {run['linears']} linears"
 
 
 TP_MODES = ("kvr", "tp", "tsp", "ring", "cp-allgather", "kvr-nocomm", "spp")

@@ -65,6 +65,11 @@ class TableMeta:
     source: str = "measured"  # or "cost model: <profile>" (kvr-search --backend model)
     oversubscribed: bool = False  # measured with more busy threads than the node has cores: the scheduler timed
     tp: int = 1  # searched over TP groups of this many ranks (kvr-search --tp); world_size counts the groups
+    # What the ranks computed with, beyond the key (settings.compute_settings): the CPU attention kernel and its path
+    # ("ours (avx512bf16)", "torch") and the linears ("onednn", "torch"). None: searched before they were recorded,
+    # on torch's attention and linears.
+    attention_kernel: str | None = None
+    linears: str | None = None
 
     @property
     def key(self) -> TableKey:
@@ -160,6 +165,22 @@ class Table:
         if any(later > earlier for earlier, later in zip(ratios, ratios[1:])):
             return self.lookup(context_len).partition.boundaries
         return Partition.from_ratios([r / sum(ratios) for r in ratios], context_len).boundaries
+
+    def searched_with(self) -> dict[str, str]:
+        """The compute settings the table was searched with (torch's throughout for a table that predates them)."""
+        return {"attention_kernel": self.meta.attention_kernel or "torch", "linears": self.meta.linears or "torch"}
+
+    def stale(self, run: dict[str, str], name: str = "table") -> str | None:
+        """A line saying how the run's compute settings (``attention_kernel``, ``linears``) differ from those the
+        table was searched with, or None where they agree: a rank's cost moved and the table did not."""
+        searched = self.searched_with()
+        differ = [f"{what.replace('_', ' ')} {searched[what]} (this run: {run[what]})" for what in searched
+                  if what in run and run[what] != searched[what]]
+        if not differ:
+            return None
+        unrecorded = "" if self.meta.attention_kernel else ", before tables recorded their settings"
+        return (f"partition table {name} is stale: searched with {', '.join(differ)}{unrecorded}; its partitions are "
+                f"re-weighted by the cost model until it is searched again (kvr-search)")
 
     def markdown(self) -> str:
         """The entries as a Markdown table (for experiment write-ups and a quick look at a table)."""

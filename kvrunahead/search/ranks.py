@@ -35,6 +35,7 @@ def run_search(opts: SearchOptions) -> None:
     import torch
     import torch.distributed as dist
 
+    from kvrunahead.model.compute import compute_settings
     from kvrunahead.model.device import oversubscribed, resolve_device
     from kvrunahead.oneshot.runner import leave_world
     from kvrunahead.ranks.launcher import detect_launcher, init_world, local_rank_hint, pick_backend, world_size_hint
@@ -50,12 +51,19 @@ def run_search(opts: SearchOptions) -> None:
     noise = parse_net(opts.net).noise
     base = dataclasses.replace(base_config(opts), kvr_attention=key.kvr_attention)
     env = environment(opts.model, "torch", opts.threads, key.bandwidth)
-    table = Table.load(out) if out.exists() else Table(TableMeta(
+    computes = compute_settings(key.dtype, key.device_kind)
+    table = Table.load(out) if out.exists() else None
+    if table is not None and table.stale(computes, out.name):
+        if lead:
+            click.echo(f"{out.name} was searched with {table.searched_with()}; this search runs {computes}: its "
+                       f"{len(table.entries)} entries are replaced by a table of these settings", err=True)
+        table = None
+    table = table or Table(TableMeta(
         model=opts.model, config_hash=key.config_hash, dtype=key.dtype, world_size=p,
         backend=pick_backend(device), transport="torch", device=env["cpu"] if device.type == "cpu" else
         torch.cuda.get_device_name(device), threads_per_rank=opts.threads,
         bandwidth=key.bandwidth, version=__version__, kvr_attention=key.kvr_attention,
-        device_kind=key.device_kind, noise=noise.describe() if noise else None, tp=opts.tp))
+        device_kind=key.device_kind, noise=noise.describe() if noise else None, tp=opts.tp, **computes))
     if oversubscribed(opts.threads, world.host_ranks):
         table.meta.oversubscribed = True
         if lead:
@@ -63,7 +71,8 @@ def run_search(opts: SearchOptions) -> None:
                        f"{os.cpu_count()} cores; the ranks time-share them, so the timings and the balance "
                        f"measure the scheduler as much as the partition (the table records it)", err=True)
     if lead:
-        click.echo(f"searching partitions for {key.describe()} -> {out}", err=True)
+        click.echo(f"searching partitions for {key.describe()}, with {computes['attention_kernel']} attention "
+                   f"and {computes['linears']} linears -> {out}", err=True)
     try:
         for ctx in opts.context_lens:
             if opts.resume and any(e.context_len == ctx for e in table.entries):

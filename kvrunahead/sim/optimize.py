@@ -113,6 +113,34 @@ def predicted_partition(config, dtype: str, threads: int, context_len: int, worl
     return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"
 
 
+def reweighted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
+                         ratios: list[float], searched: tuple[float, float], run: tuple[float, float],
+                         link: str | None = None, tp: int = 1) -> Partition:
+    """A stale table's partition moved as far as the cost model says the change of compute rates moves it: the
+    table's ratios times the model's partition at the run's rates over the model's at the rates the table was
+    searched at (``searched``, ``run``: the attention's and the linears' FLOP/s on this CPU), renormalised. Where the
+    attention got faster than the linears, a later rank's longer prefix costs it less and the cuts move earlier."""
+    profile, _ = resolve_profile(None, threads)
+    profile, used, _ = profile.for_network(link)
+    stride = max(1, min(64, context_len // (8 * world_size)))
+
+    def model_ratios(attention_scale: float, linear_scale: float) -> list[float]:
+        scaled = dataclasses.replace(
+            profile, matmul_flops_per_s=profile.matmul_flops_per_s * linear_scale,
+            attention={k: dataclasses.replace(v, flops_per_s=v.flops_per_s * attention_scale)
+                       for k, v in profile.attention.items()})
+        cost = CostModel(shape_from_config(config, dtype), scaled, used)
+        if tp > 1:
+            cost = cost.over_tp(tp, used)
+        found = search_partition(cost, context_len, world_size, attention, min_stride=stride)
+        return Partition(found.boundaries).ratios
+
+    at_run = model_ratios(1.0, 1.0)
+    at_search = model_ratios(searched[0] / run[0], searched[1] / run[1])
+    moved = [r * a / b for r, a, b in zip(ratios, at_run, at_search)]
+    return Partition.from_ratios([r / sum(moved) for r in moved], context_len)
+
+
 CHUNK_CHOICES = tuple(2 ** k for k in range(7, 17))  # 128 to 64k tokens
 MAX_CHUNKS = 1024  # chunks per prompt at most: a million tokens in chunks of 1k and more
 
