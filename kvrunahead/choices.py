@@ -11,7 +11,8 @@ ALLGATHERS = ("auto", "native", "p2p")
 # model's SDPA under the offset causal mask, the paper's); auto picks split where the model allows it.
 KVR_ATTENTIONS = ("auto", "masked", "split")
 DTYPES = ("float32", "bfloat16", "float16")
-# auto: what the hardware is fast in (bfloat16 on a CPU with avx512_bf16 or AMX, the model's 16-bit dtype on a GPU)
+# auto: what the hardware is fast in (bfloat16 on a CPU with avx512_bf16 or AMX whose bfloat16 GEMMs were timed faster
+# than float32's, the model's 16-bit dtype on a GPU)
 DTYPE_CHOICES = ("auto", *DTYPES)
 # Where the tokens after the first are decoded: on the last rank with the whole cache gathered there (the chain
 # leaves it there), or KV-cache parallel (decode/kvp.py: each rank keeps its part, attention merged per layer).

@@ -11,18 +11,23 @@ import pytest
 @pytest.fixture
 def write_table() -> Callable[..., Path]:
     """A function that writes a partition table into a directory and returns its path: rank 0 takes ``share`` of
-    every context, the other ranks split the rest evenly, the key (model, attention, world size, network) as
-    asked."""
+    every context, the other ranks split the rest evenly, the key (model, attention, world size, network) and the
+    compute settings as asked."""
     # Imported here, not at the top: every test module loads this file, and the torch-free ones must stay so.
     from kvrunahead.decide.tables import Table, TableEntry, TableMeta
+    from kvrunahead.model.compute import compute_settings
     from kvrunahead.model.load import resolve_config
     from kvrunahead.sim.shape import config_hash
 
     def write(directory: Path, model: str = "tiny-llama", attention: str = "split", world_size: int = 2,
-              contexts: tuple[int, ...] = (1024, 2048), share: float = 0.7, bandwidth: str = "loopback") -> Path:
+              contexts: tuple[int, ...] = (1024, 2048), share: float = 0.7, bandwidth: str = "loopback",
+              computes: dict[str, str] | None = None) -> Path:
+        # Searched on what this process computes with (not stale) unless ``computes`` says otherwise.
+        computes = computes or compute_settings("float32") or {}
         t = Table(TableMeta(model=model, config_hash=config_hash(resolve_config(model)), dtype="float32",
                             world_size=world_size, backend="gloo", transport="torch", device="cpu",
-                            threads_per_rank=1, bandwidth=bandwidth, kvr_attention=attention, device_kind="cpu"))
+                            threads_per_rank=1, bandwidth=bandwidth, kvr_attention=attention, device_kind="cpu",
+                            **computes))
         for ctx in contexts:
             b1 = round(share * ctx)
             rest = [round(b1 + (ctx - b1) * i / (world_size - 1)) for i in range(1, world_size)]

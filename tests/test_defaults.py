@@ -1,6 +1,7 @@
 """What a user gets without flags: the attention, the partition (table, cost model or FLOP estimate) and the RoPE
 extension."""
 
+import dataclasses
 import math
 
 import pytest
@@ -70,6 +71,43 @@ def test_a_matching_table_is_interpolated_by_default(no_shipped_tables, write_ta
     prepared = prepare(RunConfig(model="tiny-llama", context_len=1536), 2)
     assert "interpolated between entries 1024 and 2048" in prepared.partition_source
     assert abs(prepared.partition.boundaries[1] - 0.7 * 1536) <= 1  # the entries hold 0.7 up to rounding
+
+
+def test_a_stale_table_is_said_and_its_partition_reweighted_by_the_cost_model(no_shipped_tables, write_table,
+                                                                               monkeypatch):
+    """A table searched on torch's attention, a run on a kernel timed 4x as fast: the run says the table is stale
+    and moves the cut earlier (the later rank's longer prefix costs it less); on the table's own settings the
+    table's partition as it is."""
+    from kvrunahead.decide import policy
+
+    write_table(no_shipped_tables, computes={"attention_kernel": "torch", "linears": "torch"})
+    rates = {"torch": (1.0, 1.0), "ours (fast)": (4.0, 1.0)}
+    monkeypatch.setattr(policy, "compute_scale", lambda settings, dtype: rates[settings["attention_kernel"]])
+    for kernel in rates:
+        monkeypatch.setattr(policy, "compute_settings",
+                            lambda dtype, kind="cpu", k=kernel: {"attention_kernel": k, "linears": "torch"})
+        cfg = RunConfig(model="tiny-llama", context_len=2048)
+        prepared = prepare(cfg, 2)
+        if kernel == "torch":
+            assert prepared.partition.boundaries[1] == round(0.7 * 2048) and prepared.warning is None
+            assert "stale" not in prepared.partition_source
+        else:
+            assert "is stale: searched with attention kernel torch (this run: ours (fast))" in prepared.warning
+            assert "stale: re-weighted by the cost model" in prepared.partition_source
+            assert 1024 < prepared.partition.boundaries[1] < round(0.7 * 2048)
+            explicit = prepare(dataclasses.replace(cfg, table=str(no_shipped_tables / "tiny-llama_split_p2.json")),
+                               2)
+            assert explicit.partition == prepared.partition and "stale" in explicit.warning
+
+
+def test_reweighting_at_the_rates_the_table_was_searched_at_keeps_its_partition():
+    from kvrunahead.sim.optimize import reweighted_partition
+
+    config = resolve_config("tiny-llama")
+    same = reweighted_partition(config, "float32", 1, 4096, 3, "split", [0.5, 0.3, 0.2], (1.5, 0.8), (1.5, 0.8))
+    assert same.boundaries == (0, 2048, 3277, 4096)
+    slower = reweighted_partition(config, "float32", 1, 4096, 3, "split", [0.5, 0.3, 0.2], (1.0, 1.0), (0.5, 1.0))
+    assert slower.boundaries[1] > 2048  # attention slower than searched: the first rank (no prefix) takes more
 
 
 def test_a_table_of_the_other_attention_is_not_picked_by_default(no_shipped_tables, write_table):

@@ -127,3 +127,20 @@ def test_the_balance_criterion_is_measured_on_the_ranks(tmp_path):
     proc = _search("--ctx", "512", "--out", str(tmp_path / "t.json"), "--criterion", "balance", "--backend",
                    "model", timeout_s=120)
     assert proc.returncode == 2 and "reads the balance of runs on the ranks" in proc.stderr, proc.stderr
+
+
+def test_the_table_records_the_kernels_it_was_searched_on_and_a_run_on_others_calls_it_stale(tmp_path):
+    table = tmp_path / "t.json"
+    proc = _search("--ctx", "256", "--out", str(table), "--attention-kernel", "ours", "--linears", "torch")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads(table.read_text())["meta"]
+    assert meta["attention_kernel"].startswith("ours (") and meta["linears"] == "torch", meta
+    same = kvr_prefill("--model", "tiny-llama", "--nproc", "2", "--ctx", "256", "--table", str(table),
+                       "--attention-kernel", "ours", "--linears", "torch", "--json")
+    assert same.returncode == 0 and "stale" not in same.stdout + same.stderr, same.stderr
+    other = kvr_prefill("--model", "tiny-llama", "--nproc", "2", "--ctx", "256", "--table", str(table),
+                        "--attention-kernel", "torch", "--linears", "torch", "--json")
+    assert other.returncode == 0, other.stderr
+    out = json.loads(other.stdout)
+    assert f"searched with attention kernel {meta['attention_kernel']} (this run: torch)" in out["partition_warning"]
+    assert "stale: re-weighted by the cost model for torch attention" in out["partition_source"]

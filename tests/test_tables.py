@@ -139,3 +139,14 @@ def test_a_table_searched_oversubscribed_says_so_wherever_it_is_used(tmp_path):
     t.save(tmp_path / "t.json")
     assert "(searched OVERSUBSCRIBED)" in Table.load(tmp_path / "t.json").lookup(10240, name="t.json").source
     assert "OVERSUBSCRIBED" not in _table().lookup(10240, name="t.json").source  # tables before the flag: not
+
+
+def test_a_table_records_what_it_was_searched_with_and_says_when_a_run_computes_otherwise():
+    t = _table()
+    assert t.searched_with() == {"attention_kernel": "torch", "linears": "torch"}  # before settings were recorded
+    line = t.stale({"attention_kernel": "ours (amx)", "linears": "onednn"}, name="t.json")
+    assert line.startswith("partition table t.json is stale: searched with attention kernel torch (this run: ours "
+                           "(amx)), linears torch (this run: onednn), before tables recorded their settings")
+    t.meta.attention_kernel, t.meta.linears = "ours (amx)", "onednn"
+    assert t.stale({"attention_kernel": "ours (amx)", "linears": "onednn"}) is None
+    assert "linears onednn (this run: torch)" in t.stale({"attention_kernel": "ours (amx)", "linears": "torch"})

@@ -42,6 +42,10 @@ def main(verbose: bool) -> None:
     for dtype, pick in linears.auto_choice().items():
         click.echo(f"  {dtype:9} linears: oneDNN packed {pick['onednn_gflops']:7.1f} GFLOP/s, F.linear "
                    f"{pick['torch_gflops']:7.1f} GFLOP/s: --linears auto runs {pick['linears']}")
+    from kvrunahead.model.device import fast_dtype
+
+    click.echo(f"  --dtype auto computes in {fast_dtype('cpu')} (the faster GEMMs where the CPU has bfloat16 "
+               "instructions)")
 
 
 if __name__ == "__main__":

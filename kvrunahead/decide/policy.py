@@ -20,7 +20,7 @@ from kvrunahead.decide.tables import Lookup, Table, TableError, TableKey, find_t
 from kvrunahead.decode.kvp import check_kvp
 from kvrunahead.errors import InputError, ProfileError
 from kvrunahead.model.attention import uses_attention_interface
-from kvrunahead.model.compute import compute_rates, compute_settings
+from kvrunahead.model.compute import compute_scale, compute_settings
 from kvrunahead.model.device import check_device, config_dtype, default_threads, dtype_name
 from kvrunahead.model.layout import soft_caps
 from kvrunahead.model.load import ModelError, load_tokenizer, resolve_config
@@ -98,21 +98,23 @@ def table_key(cfg: RunConfig, config, world_size: int, attention: str, local_wor
                     network_label(cfg, world_size, local_world_size), cfg.tp)
 
 
-def _table_partition(cfg: RunConfig, key: TableKey, context_len: int) -> Lookup:
+def _table_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str,
+                     threads: int) -> Lookup:
     path = Path(cfg.table) if cfg.table else find_table(key)
     table = Table.load(path)
     if not cfg.force_table:
         table.check(key, name=path.name)
-    return table.lookup(context_len, name=path.name)
+    return _fresh_or_reweighted(table, table.lookup(context_len, name=path.name), path.name, config, key,
+                                context_len, attention, threads, cfg.tp)
 
 
 def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, attention: str,
-                    threads: int) -> tuple[Partition, str]:
-    """The table of this exact setting, interpolated, where it covers the context; else the cost model's
-    partition on this machine's profile for the ranks' ``threads`` (CPU), else the FLOP estimate (never silently
-    the even partition: the chain makes later ranks wait, so even is never the best)."""
+                    threads: int) -> Lookup:
+    """The table of this exact setting, interpolated, where it covers the context (re-weighted where it is stale);
+    else the cost model's partition on this machine's profile for the ranks' ``threads`` (CPU), else the FLOP
+    estimate (never silently the even partition: the chain makes later ranks wait, so even is never the best)."""
     if key.world_size == 1:
-        return Partition.even(context_len, 1), "one rank"
+        return Lookup(Partition.even(context_len, 1), "one rank")
     try:
         path = find_table(key)
     except TableError:
@@ -128,40 +130,42 @@ def _auto_partition(cfg: RunConfig, config, key: TableKey, context_len: int, att
                else f"{path.name} has no entries")
     if key.device_kind == "cpu":
         try:
+            scale = compute_scale(compute_settings(key.dtype), key.dtype) or (1.0, 1.0)
             partition, source = predicted_partition(config, key.dtype, threads, context_len, key.world_size,
-                                                     attention, key.bandwidth, cfg.tp)
-            return partition, f"{source} ({why})"
+                                                     attention, key.bandwidth, cfg.tp, scale)
+            return Lookup(partition, f"{source} ({why})")
         except ProfileError as e:
             why = f"{why}; {e}"
     partition = estimated_partition(config, context_len, key.world_size, attention)
-    return partition, f"cost estimate of the ranks' work ({why})"
+    return Lookup(partition, f"cost estimate of the ranks' work ({why})")
 
 
 _said_stale: set[str] = set()
 
 
 def _fresh_or_reweighted(table: Table, lookup: Lookup, name: str, config, key: TableKey, context_len: int,
-                         attention: str, threads: int, tp: int) -> tuple[Partition, str]:
-    """The table's partition where the run computes as the table was searched; else (a stale table: said once per
-    table) the partition re-weighted by the cost model for the change of this CPU's rates, until the table is
-    searched again."""
+                         attention: str, threads: int, tp: int) -> Lookup:
+    """The table's partition where the run computes as the table was searched; else (a stale table: said in the
+    lookup's warning, and in the log once per table) the partition re-weighted by the cost model for the change of
+    this CPU's rates, until the table is searched again."""
     run = compute_settings(key.dtype, key.device_kind)
-    stale = table.stale(run, name)
-    if stale is None:
-        return lookup.partition, lookup.source
+    stale = None if run is None else table.stale(run, name)
+    if stale is None or lookup.partition.world_size != key.world_size:  # another world size: refused by the caller
+        return lookup
     if name not in _said_stale:
         _said_stale.add(name)
         log.warning("%s", stale)
-    searched, now = compute_rates(table.searched_with(), key.dtype), compute_rates(run, key.dtype)
+    warning = "; ".join(filter(None, (lookup.warning, stale)))
+    searched, now = compute_scale(table.searched_with(), key.dtype), compute_scale(run, key.dtype)
     if key.device_kind != "cpu" or searched is None or now is None:
-        return lookup.partition, f"{lookup.source} (stale: no rates to re-weight it by)"
+        return Lookup(lookup.partition, f"{lookup.source} (stale: no rates to re-weight it by)", warning)
     try:
         partition = reweighted_partition(config, key.dtype, threads, context_len, key.world_size, attention,
                                          list(lookup.partition.ratios), searched, now, key.bandwidth, tp)
     except ProfileError as e:
-        return lookup.partition, f"{lookup.source} (stale; not re-weighted: {e})"
-    return partition, f"{lookup.source}, stale: re-weighted by the cost model for {run['attention_kernel']} " \
-        f"attention and {run['linears']} linears"
+        return Lookup(lookup.partition, f"{lookup.source} (stale; not re-weighted: {e})", warning)
+    return Lookup(partition, f"{lookup.source}, stale: re-weighted by the cost model for "
+                             f"{run['attention_kernel']} attention and {run['linears']} linears", warning)
 
 
 TP_MODES = ("kvr", "tp", "tsp", "ring", "cp-allgather", "kvr-nocomm", "spp")
@@ -291,14 +295,15 @@ def choose_partition(cfg: RunConfig, config, n: int, world_size: int, attention:
     cost model, else the FLOP estimate; else the boundaries or ratios given. ``prepare`` and the serving engine
     (per request) both ask it."""
     key = table_key(cfg, config, world_size, attention, local_world_size)
+    threads = cfg.threads or default_threads(local_world_size * cfg.tp)  # what each rank will run with
     if cfg.partition == "table" or cfg.table:
-        lookup = _table_partition(cfg, key, n)
+        lookup = _table_partition(cfg, config, key, n, attention, threads)
         if lookup.partition.world_size != world_size:
             raise InputError(f"{lookup.source} has {lookup.partition.world_size} parts, world size is {world_size}")
         return lookup.partition, lookup.source, lookup.warning
     if cfg.partition.strip() == "auto":
         check_fits(n, world_size)
-        threads = cfg.threads or default_threads(local_world_size * cfg.tp)  # what each rank will run with
-        return (*_auto_partition(cfg, config, key, n, attention, threads), None)
+        lookup = _auto_partition(cfg, config, key, n, attention, threads)
+        return lookup.partition, lookup.source, lookup.warning
     source = "even" if cfg.partition.strip() == "even" else "explicit"
     return parse_partition(cfg.partition, n, world_size), source, None

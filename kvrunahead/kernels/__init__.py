@@ -145,6 +145,11 @@ def auto_choice() -> dict[str, dict]:
     return picks
 
 
+def timed() -> bool:
+    """Whether ``auto``'s choice is known without timing anything now: read already, or kept beside a built kernel."""
+    return "choice" in _state or (cache_dir() / CHOICE_FILE).exists()
+
+
 def kept_timings(path: Path, measure, said) -> dict[str, dict]:
     """The per-dtype timings kept at ``path``, or ``measure()``'s, kept there now and ``said(them)`` once in the
     log (the attention kernels' choice, the linears')."""

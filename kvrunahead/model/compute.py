@@ -11,21 +11,32 @@ from kvrunahead.model import linears
 TORCH_THROUGHOUT = {"attention_kernel": "torch", "linears": "torch"}
 
 
-def compute_settings(dtype: str, device_kind: str = "cpu") -> dict[str, str]:
+def compute_settings(dtype: str, device_kind: str = "cpu", timing: bool = False) -> dict[str, str] | None:
     """``{"attention_kernel": "ours (avx512bf16)" | "torch", "linears": "onednn" | "torch"}`` for ranks on
-    ``device_kind`` in ``dtype`` (a name: ``float32``) under this process's settings."""
+    ``device_kind`` in ``dtype`` (a name: ``float32``) under this process's settings; None where ``auto`` would have
+    to time the kernels or the linears first (``kvr-kernels`` has not run in this cache folder): the ranks will, and
+    a decision made before them does not wait for it; ``timing``: time them now instead (on the ranks)."""
     if device_kind != "cpu":
         return dict(TORCH_THROUGHOUT)
+    untimed = (kernels.chosen() != "torch" and not kernels.timed()) or (
+        linears.chosen() == "auto" and not linears.choice_file().exists())
+    if untimed and not timing:
+        return None
     kernel = kernels.describe("cpu", dtype)
     kernel = "torch" if kernel.startswith("torch") else kernel.removesuffix(" (auto)")
     return {"attention_kernel": kernel, "linears": linears.choice_for(dtype)}
 
 
-def compute_rates(settings: dict[str, str], dtype: str) -> tuple[float, float] | None:
-    """(attention, linears) GFLOP/s of ``settings`` in ``dtype`` on this CPU, from the kernels' and the linears'
-    timings; None where either was not timed (the kernel not built)."""
-    attention = kernels.auto_choice().get(dtype, {}) if kernels.build() else {}
-    layers = linears.auto_choice().get(dtype, {})
-    a = attention.get("torch_gflops" if settings["attention_kernel"] == "torch" else "ours_gflops")
-    m = layers.get(f"{settings['linears']}_gflops")
-    return (a, m) if a and m else None
+def compute_scale(settings: dict[str, str] | None, dtype: str) -> tuple[float, float] | None:
+    """The attention's and the linears' rates under ``settings`` over torch's throughout, in ``dtype`` on this CPU
+    (the cost model's CPU profile times torch's kernels): from the kernels' and the linears' timings; None where
+    either was not timed."""
+    if settings is None:
+        return None
+    attention = kernels.auto_choice().get(dtype, {}) if kernels.timed() and kernels.build() else {}
+    layers = linears.auto_choice().get(dtype, {}) if linears.choice_file().exists() else {}
+    ours = attention.get("ours_gflops") if settings["attention_kernel"] != "torch" else attention.get("torch_gflops")
+    packed = layers.get(f"{settings['linears']}_gflops")
+    if not (ours and packed and attention.get("torch_gflops") and layers.get("torch_gflops")):
+        return None
+    return ours / attention["torch_gflops"], packed / layers["torch_gflops"]

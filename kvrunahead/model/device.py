@@ -48,11 +48,23 @@ def cpu_flags() -> frozenset[str]:
 
 def fast_dtype(device_kind: str, model_dtype: str | None = None) -> str:
     """``--dtype auto``: what the hardware is fast in. On a GPU the model's own 16-bit dtype (bfloat16 for a
-    checkpoint stored in float32); on a CPU bfloat16 where it has avx512_bf16 or AMX, else float32 (a CPU without
-    them computes bfloat16 by conversion, slower than float32)."""
+    checkpoint stored in float32); on a CPU with avx512_bf16 or AMX bfloat16, unless this CPU's linears were timed
+    faster in float32 (``kvr-kernels``: an AVX-512 Xeon without AMX runs float32's GEMMs faster than bfloat16's);
+    else float32 (a CPU without them computes bfloat16 by conversion, slower than float32)."""
     if device_kind == "cuda":
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
-    return "bfloat16" if cpu_flags() & set(BF16_FLAGS) else "float32"
+    if not cpu_flags() & set(BF16_FLAGS):
+        return "float32"
+    rates = gemm_rates()
+    return "bfloat16" if rates["bfloat16"] > rates["float32"] else "float32"
+
+
+def gemm_rates() -> dict[str, float]:
+    """The linears' GEMM rate in each dtype on this CPU (GFLOP/s, the faster of oneDNN's and F.linear's): timed once
+    per machine and torch version (model.linears), read afterwards."""
+    from kvrunahead.model import linears
+
+    return {dtype: max(pick["onednn_gflops"], pick["torch_gflops"]) for dtype, pick in linears.auto_choice().items()}
 
 
 def dtype_name(requested: str | None, device_kind: str, model_dtype: str | None = None) -> str:

@@ -51,7 +51,7 @@ def run_search(opts: SearchOptions) -> None:
     noise = parse_net(opts.net).noise
     base = dataclasses.replace(base_config(opts), kvr_attention=key.kvr_attention)
     env = environment(opts.model, "torch", opts.threads, key.bandwidth)
-    computes = compute_settings(key.dtype, key.device_kind)
+    computes = compute_settings(key.dtype, key.device_kind, timing=True)
     table = Table.load(out) if out.exists() else None
     if table is not None and table.stale(computes, out.name):
         if lead:

@@ -98,45 +98,54 @@ def search_partition(model: CostModel, context_len: int, world_size: int, attent
     return ModelSearch(best, ttft(best), ttft(even), balanced, count["n"], time.perf_counter() - t0)
 
 
-def predicted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
-                        link: str | None = None, tp: int = 1):
-    """``--partition auto`` where no table covers the context: the cost model's partition on this machine's
-    profile (``kvr-calibrate``, else the shipped CPU profile), for a chain of TP groups of ``tp`` ranks where
-    ``tp`` > 1 (their all-reduces on the same link). Returns the partition and a line saying so."""
+Scale = tuple[float, float]  # the attention's and the linears' rates over the profile's (torch's kernels on CPU)
+
+
+def rescaled_profile(profile, scale: Scale):
+    """``profile`` with its attention's and its linears' rates times ``scale``."""
+    attention_scale, linear_scale = scale
+    if scale == (1.0, 1.0):
+        return profile
+    return dataclasses.replace(
+        profile, matmul_flops_per_s=profile.matmul_flops_per_s * linear_scale,
+        attention={k: dataclasses.replace(v, flops_per_s=v.flops_per_s * attention_scale)
+                   for k, v in profile.attention.items()})
+
+
+def _model_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
+                     link: str | None, tp: int, scale: Scale) -> tuple[ModelSearch, str]:
     profile, which = resolve_profile(None, threads)
     profile, used, link_note = profile.for_network(link)
-    cost = CostModel(shape_from_config(config, dtype), profile, used)
+    cost = CostModel(shape_from_config(config, dtype), rescaled_profile(profile, scale), used)
     if tp > 1:
         cost = cost.over_tp(tp, used)
     stride = max(1, min(64, context_len // (8 * world_size)))
-    r = search_partition(cost, context_len, world_size, attention, min_stride=stride)
-    return Partition(r.boundaries), f"cost model on {which}, {link_note}: predicted TTFT {r.ttft_s:.2f} s"
+    rates = "" if scale == (1.0, 1.0) else (f", scaled to the ranks' kernels (attention {scale[0]:.2f}x, linears "
+                                            f"{scale[1]:.2f}x)")
+    return search_partition(cost, context_len, world_size, attention, min_stride=stride), f"{which}{rates}, {link_note}"
+
+
+def predicted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
+                        link: str | None = None, tp: int = 1, scale: Scale = (1.0, 1.0)):
+    """``--partition auto`` where no table covers the context: the cost model's partition on this machine's
+    profile (``kvr-calibrate``, else the shipped CPU profile), its rates ``scale``d to the kernels the ranks run
+    (the profile times torch's), for a chain of TP groups of ``tp`` ranks where ``tp`` > 1 (their all-reduces on the
+    same link). Returns the partition and a line saying so."""
+    r, where = _model_partition(config, dtype, threads, context_len, world_size, attention, link, tp, scale)
+    return Partition(r.boundaries), f"cost model on {where}: predicted TTFT {r.ttft_s:.2f} s"
 
 
 def reweighted_partition(config, dtype: str, threads: int, context_len: int, world_size: int, attention: str,
-                         ratios: list[float], searched: tuple[float, float], run: tuple[float, float],
-                         link: str | None = None, tp: int = 1) -> Partition:
+                         ratios: list[float], searched: Scale, run: Scale, link: str | None = None,
+                         tp: int = 1) -> Partition:
     """A stale table's partition moved as far as the cost model says the change of compute rates moves it: the
     table's ratios times the model's partition at the run's rates over the model's at the rates the table was
-    searched at (``searched``, ``run``: the attention's and the linears' FLOP/s on this CPU), renormalised. Where the
-    attention got faster than the linears, a later rank's longer prefix costs it less and the cuts move earlier."""
-    profile, _ = resolve_profile(None, threads)
-    profile, used, _ = profile.for_network(link)
-    stride = max(1, min(64, context_len // (8 * world_size)))
-
-    def model_ratios(attention_scale: float, linear_scale: float) -> list[float]:
-        scaled = dataclasses.replace(
-            profile, matmul_flops_per_s=profile.matmul_flops_per_s * linear_scale,
-            attention={k: dataclasses.replace(v, flops_per_s=v.flops_per_s * attention_scale)
-                       for k, v in profile.attention.items()})
-        cost = CostModel(shape_from_config(config, dtype), scaled, used)
-        if tp > 1:
-            cost = cost.over_tp(tp, used)
-        found = search_partition(cost, context_len, world_size, attention, min_stride=stride)
-        return Partition(found.boundaries).ratios
-
-    at_run = model_ratios(1.0, 1.0)
-    at_search = model_ratios(searched[0] / run[0], searched[1] / run[1])
+    searched at (``searched``, ``run``: the attention's and the linears' rates over the profile's), renormalised.
+    Where the attention got faster than the linears, a later rank's longer prefix costs it less and the cuts move
+    earlier."""
+    at_run, at_search = (
+        Partition(_model_partition(config, dtype, threads, context_len, world_size, attention, link, tp,
+                                   scale)[0].boundaries).ratios for scale in (run, searched))
     moved = [r * a / b for r, a, b in zip(ratios, at_run, at_search)]
     return Partition.from_ratios([r / sum(moved) for r in moved], context_len)
 
