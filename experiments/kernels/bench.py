@@ -81,6 +81,8 @@ CASES = {
     "chunk-512-after-8k": lambda dt: prefill_case(512, 8192 + 512, dt),
     "chunk-128-after-16k": lambda dt: prefill_case(128, 16384 + 128, dt),
     "chunk-512-after-16k": lambda dt: prefill_case(512, 16384 + 512, dt),
+    # the chain's last rank at 16k on the shipped float32 table: its 5776 queries after 10608 prefix keys
+    "rank1-16k": lambda dt: prefill_case(5776, 16384, dt),
     "decode-8-rows-150-1550": lambda dt: decode_case(DECODE_ROWS, dt),
     "decode-1-row-16k": lambda dt: decode_case([16384], dt),
 }
@@ -116,6 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="the 4k, chunk and decode cases only")
+    ap.add_argument("--cases", default=None, help=f"these cases only (comma-separated, of {', '.join(CASES)})")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not kernels.build():
@@ -127,7 +130,9 @@ def main() -> None:
             "command": "python experiments/kernels/bench.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d")}
     seen = done(env["commit"])
-    names = QUICK if args.quick else list(CASES)
+    names = args.cases.split(",") if args.cases else QUICK if args.quick else list(CASES)
+    if not set(names) <= set(CASES):
+        ap.error(f"--cases: unknown {sorted(set(names) - set(CASES))}")
     for rnd in range(args.rounds):
         for dtype in (torch.float32, torch.bfloat16):
             dt = str(dtype).removeprefix("torch.")

@@ -36,6 +36,7 @@ from kvrunahead.sim.shape import config_hash
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Prepared:
     ids: list[int]
