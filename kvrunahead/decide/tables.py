@@ -65,9 +65,9 @@ class TableMeta:
     source: str = "measured"  # or "cost model: <profile>" (kvr-search --backend model)
     oversubscribed: bool = False  # measured with more busy threads than the node has cores: the scheduler timed
     tp: int = 1  # searched over TP groups of this many ranks (kvr-search --tp); world_size counts the groups
-    # What the ranks computed with, beyond the key (settings.compute_settings): the CPU attention kernel and its path
-    # ("ours (avx512bf16)", "torch") and the linears ("onednn", "torch"). None: searched before they were recorded,
-    # on torch's attention and linears.
+    # What the ranks computed with, beyond the key (model.compute.compute_settings): the CPU attention kernel and
+    # its path ("ours (avx512bf16)", "torch") and the linears ("onednn", "torch"). None: searched before they were
+    # recorded, on torch's attention and linears.
     attention_kernel: str | None = None
     linears: str | None = None
 

@@ -60,14 +60,14 @@ def model_search(opts: SearchOptions, world_size: int) -> None:
     if cost.link_label != key.bandwidth:
         click.echo(f"warning: the profile has no link {key.bandwidth!r}; its {cost.link_label!r} link is used",
                    err=True)
-    if out.exists():
-        existing = Table.load(out)
+    existing = Table.load(out) if out.exists() else None
+    if existing is not None:
         existing.check(key, name=str(out))
         if existing.meta.source == "measured":
             raise InputError(f"{out} holds measured entries; a model-backed search writes a table of its own "
                              f"(--out)")
-    fresh = out.exists() and not Table.load(out).stale(computes)  # entries of other kernels are replaced
-    table = Table.load(out) if fresh else Table(TableMeta(
+    fresh = existing is not None and not existing.stale(computes)  # entries of other kernels are replaced
+    table = existing if fresh else Table(TableMeta(
         model=opts.model, config_hash=key.config_hash, dtype=key.dtype, world_size=world_size, backend="model",
         transport="model", device=cost.profile.device, threads_per_rank=opts.threads, bandwidth=key.bandwidth,
         version=__version__, kvr_attention=key.kvr_attention, device_kind=key.device_kind,
