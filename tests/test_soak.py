@@ -31,6 +31,7 @@ def test_the_short_soak_leaves_no_5xx_and_flat_descriptors_and_shared_memory(tmp
     assert all(summary["by_type"][kind] > 0 for kind in soak.KINDS), summary["by_type"]
     assert summary["server_errors_ok"] and summary["hostile_4xx_ok"], summary
     assert summary["fds_ok"] and summary["shm_ok"], summary
+    assert summary["kv_ok"] and summary["kv_usage_peak"] > 0, summary  # the pool used, and nothing left held
     assert all(len(s["ranks"]) == 2 for s in rows if s["kind"] == "sample")
     soak.plot(rows, tmp_path / "soak.png")
     assert (tmp_path / "soak.png").stat().st_size > 10_000

@@ -178,21 +178,25 @@ def load_table(folder: Path) -> None:
         return
     any_row = next(iter(found.values()))
     print(f"Under load, `vllm bench serve` against both servers (kvr-serve --nproc 2, vLLM CPU on both cores, "
-          f"prefix caching off): {any_row.get('machine')}, commit {any_row.get('commit')}. Concurrency: random "
-          f"512-token prompts, 64 tokens each (ignore_eos); ShareGPT: 30 prompts, 64 output tokens, Poisson "
-          f"arrivals.\n")
-    print("| dtype | load | kvr-serve | vLLM | kvr / vLLM | target |")
-    print("|---|---|---|---|---|---|")
+          f"prefix caching off): {any_row.get('machine')} ({folder.name}/). Concurrency: random 512-token prompts, "
+          f"64 tokens each (ignore_eos); ShareGPT: 30 prompts, 64 output tokens, Poisson arrivals. One round; each "
+          f"row names its pieces' commits (kvr, vLLM).\n")
+    print("| dtype | load | kvr-serve | vLLM | kvr / vLLM | target | commits |")
+    print("|---|---|---|---|---|---|---|")
     for dt in ("float32", "bfloat16"):
-        for part, level, metric, label in (("concurrency", 1, "median_tpot_ms", "TPOT p50, 1 concurrent"),
+        for part, level, metric, label in (("concurrency", 1, "median_ttft_ms", "TTFT p50, 1 concurrent"),
+                                           ("concurrency", 8, "median_ttft_ms", "TTFT p50, 8 concurrent"),
+                                           ("concurrency", 1, "median_tpot_ms", "TPOT p50, 1 concurrent"),
                                            ("concurrency", 8, "median_tpot_ms", "TPOT p50, 8 concurrent"),
                                            ("vbench", 0.25, "median_ttft_ms", "ShareGPT TTFT p50, 0.25/s"),
-                                           ("vbench", 0.5, "median_ttft_ms", "ShareGPT TTFT p50, 0.5/s")):
+                                           ("vbench", 0.5, "median_ttft_ms", "ShareGPT TTFT p50, 0.5/s"),
+                                           ("vbench", 0.25, "median_tpot_ms", "ShareGPT TPOT p50, 0.25/s"),
+                                           ("vbench", 0.5, "median_tpot_ms", "ShareGPT TPOT p50, 0.5/s")):
             k, v = found.get((dt, part, "kvr", level)), found.get((dt, part, "vllm", level))
             if k and v:
                 ratio = k[metric] / v[metric]
                 print(f"| {dt} | {label} | {k[metric]:.1f} ms | {v[metric]:.1f} ms | {ratio:.2f}x | "
-                      f"{'met' if ratio <= 1 else 'missed'} (no worse) |")
+                      f"{'met' if ratio <= 1 else 'missed'} (no worse) | {k.get('commit')}, {v.get('commit')} |")
     print()
 
 
@@ -244,6 +248,7 @@ def main() -> None:
     split_table(load("decode_split.jsonl", args.commit))
     single_table(load("vs_vllm_single.jsonl", args.commit))
     load_table(HERE / "vs_vllm_load")
+    load_table(HERE / "vs_vllm_load_xeon")
     chunks_table(load("chunks.jsonl", args.commit))
     compile_table(HERE / "compile")
 

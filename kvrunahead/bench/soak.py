@@ -6,7 +6,8 @@ are written as a row; every request as a row of its own (what it was, its status
 they come (a cut-short soak keeps what it measured). ``checks`` grades a run: resident memory of every rank grows
 at most 5% from the end of the first sixth to the end; no 5xx; file descriptors and /dev/shm flat over the same
 span; TTFT p99 of the last sixth within 1.2x of the first sixth's (for 30 minutes: minute 5 to 30, the first and
-last 5 minutes). ``plot`` draws the rows.
+last 5 minutes); once the load has ended, no K,V block of the front's pool held by a request (the pool's use is
+sampled with the rest). ``plot`` draws the rows.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def _metric(url: str, name: str) -> float | None:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")), None)
+    return next((float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith((name + " ", name + "{"))), None)  # a series, or the first of its labels
 
 
 def sample(launcher_pid: int, t_s: float, url: str | None = None) -> dict:
@@ -231,6 +233,9 @@ def sample(launcher_pid: int, t_s: float, url: str | None = None) -> dict:
     out = {"kind": "sample", "t_s": round(t_s, 2), "ranks": ranks, "shm": len(list(Path("/dev/shm").iterdir()))}
     if url is not None and (cached := _metric(url, "kvr_prefix_cache_bytes")) is not None:
         out["prefix_cache_mb"] = round(cached / 2 ** 20, 1)
+    if url is not None and (usage := _metric(url, "vllm:kv_cache_usage_perc")) is not None:
+        out["kv_usage"] = usage
+        out["kv_request_blocks"] = _metric(url, 'kvr_kv_cache_blocks{state="requests"}')
     return out
 
 
@@ -257,7 +262,11 @@ def run(url: str, model: str, launcher_pid: int, prompts: list[tuple[str, int]],
                 time.sleep(min(profile.sample_s, max(0.0, end - time.monotonic())))
         finally:
             load.join()
-        write(sample(launcher_pid, time.monotonic() - t0, url))
+        settled = time.monotonic() + 10  # the requests cancelled last are freed at the engine's next steps
+        while (last := sample(launcher_pid, time.monotonic() - t0, url)).get("kv_request_blocks") and \
+                time.monotonic() < settled:
+            time.sleep(0.5)
+        write(last)
         summary = checks(rows, profile)
         write({"kind": "summary", **summary})
     return rows
@@ -313,7 +322,12 @@ def checks(rows: list[dict], profile: Profile) -> dict:
     p99_first, p99_last = out["ttft_p99"]
     out["ttft_ratio"] = None if not (p99_first and p99_last) else round(p99_last / p99_first, 3)
     out["ttft_ok"] = out["ttft_ratio"] is not None and out["ttft_ratio"] <= 1.2
-    out["ok"] = all(out[k] for k in ("rss_ok", "server_errors_ok", "hostile_4xx_ok", "fds_ok", "shm_ok", "ttft_ok"))
+    # the K,V pool: its peak use, and no block left with a request once the load has ended
+    out["kv_usage_peak"] = max((s["kv_usage"] for s in samples if "kv_usage" in s), default=None)
+    out["kv_request_blocks_after"] = last.get("kv_request_blocks")
+    out["kv_ok"] = out["kv_request_blocks_after"] in (None, 0)
+    out["ok"] = all(out[k] for k in ("rss_ok", "server_errors_ok", "hostile_4xx_ok", "fds_ok", "shm_ok", "ttft_ok",
+                                     "kv_ok"))
     return out
 
 

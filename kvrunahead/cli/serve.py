@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 
 import click
 
 from kvrunahead.choices import SCHEDULES, SERVE_DECODES
 from kvrunahead.cli import common
+from kvrunahead.cli.serve_checks import check, check_listen, engine_config
 from kvrunahead.errors import InputError
 
 log = logging.getLogger("kvrunahead")
@@ -27,129 +27,12 @@ PROG = "kvr-serve"
 ACCESS = ("api_key", "ssl_keyfile", "ssl_certfile")  # the front's alone: the engine never sees them
 
 
-def _check_listen(host: str, port: int) -> None:
-    """Fail before any rank loads a model when the address cannot be listened on (a port in use)."""
-    if not 0 <= port <= 65535:
-        raise InputError(f"--port must be 0..65535, got {port}")
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e:
-        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-def _check(options: dict, world_size: int) -> None:
-    """The input checks every rank would fail alike, made once before the ranks start (one line, exit 2)."""
-    from kvrunahead.decide.policy import tp_groups
-    from kvrunahead.model.device import check_device
-    from kvrunahead.model.load import ModelError, resolve_config
-    from kvrunahead.model.rope import ContextError
-    from kvrunahead.serve import learning
-    from kvrunahead.serve.config import model_len_limit
-    from kvrunahead.serve.degree import learned_folder, parse_degree
-
-    if (options["ssl_keyfile"] is None) != (options["ssl_certfile"] is None):
-        raise InputError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
-    if options["ssl_certfile"] is not None:
-        import ssl
-
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(options["ssl_certfile"], options["ssl_keyfile"])
-        except (ssl.SSLError, OSError) as e:
-            raise InputError(f"--ssl-certfile/--ssl-keyfile do not load as a PEM certificate and its key: {e}") \
-                from None
-    if options["api_key"] is not None and not options["api_key"].strip():
-        raise InputError("--api-key is empty: give a key, or leave the option out to serve without one")
-    if options["max_queue"] < 1:
-        raise InputError(f"--max-queue must be at least 1, got {options['max_queue']}")
-    if options["max_request_bytes"] < 1:
-        raise InputError(f"--max-request-bytes must be at least 1, got {options['max_request_bytes']}")
-    if options["prefill"] != "spp" and (options["stages"].strip() != "auto" or options["spp_chunk_tokens"]):
-        raise InputError("--stages and --spp-chunk-tokens apply to --prefill spp")
-    if options["prefill"] == "spp" and options["decode"] == "kvp":
-        raise InputError("--prefill spp gathers every stage's K,V on the front, which decodes: --decode kvp needs "
-                         "the chain's prefill (its parts stay where they were made)")
-    for name in ("pack_tokens", "prefix_cache_tokens", "step_budget_ms", "chunk_tokens", "spp_chunk_tokens"):
-        if options[name] < 0:
-            raise InputError(f"--{name.replace('_', '-')} must be 0 (off) or more, got {options[name]}")
-    check_device(options["device"])
-    config = _engine_config(options)
-    groups = tp_groups(config.run, world_size)  # a bad TP shape: one line, before any rank loads weights
-    try:
-        parse_degree(options["degree"], groups)
-        learning.check_path(options["learn"], learned_folder())
-        if options["table"] is not None:  # a table that does not read fails here, not at the first long prompt
-            from kvrunahead.decide.tables import Table
-
-            Table.load(options["table"])
-        model_config = resolve_config(options["model"])
-        model_len_limit(config.run, model_config, config.max_model_len)
-    except (ModelError, ContextError, ValueError) as e:
-        raise InputError(str(e)) from None
-    _check_scheduling(options, model_config)
-    if options["prefill"] == "spp":
-        from dataclasses import replace
-
-        from kvrunahead.decide.policy import plan_stages
-        from kvrunahead.model.stage import check_stageable
-
-        try:
-            check_stageable(model_config)
-        except NotImplementedError as e:
-            raise InputError(str(e)) from None
-        plan_stages(replace(config.run, mode="spp", stages=options["stages"]), model_config, 2 * world_size,
-                    world_size, world_size)
-    if options["decode"] == "kvp":
-        from kvrunahead.decode.kvp import check_kvp
-
-        try:
-            check_kvp(model_config)
-        except NotImplementedError as e:
-            raise InputError(f"--decode kvp cannot serve {options['model']}: {e}") from None
-
-
-def _check_scheduling(options: dict, model_config) -> None:
-    """Chunked prefill and LARS price prefills with the CPU cost model, and run full-attention models only (a
-    sliding layer keeps its window, not the positions a later chunk reads back)."""
-    from kvrunahead.model.layout import layer_windows
-
-    wanted = [name for name, on in (("--step-budget-ms", options["step_budget_ms"] > 0),
-                                    ("--chunk-tokens", options["chunk_tokens"] > 0),
-                                    ("--schedule lars", options["schedule"] == "lars")) if on]
-    if not wanted:
-        return
-    if any(w is not None for w in layer_windows(model_config)):
-        raise InputError(f"{', '.join(wanted)}: chunked prefill and LARS run full-attention models only, and "
-                         f"{options['model']} has sliding-window layers")
-    if options["device"] not in (None, "auto", "cpu") or options["ttft_slo_s"] <= 0 or options["ttft_slo_factor"] <= 0:
-        raise InputError(f"{', '.join(wanted)}: the cost model prices CPU ranks only, and --ttft-slo-s and "
-                         f"--ttft-slo-factor must be positive")
-
-
-def _engine_config(options: dict):
-    from kvrunahead.config import RunConfig
-    from kvrunahead.serve.config import EngineConfig
-
-    run = RunConfig(model=options["model"], partition=options["partition"], kvr_attention=options["kvr_attention"],
-                    table=options["table"], dtype=options["dtype"], compile=options["compile"],
-                    device=options["device"], threads=options["threads"], timeout_s=options["timeout_s"],
-                    net=options["net"], seed=options["seed"], allow_long_context=options["allow_long_context"],
-                    context_len=None, decode=options["decode"], tp=options["tp"])
-    return EngineConfig(run=run, max_queue=options["max_queue"], max_model_len=options["max_model_len"],
-                        degree=options["degree"], learn=options["learn"], pack_tokens=options["pack_tokens"],
-                        prefix_cache_tokens=options["prefix_cache_tokens"], step_budget_ms=options["step_budget_ms"],
-                        chunk_tokens=options["chunk_tokens"], schedule=options["schedule"],
-                        ttft_slo_s=options["ttft_slo_s"], ttft_slo_factor=options["ttft_slo_factor"],
-                        mixed_steps=options["mixed_steps"], prefill=options["prefill"], stages=options["stages"],
-                        spp_chunk_tokens=options["spp_chunk_tokens"])
-
-
-def _announce(url: str, model_id: str, world):
+def _announce(url: str, model_id: str, world, kv):
     ranks = f"{world.world_size} rank(s)" if world.tp == 1 else \
         f"{world.world_size} TP group(s) of {world.tp} ranks"
+
     def started(server) -> None:
+        click.echo(f"{PROG}: K,V cache: {kv.pool.describe()} ({kv.source})", err=True)
         click.echo(f"{PROG}: serving {model_id} on {url.format(port=server.port)} over {ranks}", err=True)
     return started
 
@@ -171,7 +54,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     metrics.track(lambda: engine.waiting, lambda: len(engine.scheduler.running),
                   lambda: float(getattr(engine.recovery, "lost", None) is not None),
                   lambda: getattr(engine.recovery, "restarts", 0),
-                  lambda: engine.placement.prefixes.bytes, client.step_age_s)
+                  lambda: engine.placement.prefixes.bytes, client.step_age_s, engine.kv)
     access = access or {}
     config = uvicorn.Config(build_app(client, metrics, max_request_bytes, access.get("api_key")), host=host,
                             port=port, lifespan="off", log_level="info" if verbose else "warning",
@@ -180,7 +63,7 @@ def serve_front(engine, host: str, port: int, grace_s: float, verbose: bool,
     scheme = "https" if access.get("ssl_certfile") else "http"
     url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{{port}}/v1"
     server = DrainingServer(config, client, grace_s,
-                            on_started=_announce(url, client.model_id, engine.world))
+                            on_started=_announce(url, client.model_id, engine.world, engine.kv))
     try:
         server.run()
     finally:
@@ -206,7 +89,7 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
     from kvrunahead.ranks.setup import ready_before_joining
     from kvrunahead.serve.engine import Engine
 
-    config = _engine_config(options)
+    config = engine_config(options)
     device = resolve_device(config.run.device, local_rank_hint())
     ready_before_joining(config.run, launcher)
     world = chain_world(init_world(launcher, pick_backend(device), config.run.timeout_s, device), config.run.tp)
@@ -299,6 +182,12 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "takes, its trained positions times 4 where its rotary embedding can be extended by YaRN. Each "
                    "prompt runs as kvr-prefill runs it: beyond the trained positions with the smallest YaRN factor "
                    "that covers it (the weights are loaded once per factor in use), within them unextended.")
+@click.option("--kv-cache-memory", "kv_cache_memory", type=float, default=None,
+              help="GiB of K,V the front holds for the requests and the prefix cache, in blocks of 16 positions: a "
+                   "prompt is admitted where its blocks are free, a decode that finds none preempts the newest "
+                   "request (it runs again from its prompt; vllm:num_preemptions counts them), and a request that "
+                   "could never fit is refused (400). Default: VLLM_CPU_KVCACHE_SPACE where set, else 40% of the "
+                   "memory free at start. Said at start; vllm:kv_cache_usage_perc shows its use.")
 @click.option("--degree", default="auto", show_default=True,
               help="Ranks per prefill: auto (one rank below the measured or predicted crossover, the chain above), "
                    "1, or the world size.")
@@ -366,8 +255,8 @@ def main(nproc: int, host: str, port: int, grace_s: float, verbose: bool, **opti
             raise InputError(f"--restarts is for the ranks kvr-serve starts itself; under {launcher} give its own "
                              "restart policy (torchrun --max-restarts N)")
         if launcher == "single":
-            _check_listen(host, port)
-            _check(options, world_size)
+            check_listen(host, port)
+            check(options, world_size)
             if restarts and port == 0:
                 raise InputError("--restarts needs a --port of its own: a restarted server on another free port "
                                  "would not be found")

@@ -16,6 +16,7 @@ class EngineConfig:
     run: RunConfig = field(default_factory=RunConfig)  # model, partition, attention, transport, net, timeout, ...
     max_queue: int = 64
     max_model_len: int | None = None  # None: the longest context the model takes (RoPE extension included)
+    kv_cache_memory_gib: float | None = None  # the front's K,V pool; None: VLLM_CPU_KVCACHE_SPACE or a share of free
     degree: str = "auto"  # auto, 1, or the world size
     learn: str = "off"  # the auto degree corrected by the server's timings: off, auto (kept in the cache) or a path
     heartbeat_s: float = 1.0

@@ -28,9 +28,10 @@ from kvrunahead.ranks.stats import RankStats
 from kvrunahead.serve import asking, warm
 from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
+from kvrunahead.serve.kv_pool import Held, kv_room
 from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
 from kvrunahead.serve.planner import StepPlanner
-from kvrunahead.serve.recovery import Held, Recovery
+from kvrunahead.serve.recovery import Recovery
 from kvrunahead.serve.sampling import Sampler
 from kvrunahead.serve.scheduler import Scheduler, Step
 from kvrunahead.serve.sequence import (
@@ -98,9 +99,11 @@ class Engine:
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids cancelled, not yet freed
         self._unfreed: list[str] = []  # requests ended whose KVP shards, chunks or stages the workers still hold
         self.planner = StepPlanner(self.ctx, self.placement, self.chunks, self.decoder, self.attention)
+        self.held = Held(self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish)
+        self.kv = self.scheduler.kv = kv_room(config, self.model_config, self.max_model_len, rs.dtype, self.ctx,
+                                              self.placement.prefixes, self.held) if self.is_front else None
         folder = RecoveryDir.for_front(self.is_front, world.tp, world.world_size)  # None: no worker is brought back
-        self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, Held(
-            self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish))
+        self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, self.held)
         warm.warm_up(self.placement, self.attention, self.max_model_len)  # every length's layout; compiled shapes
 
     def _decoder_for(self, rope) -> BatchDecoder:
@@ -141,6 +144,8 @@ class Engine:
             asking.check_ask(request, self.model_config, cfg, self.max_model_len)
         elif not 0 < n <= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this server takes 1 to {self.max_model_len}")
+        if self.kv is not None:
+            self.kv.check_fits(request)
         if self.placement.peer is not None:
             peer_request(self.placement.peer, request)
         try:
@@ -161,6 +166,8 @@ class Engine:
         the scheduler's pick, its segments run on every rank that takes part (the workers told first), the outcome
         taken into the requests. An idle step keeps the workers' heartbeat."""
         events = self._take_inbox() + (self.recovery.tick() if self.recovery else [])  # after a loss: joined again?
+        if self.kv is not None and self.healthy:
+            self.kv.make_room()  # each decode's next block held, or the newest request preempted
         step = self.scheduler.schedule() if self.healthy else None
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
             drafted = self.planner.plan(step)
@@ -388,8 +395,5 @@ class Engine:
 
 
 def _drained(inbox: queue.SimpleQueue) -> list:
-    """What ``inbox`` holds now, taken out in order."""
-    items = []
-    while not inbox.empty():
-        items.append(inbox.get_nowait())  # the stepping thread alone takes from it: what is there stays there
-    return items
+    """What ``inbox`` holds now, taken out in order (the stepping thread alone takes from it: what is there stays)."""
+    return [inbox.get_nowait() for _ in range(inbox.qsize())]

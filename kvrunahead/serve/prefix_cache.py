@@ -4,6 +4,9 @@ document asked about again) prefills only its new tokens.
 The entries hold the prefill's own tensors, not copies: the cache a request decodes into grows by concatenation,
 never in place, so the prompt's K,V stay as they were. Bounded by tokens held, least recently used first out.
 
+Where the front has a K,V pool (serve/kv_pool.py), each entry holds blocks of it: an entry is kept only where its
+blocks are free, and the pool evicts entries, least recently used first, when requests need their blocks.
+
 Over a TP group (``--tp``) every rank of the front's group keeps its own cache of its own heads: the front's
 changes to its entries and their order (``put``, ``longest``, ``whole``) are recorded (``record``) and its TP peers
 replay them in the same order (``replay``), so the peers' entries, evictions and lookups stay the front's.
@@ -25,6 +28,7 @@ class CachedPrompt:
     ids: tuple[int, ...]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of the prompt, [1, heads, tokens, head_dim]
     logits: torch.Tensor | None = None  # its last position's (the first token's), float32 [vocab]; None: not kept
+    owner: str = ""  # its holder's name in the K,V pool ("": no pool)
 
 
 class PrefixCache:
@@ -34,6 +38,8 @@ class PrefixCache:
         self.tokens = 0
         self.bytes = 0  # the entries' K,V (read by /metrics from another thread: a number, never the entries)
         self.record: list | None = None  # a TP front's: (what, request id, prompt ids) of every change, in order
+        self.pool = None  # the front's K,V pool (serve/kv_pool.KVPool), where it has one
+        self._kept = 0  # entries kept so far: each one's pool name is its number
 
     def _note(self, what: str, owner: str | None, ids) -> None:
         if self.record is not None and self.max_tokens:
@@ -42,26 +48,62 @@ class PrefixCache:
     def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None,
             owner: str | None = None) -> None:
         """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``, the prefill of request
-        ``owner``) and its first-token ``logits``, where given."""
-        self._note("put", owner, ids)
+        ``owner``) and its first-token ``logits``, where given; not where the pool has no room for it."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
-            return
+            return self._note("put", owner, ids)
         entry = self.entries.get(key)
         if entry is None:
+            holder = ""
+            if self.pool is not None:
+                holder, self._kept = f"prefix-{self._kept}", self._kept + 1
+                if not self._room(len(key), holder):
+                    return None  # (not recorded: a TP peer keeps no entry the front does not)
+            self._note("put", owner, ids)
             n = len(key)
             entry = self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
-                                                           for layer in cache.layers])
+                                                           for layer in cache.layers], owner=holder)
             self.tokens += n
             self.bytes += _nbytes(entry)
         else:
+            self._note("put", owner, ids)
             self.entries.move_to_end(key)
         if entry.logits is None and logits is not None:
             entry.logits = logits.detach().float().cpu().clone()
         while self.tokens > self.max_tokens:
-            _, old = self.entries.popitem(last=False)
-            self.tokens -= len(old.ids)
-            self.bytes -= _nbytes(old)
+            self._drop(next(iter(self.entries)))
+        return None
+
+    def _room(self, tokens: int, holder: str) -> bool:
+        """Take the pool's blocks for a new entry of ``tokens`` positions, evicting older entries as far as needed;
+        False, evicting none, where even evicting every entry would leave too few (the requests hold the rest)."""
+        need = self.pool.blocks_for(tokens)
+        if self.pool.free_blocks + sum(self.pool.sole(e.owner) for e in self.entries.values()) < need:
+            return False
+        while self.pool.free_blocks < need:
+            self.evict_oldest(skip=())
+        self.pool.hold(holder, tokens)
+        return True
+
+    def evict_oldest(self, skip) -> bool:
+        """Drop the least recently used entry whose pool name is not in ``skip``; False where there is none."""
+        key = next((k for k, e in self.entries.items() if e.owner not in skip), None)
+        if key is None:
+            return False
+        self._note("evict", None, key)
+        self._drop(key)
+        return True
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        old = self.entries.pop(key)
+        self.tokens -= len(old.ids)
+        self.bytes -= _nbytes(old)
+        if self.pool is not None and old.owner:
+            self.pool.release(old.owner)  # its blocks stay held where forks of it still decode
+
+    def entry(self, ids: list[int]) -> CachedPrompt | None:
+        """The entry of exactly this prompt (the entries' order untouched)."""
+        return self.entries.get(tuple(ids))
 
     def _best(self, ids: list[int]) -> tuple[int, CachedPrompt | None]:
         """The entry sharing the longest prefix with ``ids`` and that prefix's length (at least ``min_match``, and
@@ -126,6 +168,8 @@ class PrefixCache:
         elif what == "prefix-longest":
             cached, entry = self.longest(list(ids))
             return "held", self.held(entry, cached)
+        elif what == "prefix-evict":
+            self._drop(ids)
         elif what == "prefix-whole":
             entry = self.entries[ids]  # the front's entry has its logits; this rank's needs none
             self.entries.move_to_end(ids)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.setup import rejoin
-from kvrunahead.serve.scheduler import Scheduler, Step
-from kvrunahead.serve.sequence import Event, Sequence, StopText, WorkersDown
+from kvrunahead.serve.kv_pool import Held, run_again
+from kvrunahead.serve.scheduler import Step
+from kvrunahead.serve.sequence import Event, Sequence, WorkersDown
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +39,6 @@ class Lost:
     since_monotonic: float
     why: str
     rank: int | None = None
-
-
-@dataclass
-class Held:
-    """The engine's state a loss changes: its queue, the front's decode batch, the heartbeat to the workers, the
-    requests' samplers, and how a request ends (``finish(seq, reason, error)``)."""
-
-    scheduler: Scheduler
-    decoder: object  # serve/step/batch_decode.VariantDecoders
-    heartbeat: object  # serve/step/workers.Heartbeat
-    samplers: dict
-    finish: Callable[..., Event]
 
 
 class Recovery:
@@ -114,18 +102,11 @@ class Recovery:
     def rerun(self, seq: Sequence, why: str) -> list[Event]:
         """``seq`` again from its prompt, the tokens it has sent fed back rather than chosen again (the engine's
         ``_next``), so that its stream goes on where it was; an error once it has run ``RERUNS`` times."""
-        held = self.held
-        held.scheduler.finish(seq)
-        held.decoder.remove(seq.request_id)
-        held.samplers.pop(seq.request_id, None)
         if seq.retried >= RERUNS:
-            return [held.finish(seq, "error", f"{why}; the request ran {seq.retried + 1} times and lost its ranks "
-                                              "each time")]
+            return [self.held.finish(seq, "error", f"{why}; the request ran {seq.retried + 1} times and lost its "
+                                                   "ranks each time")]
         seq.retried += 1
-        seq.replay = seq.output_ids + seq.replay  # sent already: what a replay has retaken, then what it has not
-        seq.output_ids, seq.text, seq.prompt_logprobs = [], StopText(seq.request.params.stop), []
-        seq.prefilled, seq.chunked, seq.answers, seq.status = 0, False, None, "waiting"
-        held.scheduler.requeue(seq)
+        run_again(self.held, seq)
         return []
 
     def lose(self, e: BaseException) -> Lost:

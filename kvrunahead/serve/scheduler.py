@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._last_was_prefill = False
         self.hold_prefills = False  # a worker is lost: no prefill runs until the workers are back (decodes go on)
+        self.kv = None  # the front's K,V pool (serve/preemption.KVRoom): a prefill is taken where its blocks are free
 
     @property
     def queued(self) -> int:
@@ -162,15 +163,18 @@ class Scheduler:
         if (self.waiting or self.prefilling) and not self.hold_prefills:
             order = self.order(now)
             first = order[0]
-            for seq in order[1:]:
-                seq.passed_over += 1
-            first.passed_over = 0
+            if not self._admit(first):  # it waits for its blocks, the decodes freeing them: no new prompt overtakes
+                first = next((s for s in order if s in self.prefilling), None)  # a chunked one holds its own
+                if first is None:
+                    return []
+            for seq in order:
+                seq.passed_over = 0 if seq is first else seq.passed_over + 1
             if first in self.prefilling:
                 self.prefilling.remove(first)
                 return [first]
             self.waiting.remove(first)
             if self.answered(first):  # nothing to compute: every other such request goes in the same step (n)
-                seqs = [first] + [s for s in order[1:] if s in self.waiting and self.answered(s)]
+                seqs = [first] + [s for s in order[1:] if s in self.waiting and self.answered(s) and self._admit(s)]
                 for seq in seqs[1:]:
                     self.waiting.remove(seq)
                     seq.passed_over = 0
@@ -182,7 +186,8 @@ class Scheduler:
             # overtaken.
             packs = bool(self.pack_tokens) and self._packable(first)
             for seq in (s for s in order[1:] if s in self.waiting):
-                if not (packs and total + seq.prompt_len <= self.pack_tokens and self._packable(seq)):
+                if not (packs and total + seq.prompt_len <= self.pack_tokens and self._packable(seq)
+                        and self._admit(seq)):
                     break
                 self.waiting.remove(seq)
                 seqs.append(seq)
@@ -191,6 +196,10 @@ class Scheduler:
                 seq.passed_over = 0
             return seqs
         return []
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prefill may run now: its K,V blocks taken where the front has a pool."""
+        return self.kv is None or self.kv.admit(seq, self.answered(seq))
 
     def _packable(self, seq: Sequence) -> bool:
         return (seq.rope is None and seq.request.params.prompt_logprobs is None and not seq.request.questions
@@ -243,8 +252,11 @@ class Scheduler:
         self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
+        """``seq`` is out (ended, or to run again): out of the running requests, its K,V blocks freed."""
         if seq in self.running:
             self.running.remove(seq)
+        if self.kv is not None:
+            self.kv.release(seq)
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a request out wherever it is (cancel); the caller frees its cache."""

@@ -65,15 +65,20 @@ class Metrics:
         self.step_age = Gauge("kvr_engine_step_age_seconds", "Seconds since the engine last finished a step (the "
                               "engine's heartbeat: an idle engine steps every second; /health says 503 once a step "
                               "has run past --timeout).", registry=r)
+        self.kv_blocks = Gauge("kvr_kv_cache_blocks", "The front's K,V pool (--kv-cache-memory) in blocks of 16 "
+                               "positions: total, used (by requests, forks and the prefix cache), free, and those "
+                               "the requests hold (requests).", ["state"], registry=r)
         self._restarts: Callable[[], int] = lambda: 0
+        self._preemptions: Callable[[], int] = lambda: 0
         for outcome in OUTCOMES:  # every outcome shows from the start, at zero
             self.requests.labels(outcome=outcome)
 
     def track(self, queue_depth: Callable[[], float], running: Callable[[], float],
               degraded: Callable[[], float] = lambda: 0.0, restarts: Callable[[], int] = lambda: 0,
-              prefix_bytes: Callable[[], float] = lambda: 0.0, step_age: Callable[[], float] = lambda: 0.0) -> None:
+              prefix_bytes: Callable[[], float] = lambda: 0.0, step_age: Callable[[], float] = lambda: 0.0,
+              kv=None) -> None:
         """Read the gauges (and the restarts) from the engine at each scrape rather than keeping a second count of
-        its state."""
+        its state. ``kv``: the front's serve/preemption.KVRoom (its pool's use and its preemptions)."""
         self.queue_depth.set_function(queue_depth)
         self.running.set_function(running)
         self.vllm.waiting.set_function(queue_depth)
@@ -82,6 +87,14 @@ class Metrics:
         self.prefix_bytes.set_function(prefix_bytes)
         self.step_age.set_function(step_age)
         self._restarts = restarts
+        if kv is not None:
+            pool = kv.pool
+            self.vllm.kv_usage.set_function(lambda: pool.usage)
+            self.kv_blocks.labels(state="total").set(pool.num_blocks)
+            self.kv_blocks.labels(state="used").set_function(lambda: pool.used_blocks)
+            self.kv_blocks.labels(state="free").set_function(lambda: pool.free_blocks)
+            self.kv_blocks.labels(state="requests").set_function(kv.request_blocks)
+            self._preemptions = lambda: kv.preemptions
 
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -127,6 +140,7 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         self.rank_restarts.inc(max(0, self._restarts() - self.rank_restarts._value.get()))
+        self.vllm.preemptions.inc(max(0, self._preemptions() - self.vllm.preemptions._value.get()))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -148,4 +162,6 @@ class VllmMetrics:
         self.running = one(Gauge, "num_requests_running", "Number of requests in model execution batches.")
         self.waiting = one(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
         self.prompt_tokens = one(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.kv_usage = one(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = one(Counter, "num_preemptions", "Cumulative number of preemption from the engine.")
         self.generation_tokens = one(Counter, "generation_tokens", "Number of generation tokens processed.")

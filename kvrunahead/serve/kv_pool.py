@@ -1,0 +1,365 @@
+"""The front's K,V budget: blocks of ``BLOCK_TOKENS`` positions, sized once at start, each holder's K,V a table of
+blocks, a block shared by several holders counted once (vLLM's ``BlockPool``, nano-vllm's ``BlockManager``); and the
+engine held to it (``KVRoom``, vLLM's recompute preemption).
+
+Holders are requests (their prompt and the tokens they decoded), the prefix cache's entries, and forks (the ``n``
+choices answered from an entry: its blocks by reference, their own tokens in blocks after them).
+
+- A prompt is admitted (the scheduler takes its prefill) only where the pool has its blocks, plus one block for each
+  running request (the most the next step's decodes can take). A request carrying questions holds every position it
+  may reach at once.
+- Before each step every decoding request takes the block its next token needs. Where none is free, the prefix
+  cache's entries go first, least recently used first; then the newest request is preempted: its blocks freed, it
+  runs again from its prompt, and the tokens its stream sent are fed back rather than sent again (``run_again``, as
+  after a worker's loss).
+
+The pool counts the positions each holder keeps. The K,V themselves are still the holders' own tensors (a decode's
+buffer keeps room for an eighth more positions than it holds, model/growing.py): the budget bounds them through
+this count, not by owning their memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrunahead.errors import InputError
+from kvrunahead.serve.prefix_cache import PrefixCache
+from kvrunahead.serve.scheduler import Scheduler
+from kvrunahead.serve.sequence import Event, Sequence, StopText
+
+log = logging.getLogger(__name__)
+
+BLOCK_TOKENS = 16  # vLLM's default block size
+FREE_SHARE = 0.4  # the default budget: this share of the memory free when the server starts
+ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM CPU's budget in GiB, read where --kv-cache-memory is not given (0: the default)
+GIB = 1 << 30
+
+
+@dataclass
+class Table:
+    blocks: list[int] = field(default_factory=list)
+    shared_tokens: int = 0  # the positions its first blocks hold by reference (a fork's prompt); its own come after
+
+
+class OutOfBlocks(RuntimeError):
+    """A holder needs more blocks than are free."""
+
+
+class KVPool:
+    def __init__(self, num_blocks: int, block_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a K,V pool needs at least one block, got {num_blocks}")
+        self.num_blocks, self.block_bytes, self.block_tokens = num_blocks, block_bytes, block_tokens
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self.tables: dict[str, Table] = {}
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """The share of the blocks held (vLLM's ``kv_cache_usage_perc``: 1 is all of them)."""
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def tokens(self) -> int:
+        """The most positions the pool holds."""
+        return self.num_blocks * self.block_tokens
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(max(0, tokens) / self.block_tokens)
+
+    def needs(self, owner: str, tokens: int) -> int:
+        """The blocks ``owner`` must take to hold ``tokens`` positions (0 where it holds them already)."""
+        table = self.tables.get(owner)
+        if table is None:
+            return self.blocks_for(tokens)
+        shared = self.blocks_for(table.shared_tokens)
+        return max(0, shared + self.blocks_for(tokens - table.shared_tokens) - len(table.blocks))
+
+    def hold(self, owner: str, tokens: int) -> None:
+        """Grow ``owner``'s table to hold ``tokens`` positions; raises OutOfBlocks, taking none, where too few are
+        free."""
+        need = self.needs(owner, tokens)
+        if need > len(self._free):
+            raise OutOfBlocks(f"{owner} needs {need} blocks of K,V, {len(self._free)} are free")
+        table = self.tables.setdefault(owner, Table())
+        for _ in range(need):
+            block = self._free.popleft()
+            self._refs[block] = 1
+            table.blocks.append(block)
+
+    def share(self, owner: str, source: str, tokens: int) -> None:
+        """Start ``owner``'s table with the blocks of ``source`` that hold its first ``tokens`` positions, by
+        reference (a fork of a cached prompt); its own positions go into blocks of its own after them."""
+        if owner in self.tables:
+            raise ValueError(f"{owner} holds blocks already")
+        blocks = self.tables[source].blocks[:self.blocks_for(tokens)]
+        for block in blocks:
+            self._refs[block] += 1
+        self.tables[owner] = Table(list(blocks), tokens)
+
+    def sole(self, owner: str) -> int:
+        """The blocks ``owner`` alone holds: what releasing it would free."""
+        table = self.tables.get(owner)
+        return sum(self._refs[b] == 1 for b in table.blocks) if table is not None else 0
+
+    def release(self, owner: str) -> int:
+        """Drop ``owner``'s table; the blocks no other holder refers to are free again. How many were freed."""
+        table = self.tables.pop(owner, None)
+        freed = 0
+        for block in table.blocks if table is not None else ():
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                self._free.append(block)
+                freed += 1
+        return freed
+
+    def blocks_of(self, owners) -> int:
+        """The blocks any of ``owners`` holds, each counted once."""
+        tables = [self.tables.get(owner) for owner in owners]
+        return len({b for table in tables if table is not None for b in table.blocks})
+
+    def describe(self) -> str:
+        return (f"{self.num_blocks * self.block_bytes / GIB:.3g} GiB of K,V: {self.num_blocks} blocks of "
+                f"{self.block_tokens} positions ({self.tokens} positions)")
+
+
+def pool_for(asked_gib: float | None, model_config, element_size: int, tp: int, max_model_len: int,
+             free_bytes: int | None = None) -> tuple[KVPool, str]:
+    """The front's pool for a model of ``model_config`` computing in ``element_size`` bytes (``1 / tp`` of its K,V
+    heads), and where its size came from; ValueError where it cannot hold one request of ``max_model_len``."""
+    size, source = budget_bytes(asked_gib, free_bytes)
+    block = token_bytes(model_config, element_size, tp) * BLOCK_TOKENS
+    pool = KVPool(max(1, size // block), block)
+    if pool.tokens < max_model_len:
+        raise ValueError(f"the K,V cache ({source}: {pool.describe()}) cannot hold one request of the longest "
+                         f"context, {max_model_len} tokens: give --kv-cache-memory at least "
+                         f"{pool.blocks_for(max_model_len) * block / GIB:.3g} (GiB), or a lower --max-model-len")
+    return pool, source
+
+
+def token_bytes(model_config, element_size: int, tp: int = 1) -> int:
+    """Bytes of K and V one position holds over every layer, on a rank with ``1 / tp`` of the K,V heads."""
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return 2 * model_config.num_hidden_layers * max(1, heads // tp) * head_dim * element_size
+
+
+def budget_bytes(asked_gib: float | None, free_bytes: int | None = None) -> tuple[int, str]:
+    """The pool's bytes and where they came from: ``--kv-cache-memory`` in GiB, else ``VLLM_CPU_KVCACHE_SPACE``
+    (vLLM CPU's, in GiB; 0 or unset: the default), else ``FREE_SHARE`` of the memory free now."""
+    if asked_gib:
+        return int(asked_gib * GIB), f"--kv-cache-memory {asked_gib:g}"
+    env = os.environ.get(ENV, "").strip()
+    if env and float(env) > 0:
+        return int(float(env) * GIB), f"{ENV}={env}"
+    free = available_bytes() if free_bytes is None else free_bytes
+    return int(FREE_SHARE * free), f"{FREE_SHARE:.0%} of the {free / GIB:.1f} GiB free at start"
+
+
+def available_bytes() -> int:
+    """The memory free for new allocations: ``MemAvailable`` (the physical memory where /proc/meminfo is missing),
+    less where this process's cgroup (a container's, v1 or v2) or one above it allows less."""
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    return min([free, *cgroup_room()])
+
+
+def cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
+    """The bytes each memory cgroup holding this process (its own and those above it) has left under its limit."""
+    rooms = []
+    try:
+        with open(proc) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return rooms
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if controllers == "":  # v2: memory.max and memory.current, under the unified mount
+            base = next((b for b in (root, f"{root}/unified") if os.path.exists(f"{b}/cgroup.controllers")), None)
+            files = ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = f"{root}/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        while base is not None:
+            folder = os.path.join(base, path.lstrip("/"))
+            room = _room_in(folder, *files)
+            if room is not None:
+                rooms.append(room)
+            if path in ("", "/"):
+                break
+            path = os.path.dirname(path.rstrip("/"))
+    return rooms
+
+
+def _room_in(folder: str, limit_file: str, usage_file: str) -> int | None:
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # no limit (v1 writes a page-rounded 2**63)
+        return None
+    return max(0, int(limit) - usage)
+
+
+def check_env() -> None:
+    """Raise ValueError where ``VLLM_CPU_KVCACHE_SPACE`` is set to something other than a number of GiB."""
+    env = os.environ.get(ENV, "").strip()
+    try:
+        ok = not env or float(env) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{ENV} must be a number of GiB (0: the default), got {env!r}")
+
+
+
+
+@dataclass
+class Held:
+    """The engine's state that running a request again changes: its queue, the front's decode batch, the heartbeat
+    to the workers, the requests' samplers, and how a request ends (``finish(seq, reason, error)``)."""
+
+    scheduler: Scheduler
+    decoder: object  # serve/step/batch_decode.VariantDecoders
+    heartbeat: object  # serve/step/workers.Heartbeat
+    samplers: dict
+    finish: Callable[..., Event]
+
+
+def run_again(held: Held, seq: Sequence) -> None:
+    """``seq`` back in the queue, first in line, to run again from its prompt: its cache and sampler dropped, the
+    tokens it has sent fed back rather than chosen again (``Sequence.next_token``), so its stream goes on where it
+    was."""
+    held.scheduler.finish(seq)
+    held.decoder.remove(seq.request_id)
+    held.samplers.pop(seq.request_id, None)
+    seq.replay = seq.output_ids + seq.replay  # sent already: what a replay has retaken, then what it has not
+    seq.output_ids, seq.text, seq.prompt_logprobs = [], StopText(seq.request.params.stop), []
+    seq.prefilled, seq.chunked, seq.answers, seq.status = 0, False, None, "waiting"
+    held.scheduler.requeue(seq)
+
+
+def reach(seq: Sequence) -> int:
+    """The most positions ``seq`` may hold: its prompt and ``max_tokens``; a context's questions each with theirs."""
+    request = seq.request
+    rows = request.questions or [[]]
+    return len(request.prompt_ids) + sum(len(q) + request.params.max_tokens for q in rows)
+
+
+class KVRoom:
+    """The pool's holders on the front: each request by its id, the prefix cache's entries by theirs.
+    ``preemptable(seq)``: whether a request's K,V are the front's alone (a KV-parallel decode's are not)."""
+
+    def __init__(self, pool: KVPool, prefixes: PrefixCache, held: Held,
+                 preemptable: Callable[[Sequence], bool] = lambda seq: True, source: str = "") -> None:
+        self.pool, self.prefixes, self.held, self.preemptable = pool, prefixes, held, preemptable
+        self.source = source  # where its size came from (said at start)
+        self.preemptions = 0
+        self._pinned: set[str] = set()  # the entries this step's prompts share: not evicted before they run
+        prefixes.pool = pool
+
+    def check_fits(self, request) -> None:
+        """Raise ValueError where ``request`` (a serve.sequence.Request) could never be held, the pool empty."""
+        seq = Sequence(request)
+        need, pool = reach(seq), self.pool
+        if pool.blocks_for(need) > pool.num_blocks:
+            asked = (f"{len(seq.request.questions)} questions with max_tokens {seq.request.params.max_tokens} each"
+                     if seq.request.questions else f"max_tokens {seq.request.params.max_tokens}")
+            raise ValueError(f"the request may hold {need} positions of K,V (its {seq.prompt_len} prompt tokens and "
+                             f"{asked}); the K,V cache holds {pool.tokens} (--kv-cache-memory)")
+
+    def admit(self, seq: Sequence, answered: bool) -> bool:
+        """Take ``seq``'s blocks for its prefill (``answered``: the prefix cache holds its prompt whole, and it
+        forks the entry); False, taking none, where the pool has no room for them even with the cache's entries
+        gone."""
+        if seq.request_id in self.pool.tables:  # a chunked prompt's next chunk: held since its first
+            return True
+        reserve = len(self.held.scheduler.running)
+        if answered and (entry := self.prefixes.entry(seq.request.prompt_ids)) is not None and entry.owner:
+            if not self._room(reserve):
+                return False
+            self.pool.share(seq.request_id, entry.owner, seq.prompt_len)
+            self._pinned.add(entry.owner)
+            return True
+        need = reach(seq) if seq.request.questions else seq.prompt_len
+        if not self._room(self.pool.needs(seq.request_id, need) + reserve):
+            return False
+        self.pool.hold(seq.request_id, need)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self.pool.release(seq.request_id)
+
+    def request_blocks(self) -> int:
+        """The blocks the requests hold (read from another thread, the metrics': the tables copied first)."""
+        prefix = {e.owner for e in list(self.prefixes.entries.values())}
+        return self.pool.blocks_of([owner for owner in list(self.pool.tables) if owner not in prefix])
+
+    def make_room(self) -> None:
+        """Before a step: every decoding request holds the block its next token goes into, the prefix cache's
+        entries evicted and then the newest requests preempted where the pool is out of blocks."""
+        self._pinned.clear()
+        running = self.held.scheduler.running
+        for seq in list(running):
+            if seq not in running or seq.request.questions:  # preempted meanwhile; a context holds its reach
+                continue
+            tokens = seq.next_position + 1
+            while not self._room(self.pool.needs(seq.request_id, tokens)):
+                victims = [s for s in running if self.preemptable(s) and not s.request.questions]
+                if not victims:
+                    break
+                self.preempt(victims[-1])
+                if victims[-1] is seq:
+                    break
+            else:
+                self.pool.hold(seq.request_id, tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
+        log.info("the K,V cache is full (%d blocks): %s preempted after %d tokens, to run again from its prompt",
+                 self.pool.num_blocks, seq.request_id, len(seq.output_ids))
+        run_again(self.held, seq)
+
+    def _room(self, blocks: int) -> bool:
+        """Whether ``blocks`` are free, the prefix cache's unpinned entries evicted (least recently used first) as
+        far as needed."""
+        while self.pool.free_blocks < blocks:
+            if not self.prefixes.evict_oldest(skip=self._pinned):
+                return False
+        return True
+
+
+def kv_room(config, model_config, max_model_len: int, dtype, ctx, prefixes: PrefixCache, held: Held) -> KVRoom:
+    """The front's pool for ``config`` (``--kv-cache-memory``; by default a share of the memory free on its device),
+    its size said; a KV-parallel decode (its K,V on every rank, ``ctx.shards``) is never preempted."""
+    free = None
+    if ctx.device.type == "cuda":
+        import torch
+
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+    try:
+        pool, source = pool_for(config.kv_cache_memory_gib, model_config, dtype.itemsize, ctx.tp, max_model_len,
+                                free)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return KVRoom(pool, prefixes, held, preemptable=lambda seq: seq.request_id not in ctx.shards, source=source)
