@@ -9,9 +9,10 @@ choices answered from an entry: its blocks by reference, their own tokens in blo
   running request (the most the next step's decodes can take). A request carrying questions holds every position it
   may reach at once.
 - Before each step every decoding request takes the block its next token needs. Where none is free, the prefix
-  cache's entries go first, least recently used first; then the newest request is preempted: its blocks freed, it
-  runs again from its prompt, and the tokens its stream sent are fed back rather than sent again (``run_again``, as
-  after a worker's loss).
+  cache's entries go first, least recently used first; then the request that arrived last is preempted: its blocks
+  freed, it runs again from its prompt, and the tokens its stream sent are fed back rather than sent again
+  (``run_again``, as after a worker's loss). Running again, it is admitted only with room for every position its
+  replay reaches.
 
 The pool counts the positions each holder keeps. The K,V themselves are still the holders' own tensors (a decode's
 buffer keeps room for an eighth more positions than it holds, model/growing.py): the budget bounds them through
@@ -301,7 +302,9 @@ class KVRoom:
             self.pool.share(seq.request_id, entry.owner, seq.prompt_len)
             self._pinned.add(entry.owner)
             return True
-        need = reach(seq) if seq.request.questions else seq.prompt_len
+        # a request running again (preempted, or after a worker's loss) holds at once the positions its replay will
+        # reach: admitted with less, it would be the newest to grow when the pool is full, and preempted again
+        need = reach(seq) if seq.request.questions else seq.prompt_len + len(seq.replay)
         if not self._room(self.pool.needs(seq.request_id, need) + reserve):
             return False
         self.pool.hold(seq.request_id, need)
@@ -328,8 +331,9 @@ class KVRoom:
                 victims = [s for s in running if self.preemptable(s) and not s.request.questions]
                 if not victims:
                     break
-                self.preempt(victims[-1])
-                if victims[-1] is seq:
+                victim = max(victims, key=lambda s: s.request.arrival_s)  # the last to arrive (vLLM's FCFS)
+                self.preempt(victim)
+                if victim is seq:
                     break
             else:
                 self.pool.hold(seq.request_id, tokens)
