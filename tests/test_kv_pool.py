@@ -299,3 +299,15 @@ def test_the_default_budget_reads_the_room_left_in_the_process_s_cgroups_v1_and_
     (tmp_path / "memory.max").write_text("max\n")
     assert sorted(cgroup_room(str(proc), str(tmp_path))) == [2 * GIB, 4 * GIB]
     assert cgroup_room(str(tmp_path / "missing"), str(tmp_path)) == []
+
+
+def test_while_a_worker_is_lost_only_the_prompts_the_prefix_cache_answers_whole_are_taken():
+    from kvrunahead.serve.scheduler import Scheduler
+    from kvrunahead.serve.sequence import Sequence
+
+    scheduler = Scheduler(max_queue=8, answered=lambda seq: seq.request_id.startswith("cached"))
+    for name in ("new", "cached0", "cached1"):
+        scheduler.add(Sequence(Request(name, [1] * 10)))
+    scheduler.hold_prefills = True
+    assert [s.request_id for s in scheduler.schedule().prefills] == ["cached0", "cached1"]  # no rank computes them
+    assert scheduler.schedule() is None and [s.request_id for s in scheduler.waiting] == ["new"]

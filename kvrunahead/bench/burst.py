@@ -203,6 +203,7 @@ def main(memory: str, requests: int, n: int, max_tokens: int, duration: float, m
 
 def run(limit: int, requests: int, n: int, max_tokens: int, duration: float, model: str, port: int,
         serve_args: tuple[str, ...] = ()) -> dict:
+    commit = _commit()  # the code the server runs: read before it starts
     cgroup = Cgroup(f"kvr-burst-{os.getpid()}", limit)
     log = Path(f"/tmp/kvr-burst-{os.getpid()}.log")
     try:
@@ -219,7 +220,7 @@ def run(limit: int, requests: int, n: int, max_tokens: int, duration: float, mod
         codes: dict[str, int] = {}
         for o in got["outcomes"]:
             codes[str(o["status"])] = codes.get(str(o["status"]), 0) + 1
-        return {"command": command(), "machine": machine(), "commit": _commit(), "date": time.strftime("%F %T"),
+        return {"command": command(), "machine": machine(), "commit": commit, "date": time.strftime("%F %T"),
                 "memory_limit": limit, "requests": requests, "n": n, "max_tokens": max_tokens, "duration_s": duration,
                 "pool": said, "statuses": codes, "answered": codes.get("200", 0),
                 "refused": sum(v for k, v in codes.items() if k.startswith("4")),

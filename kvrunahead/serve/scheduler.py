@@ -75,7 +75,8 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # long prompts partly prefilled, between their chunks
         self.running: list[Sequence] = []
         self._last_was_prefill = False
-        self.hold_prefills = False  # a worker is lost: no prefill runs until the workers are back (decodes go on)
+        self.hold_prefills = False  # a worker is lost: no prefill runs until the workers are back (decodes go on, and
+        # the prompts the prefix cache answers whole)
         self.kv = None  # the front's K,V pool (serve/preemption.KVRoom): a prefill is taken where its blocks are free
 
     @property
@@ -159,8 +160,14 @@ class Scheduler:
         return rest if chunked_end > deadline else 0.0
 
     def _prefill(self, now: float) -> list[Sequence]:
-        """The next prefill's requests, taken out of the queue (none when nothing waits or prefills are held)."""
-        if (self.waiting or self.prefilling) and not self.hold_prefills:
+        """The next prefill's requests, taken out of the queue (none when nothing waits; while prefills are held, only
+        those the prefix cache answers whole, which no rank computes)."""
+        if self.hold_prefills:
+            seqs = [s for s in self.order(now) if s in self.waiting and self.answered(s) and self._admit(s)]
+            for seq in seqs:
+                self.waiting.remove(seq)
+            return seqs
+        if self.waiting or self.prefilling:
             order = self.order(now)
             first = order[0]
             if not self._admit(first):  # it waits for its blocks, the decodes freeing them: no new prompt overtakes
