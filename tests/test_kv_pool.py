@@ -1,7 +1,7 @@
-"""The front's K,V pool (serve/kv_pool.py) and the engine held to it (serve/preemption.py): blocks counted once
-however many holders share them, prompts admitted where their blocks are free, the prefix cache's entries evicted
-before any request, the newest request preempted and run again with a stream that neither repeats nor changes a
-token, a request that could never fit refused by name, and the pool's size and use exported under vLLM's names."""
+"""The front's K,V pool and the engine held to it (serve/kv_pool.py): blocks counted once however many holders share
+them, prompts admitted where their blocks are free, the prefix cache's entries evicted before any request, the
+request that arrived last preempted and run again with a stream that neither repeats nor changes a token, a request
+that could never fit refused by name, and the pool's size and use exported under vLLM's names."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvrunahead.errors import InputError
 from kvrunahead.ranks.launcher import World
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
-from kvrunahead.serve.kv_pool import GIB, KVPool, OutOfBlocks, budget_bytes, check_env, pool_for, token_bytes
+from kvrunahead.serve.kv_pool import GIB, KVPool, OutOfBlocks, budget_bytes, env_gib, pool_for, token_bytes
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.sequence import Finished, Request, SamplingParams, TokenEvent
 
@@ -58,7 +58,7 @@ def test_the_budget_comes_from_the_flag_then_vllm_s_variable_then_the_memory_fre
     assert budget_bytes(0.5)[0] == GIB // 2  # the flag first
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB"):
-        check_env()
+        env_gib()
 
 
 def test_a_pool_that_cannot_hold_the_longest_request_is_refused_naming_the_size_it_needs():

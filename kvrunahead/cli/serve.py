@@ -184,10 +184,10 @@ def run_rank(options: dict, launcher: str, host: str, port: int, grace_s: float,
                    "that covers it (the weights are loaded once per factor in use), within them unextended.")
 @click.option("--kv-cache-memory", "kv_cache_memory", type=float, default=None,
               help="GiB of K,V the front holds for the requests and the prefix cache, in blocks of 16 positions: a "
-                   "prompt is admitted where its blocks are free, a decode that finds none preempts the newest "
-                   "request (it runs again from its prompt; vllm:num_preemptions counts them), and a request that "
-                   "could never fit is refused (400). Default: VLLM_CPU_KVCACHE_SPACE where set, else 40% of the "
-                   "memory free at start. Said at start; vllm:kv_cache_usage_perc shows its use.")
+                   "prompt is admitted where its blocks are free, a decode that finds none preempts the request "
+                   "that arrived last (it runs again from its prompt; vllm:num_preemptions counts them), and a "
+                   "request that could never fit is refused (400). Default: VLLM_CPU_KVCACHE_SPACE where set, "
+                   "else 40% of the memory free at start. Said at start; vllm:kv_cache_usage_perc shows its use.")
 @click.option("--degree", default="auto", show_default=True,
               help="Ranks per prefill: auto (one rank below the measured or predicted crossover, the chain above), "
                    "1, or the world size.")

@@ -97,10 +97,10 @@ def _check_kv_cache(config, model_config, device: str | None) -> None:
 
     from kvrunahead.model.device import DTYPES, dtype_name
     from kvrunahead.serve.config import model_len_limit
-    from kvrunahead.serve.kv_pool import check_env, pool_for
+    from kvrunahead.serve.kv_pool import env_gib, pool_for
 
     limit = model_len_limit(config.run, model_config, config.max_model_len)
-    check_env()
+    env_gib()  # a bad VLLM_CPU_KVCACHE_SPACE named on every device
     if device == "cpu" or (device in (None, "auto") and not torch.cuda.is_available()):
         size = DTYPES[dtype_name(config.run.dtype, "cpu")].itemsize
         pool_for(config.kv_cache_memory_gib, model_config, size, config.run.tp, limit)

@@ -167,7 +167,7 @@ class Engine:
         taken into the requests. An idle step keeps the workers' heartbeat."""
         events = self._take_inbox() + (self.recovery.tick() if self.recovery else [])  # after a loss: joined again?
         if self.kv is not None and self.healthy:
-            self.kv.make_room()  # each decode's next block held, or the newest request preempted
+            self.kv.make_room()  # each decode's next block held, or the last to arrive preempted
         step = self.scheduler.schedule() if self.healthy else None
         if step is not None:  # planning is the front's alone: what fails there fails its request, not the engine
             drafted = self.planner.plan(step)

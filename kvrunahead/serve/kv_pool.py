@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from kvrunahead.errors import InputError
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.scheduler import Scheduler
-from kvrunahead.serve.sequence import Event, Sequence, StopText
+from kvrunahead.serve.sequence import Event, Request, Sequence, StopText
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,8 @@ def budget_bytes(asked_gib: float | None, free_bytes: int | None = None) -> tupl
     (vLLM CPU's, in GiB; 0 or unset: the default), else ``FREE_SHARE`` of the memory free now."""
     if asked_gib:
         return int(asked_gib * GIB), f"--kv-cache-memory {asked_gib:g}"
-    env = os.environ.get(ENV, "").strip()
-    if env and float(env) > 0:
-        return int(float(env) * GIB), f"{ENV}={env}"
+    if (gib := env_gib()) is not None:
+        return int(gib * GIB), f"{ENV}={gib:g}"
     free = available_bytes() if free_bytes is None else free_bytes
     return int(FREE_SHARE * free), f"{FREE_SHARE:.0%} of the {free / GIB:.1f} GiB free at start"
 
@@ -222,17 +221,17 @@ def _room_in(folder: str, limit_file: str, usage_file: str) -> int | None:
     return max(0, int(limit) - usage)
 
 
-def check_env() -> None:
-    """Raise ValueError where ``VLLM_CPU_KVCACHE_SPACE`` is set to something other than a number of GiB."""
+def env_gib() -> float | None:
+    """``VLLM_CPU_KVCACHE_SPACE`` in GiB; None where it is unset or 0 (the default); ValueError naming it where it is
+    not a number of GiB."""
     env = os.environ.get(ENV, "").strip()
     try:
-        ok = not env or float(env) >= 0
+        gib = float(env) if env else 0.0
     except ValueError:
-        ok = False
-    if not ok:
+        gib = -1.0
+    if not gib >= 0:  # negative, or not a number (NaN)
         raise ValueError(f"{ENV} must be a number of GiB (0: the default), got {env!r}")
-
-
+    return gib or None
 
 
 @dataclass
@@ -260,9 +259,9 @@ def run_again(held: Held, seq: Sequence) -> None:
     held.scheduler.requeue(seq)
 
 
-def reach(seq: Sequence) -> int:
-    """The most positions ``seq`` may hold: its prompt and ``max_tokens``; a context's questions each with theirs."""
-    request = seq.request
+def reach(request: Request) -> int:
+    """The most positions ``request`` may hold: its prompt and ``max_tokens``; a context's questions each with
+    theirs."""
     rows = request.questions or [[]]
     return len(request.prompt_ids) + sum(len(q) + request.params.max_tokens for q in rows)
 
@@ -279,15 +278,15 @@ class KVRoom:
         self._pinned: set[str] = set()  # the entries this step's prompts share: not evicted before they run
         prefixes.pool = pool
 
-    def check_fits(self, request) -> None:
-        """Raise ValueError where ``request`` (a serve.sequence.Request) could never be held, the pool empty."""
-        seq = Sequence(request)
-        need, pool = reach(seq), self.pool
+    def check_fits(self, request: Request) -> None:
+        """Raise ValueError where ``request`` could never be held, the pool empty."""
+        need, pool = reach(request), self.pool
         if pool.blocks_for(need) > pool.num_blocks:
-            asked = (f"{len(seq.request.questions)} questions with max_tokens {seq.request.params.max_tokens} each"
-                     if seq.request.questions else f"max_tokens {seq.request.params.max_tokens}")
-            raise ValueError(f"the request may hold {need} positions of K,V (its {seq.prompt_len} prompt tokens and "
-                             f"{asked}); the K,V cache holds {pool.tokens} (--kv-cache-memory)")
+            max_tokens = request.params.max_tokens
+            asked = (f"{len(request.questions)} questions with max_tokens {max_tokens} each" if request.questions
+                     else f"max_tokens {max_tokens}")
+            raise ValueError(f"the request may hold {need} positions of K,V (its {len(request.prompt_ids)} prompt "
+                             f"tokens and {asked}); the K,V cache holds {pool.tokens} (--kv-cache-memory)")
 
     def admit(self, seq: Sequence, answered: bool) -> bool:
         """Take ``seq``'s blocks for its prefill (``answered``: the prefix cache holds its prompt whole, and it
@@ -303,8 +302,8 @@ class KVRoom:
             self._pinned.add(entry.owner)
             return True
         # a request running again (preempted, or after a worker's loss) holds at once the positions its replay will
-        # reach: admitted with less, it would be the newest to grow when the pool is full, and preempted again
-        need = reach(seq) if seq.request.questions else seq.prompt_len + len(seq.replay)
+        # reach: admitted with less, it would grow again as soon as it runs, with the pool full, and be preempted again
+        need = reach(seq.request) if seq.request.questions else seq.prompt_len + len(seq.replay)
         if not self._room(self.pool.needs(seq.request_id, need) + reserve):
             return False
         self.pool.hold(seq.request_id, need)
@@ -320,7 +319,7 @@ class KVRoom:
 
     def make_room(self) -> None:
         """Before a step: every decoding request holds the block its next token goes into, the prefix cache's
-        entries evicted and then the newest requests preempted where the pool is out of blocks."""
+        entries evicted and then the requests that arrived last preempted where the pool is out of blocks."""
         self._pinned.clear()
         running = self.held.scheduler.running
         for seq in list(running):

@@ -51,14 +51,15 @@ class PrefixCache:
         ``owner``) and its first-token ``logits``, where given; not where the pool has no room for it."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
-            return self._note("put", owner, ids)
+            self._note("put", owner, ids)
+            return
         entry = self.entries.get(key)
         if entry is None:
             holder = ""
             if self.pool is not None:
                 holder, self._kept = f"prefix-{self._kept}", self._kept + 1
                 if not self._room(len(key), holder):
-                    return None  # (not recorded: a TP peer keeps no entry the front does not)
+                    return  # (not recorded: a TP peer keeps no entry the front does not)
             self._note("put", owner, ids)
             n = len(key)
             entry = self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
@@ -72,7 +73,6 @@ class PrefixCache:
             entry.logits = logits.detach().float().cpu().clone()
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self.entries)))
-        return None
 
     def _room(self, tokens: int, holder: str) -> bool:
         """Take the pool's blocks for a new entry of ``tokens`` positions, evicting older entries as far as needed;

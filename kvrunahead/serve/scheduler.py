@@ -77,7 +77,7 @@ class Scheduler:
         self._last_was_prefill = False
         self.hold_prefills = False  # a worker is lost: no prefill runs until the workers are back (decodes go on, and
         # the prompts the prefix cache answers whole)
-        self.kv = None  # the front's K,V pool (serve/preemption.KVRoom): a prefill is taken where its blocks are free
+        self.kv = None  # the front's K,V pool (serve/kv_pool.KVRoom): a prefill is taken where its blocks are free
 
     @property
     def queued(self) -> int:
@@ -163,10 +163,7 @@ class Scheduler:
         """The next prefill's requests, taken out of the queue (none when nothing waits; while prefills are held, only
         those the prefix cache answers whole, which no rank computes)."""
         if self.hold_prefills:
-            seqs = [s for s in self.order(now) if s in self.waiting and self.answered(s) and self._admit(s)]
-            for seq in seqs:
-                self.waiting.remove(seq)
-            return seqs
+            return self._take_answered(self.order(now))
         if self.waiting or self.prefilling:
             order = self.order(now)
             first = order[0]
@@ -181,11 +178,7 @@ class Scheduler:
                 return [first]
             self.waiting.remove(first)
             if self.answered(first):  # nothing to compute: every other such request goes in the same step (n)
-                seqs = [first] + [s for s in order[1:] if s in self.waiting and self.answered(s) and self._admit(s)]
-                for seq in seqs[1:]:
-                    self.waiting.remove(seq)
-                    seq.passed_over = 0
-                return seqs
+                return [first] + self._take_answered(order[1:])
             seqs, total = [first], first.prompt_len
             # A prompt whose length needs the RoPE extended runs on another model variant, one whose start the
             # prefix cache holds prefills its new tokens alone, one scored keeps each position's logits: never
@@ -203,6 +196,14 @@ class Scheduler:
                 seq.passed_over = 0
             return seqs
         return []
+
+    def _take_answered(self, order: list[Sequence]) -> list[Sequence]:
+        """The waiting requests of ``order`` that the prefix cache answers whole and the pool admits, taken out."""
+        seqs = [s for s in order if s in self.waiting and self.answered(s) and self._admit(s)]
+        for seq in seqs:
+            self.waiting.remove(seq)
+            seq.passed_over = 0
+        return seqs
 
     def _admit(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prefill may run now: its K,V blocks taken where the front has a pool."""

@@ -78,7 +78,7 @@ class Metrics:
               prefix_bytes: Callable[[], float] = lambda: 0.0, step_age: Callable[[], float] = lambda: 0.0,
               kv=None) -> None:
         """Read the gauges (and the restarts) from the engine at each scrape rather than keeping a second count of
-        its state. ``kv``: the front's serve/preemption.KVRoom (its pool's use and its preemptions)."""
+        its state. ``kv``: the front's serve/kv_pool.KVRoom (its pool's use and its preemptions)."""
         self.queue_depth.set_function(queue_depth)
         self.running.set_function(running)
         self.vllm.waiting.set_function(queue_depth)
