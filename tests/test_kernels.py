@@ -248,6 +248,28 @@ def test_threads_split_the_work_and_change_nothing():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 3000])
+def test_a_long_rows_keys_are_split_across_threads_and_merged_by_their_log_sum_exp(isa, dtype, window):
+    """A decode row after 9000 positions in three pieces is 3 work items for 2 threads: its keys go in parts, each
+    part's output weighed by its log-sum-exp; so do two rows beside a short one, and the result is the math's."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for lengths in ([9000], [5000, 17, 2600]):
+            q = torch.randn(1, 9, len(lengths), 64).to(dtype)
+            rows = []
+            for i, n in enumerate(lengths):
+                _, k, v = qkv(1, 9, 3, 1, n, 64, dtype, seed=20 + i)
+                cuts = [0, n // 3, 2 * n // 3 + 1, n]
+                rows.append(kernel.Row(0, i, i + 1, n - 1, [kernel.Piece(k, v, cuts[j], 0, cuts[j], cuts[j + 1])
+                                                            for j in range(3)]))
+            check(q, rows, window=window)
+            check(q, rows, window=window, out_float=False)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_bound_catches_a_key_off_by_one_position():
     """The test's bound is tight enough to fail: the keys one position late (a causal offset off by one) is caught."""
     q, k, v = qkv(1, 9, 3, 40, 40, 64, torch.float32, seed=11)

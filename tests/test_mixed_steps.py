@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvrunahead.model.forward import last_token_logits
-from kvrunahead.model.growing import GrowingKV
 from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.paged import PagedKV
 from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.ranks.setup import loaded_model
 from kvrunahead.ranks.transport import LocalTransport
@@ -110,19 +110,20 @@ def test_rows_in_a_prompts_forward_get_the_logits_they_get_alone():
         return last_token_logits(model, torch.tensor([ids]), position_ids=pos, cache=cache), cache
 
     rows, expected = [], []
-    for ids in SHORTS:
+    pool = PagedKV(layout, 64, torch.float32)
+    for i, ids in enumerate(SHORTS):
         logits, cache = alone(ids)
         token = int(logits.argmax())
-        kv = [GrowingKV(layer.keys, layer.values) for layer in cache.layers]
+        pool.add(f"r{i}", [(layer.keys, layer.values) for layer in cache.layers])
         expected.append(alone([token], cache, len(ids))[0])
-        rows.append(Row(token, len(ids), kv))
+        rows.append(Row(token, len(ids), f"r{i}", pool))
     prompt = LONGS[0]
     first, row_logits, cache = mixed_forward(model, prompt, ChainLink(LocalTransport(), 0, layout,
                                                                       torch.device("cpu")), rows, emit=True)
     assert torch.allclose(first, alone(prompt)[0], atol=1e-5)
     for got, want in zip(row_logits, expected):
         assert torch.allclose(got, want, atol=1e-5)
-    assert all(row.kv[0].n == len(ids) + 1 for row, ids in zip(rows, SHORTS))
+    assert all(pool.length(row.request_id) == len(ids) + 1 for row, ids in zip(rows, SHORTS))
     assert cache.layers[0].keys.shape[-2] == len(prompt)
 
 
@@ -248,15 +249,14 @@ def test_rows_share_a_forward_only_where_the_model_takes_the_segment_attention()
         model._kvrunahead_uses_interface = True
 
 
-def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_and_copies_nothing():
-    """``n`` choices of a prompt: the prefix cache's entry is shared (views, never written), each choice's tokens
-    grow after it, the choices attend it in one product; alone and riding a prompt's forward, their logits are
-    those of a request decoding on a copy of its own."""
+def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_and_shares_its_blocks():
+    """``n`` choices of a prompt: the prefix cache's entry is read, never written; its K,V go into the pool's blocks
+    once for every fork, which hold them by reference, each choice's tokens in blocks of its own after them; alone
+    and riding a prompt's forward, their logits are those of a request decoding on a copy of its own."""
     from transformers import DynamicCache
 
     from kvrunahead.serve.prefix_cache import PrefixCache
     from kvrunahead.serve.step.batch_decode import BatchDecoder
-    from kvrunahead.serve.step.rows import ForkedKV
 
     model = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
     layout = probe_kv_layout(model)
@@ -278,9 +278,13 @@ def test_a_request_forked_from_the_prefix_cache_decodes_as_its_own_copy_would_an
         assert torch.allclose(logits["copy"], logits["fork-1"], atol=1e-5)
         assert not torch.allclose(logits["fork-1"], logits["fork-2"], atol=1e-3)  # its own token, its own tokens
         tokens = {rid: int(row.argmax()) for rid, row in logits.items()}
-    forked = decoder.own["fork-1"][0]
-    assert isinstance(forked, ForkedKV) and forked.prefix[0].data_ptr() == entry.kv[0][0].data_ptr()
-    assert forked.own.n == 4 and all(torch.equal(a, b) for a, b in zip(before, entry.kv[0]))
+    pool, prompt_blocks = decoder.kv.pool, -(-len(ids) // 16)
+    one, two = pool.tables["fork-1"], pool.tables["fork-2"]
+    assert one.blocks[:prompt_blocks] == two.blocks[:prompt_blocks] and one.shared_tokens == len(ids)
+    assert set(one.blocks[prompt_blocks:]).isdisjoint(two.blocks) and len(one.blocks) == prompt_blocks + 1
+    # the copy's blocks, the prompt's once, and one each for the forks' own four tokens
+    assert pool.used_blocks == len(pool.tables["copy"].blocks) + prompt_blocks + 2
+    assert decoder.kv.length("fork-1") == len(ids) + 4 and all(torch.equal(a, b) for a, b in zip(before, entry.kv[0]))
     # riding a prompt's forward: the forked rows attend the shared prompt the same way
     rows = decoder.riders([DecodeRow(rid, (tokens[rid],), len(ids) + 4) for rid in ("copy", "fork-1")])
     link = ChainLink(LocalTransport(), 0, layout, torch.device("cpu"))
@@ -297,7 +301,6 @@ def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_th
     from kvrunahead.serve.config import EngineConfig
     from kvrunahead.serve.engine import Engine
     from kvrunahead.serve.sequence import TokenEvent
-    from kvrunahead.serve.step.rows import ForkedKV
 
     engine = Engine(EngineConfig(run=RunConfig(model="tiny-llama", threads=1)), World(0, 1, 0, 1, "single"))
     tokens: dict[str, list[int]] = {}
@@ -314,9 +317,10 @@ def test_the_other_choices_of_a_prompt_start_in_one_step_forked_and_decode_as_th
         engine.add(Request(f"c{j}", LONGS[0], SamplingParams(max_tokens=6)))
     assert step() == {"c0", "c1", "c2", "c3"}  # the three answered together, beside c0's next token
     decoder = engine.decoder.by_variant[None]
-    # the other choices decode forked from the one entry (the first on the cache its prefill left)
-    assert all(isinstance(decoder.own[f"c{j}"][0], ForkedKV) for j in (1, 2, 3))
-    assert len({decoder.own[f"c{j}"][0].prefix[0].data_ptr() for j in (1, 2, 3)}) == 1
+    # the other choices decode forked from the one entry (the first on the cache its prefill left): its blocks
+    tables = [decoder.kv.pool.tables[f"c{j}"] for j in (1, 2, 3)]
+    shared = -(-len(LONGS[0]) // 16)
+    assert all(t.shared_tokens == len(LONGS[0]) and t.blocks[:shared] == tables[0].blocks[:shared] for t in tables)
     while engine.has_work():
         step()
     assert tokens["c1"] == tokens["c2"] == tokens["c3"] == tokens["c0"] and len(tokens["c0"]) == 6

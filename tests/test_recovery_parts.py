@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kvrunahead.config import RunConfig
-from kvrunahead.model.growing import GrowingKV
 from kvrunahead.ranks.launcher import World
 from kvrunahead.ranks.recovery import RecoveryDir
 from kvrunahead.ranks.supervise import supervise_recovering
@@ -88,13 +87,13 @@ def test_a_decode_row_cut_back_after_a_failed_forward_decodes_as_if_it_never_ran
         if seq is None or len(seq.output_ids) != 4 or cut:
             return
         cut.append(seq.next_position)
-        kv = engine.decoder.own["cut"]
-        grown = [layer if isinstance(layer, GrowingKV) else GrowingKV(*layer) for layer in kv]
-        engine.decoder.by_variant[engine.decoder.variant_of["cut"]].own["cut"] = grown
-        for layer in grown[: len(grown) // 2 + 1]:  # the layers before the failure took the token
-            layer.append(torch.randn_like(layer.keys[..., :1, :]), torch.randn_like(layer.values[..., :1, :]))
+        kv = engine.decoder.own["cut"]  # the front's pool
+        slot = torch.tensor([kv.grow("cut")])  # the forward took the row's position
+        for layer in range(kv.layout.num_layers // 2 + 1):  # and the layers before the failure wrote their K,V
+            keys = torch.randn(1, kv.layout.heads[layer], 1, kv.layout.head_dim[layer], dtype=kv.dtype)
+            kv.write(layer, slot, keys, torch.randn_like(keys))
         engine.decoder.rollback("cut", seq.next_position)
-        assert all(layer.n == seq.next_position for layer in grown)
+        assert kv.length("cut") == seq.next_position
 
     tokens, _ = _run(engine, request, half_a_forward)
     assert cut and tokens == plain

@@ -1,6 +1,7 @@
 """One decode step of n requests on one 4k prompt (SmolLM2-135M, float32, one process): each request decoding on
-a copy of the prompt's K,V of its own, against requests forked from the prefix cache's entry (serve/rows.ForkedKV:
-the shared prompt read once per step for all of them, each one's own tokens after it).
+a copy of the prompt's K,V of its own, against requests forked from the prefix cache's entry (the shared prompt's
+blocks held by reference in the decoder's pool, model/paged.PagedKV.fork, each one's own tokens after them; until
+the pool, serve/rows.ForkedKV read the shared prompt once per step for all of them).
 
 Rows (fork_step.jsonl): per round and layout, the median of 6 timed steps (2 untimed before them). The layouts are
 interleaved, the order rotating by round.

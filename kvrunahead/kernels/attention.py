@@ -50,10 +50,13 @@ def _register_fake() -> None:
 
 
 def varlen(q: torch.Tensor, rows: list[Row], causal: bool = True, window: int | None = None,
-           scale: float | None = None, out_float: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, out_float: bool = True, paged: tuple | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``rows`` of ``q`` (``[B, heads, n, head_dim]``); returns the output ``[B, n, heads, head_dim]``
     (float32, or q's dtype when ``out_float`` is False: the layout transformers' attention functions return) and
-    the log-sum-exp ``[B, heads, n]`` (float32). Queries in no row get 0 and -inf."""
+    the log-sum-exp ``[B, heads, n]`` (float32). Queries in no row get 0 and -inf. ``paged``: more rows, after
+    ``rows``, already as the kernel's tables over one K,V pair, ``(keys, values, row_table, piece_table)`` with
+    their pieces naming tensor 0 and numbered from 0 (model/paged.PagedKV.tables)."""
     tensors: dict[int, int] = {}
     keys, values, row_table, piece_table = [], [], [], []
     for row in rows:
@@ -70,9 +73,17 @@ def varlen(q: torch.Tensor, rows: list[Row], causal: bool = True, window: int | 
     if not kernels.build():
         raise RuntimeError(f"the CPU attention kernel is not built: {kernels.why_not_built()}")
     _register_fake()
+    row_t = torch.tensor(row_table, dtype=torch.long).reshape(-1, 6)
+    piece_t = torch.tensor(piece_table, dtype=torch.long).reshape(-1, 5)
+    if paged is not None:
+        k, v, more_rows, more_pieces = paged
+        if keys:  # renumbered after the rows' own
+            more_rows = more_rows + more_rows.new_tensor([0, 0, 0, 0, len(piece_table), len(piece_table)])
+            more_pieces = more_pieces + more_pieces.new_tensor([len(keys), 0, 0, 0, 0])
+        keys, values = [*keys, k], [*values, v]
+        row_t, piece_t = torch.cat((row_t, more_rows)), torch.cat((piece_t, more_pieces))
     return torch.ops.kvr.attention(
-        _head_contiguous(q), keys, values, torch.tensor(row_table, dtype=torch.long).reshape(-1, 6),
-        torch.tensor(piece_table, dtype=torch.long).reshape(-1, 5), causal, int(window or 0),
+        _head_contiguous(q), keys, values, row_t, piece_t, causal, int(window or 0),
         float(scale if scale is not None else 1 / math.sqrt(q.shape[-1])), out_float)
 
 

@@ -28,7 +28,7 @@ from kvrunahead.ranks.stats import RankStats
 from kvrunahead.serve import asking, warm
 from kvrunahead.serve.chunking import chunk_planner, lars_slack, pack_limit
 from kvrunahead.serve.config import EngineConfig, model_len_limit
-from kvrunahead.serve.kv_pool import Held, kv_room
+from kvrunahead.serve.kv_pool import Held, kv_room, rank_kv
 from kvrunahead.serve.placement import Placement, peer_request, pipeline_run
 from kvrunahead.serve.planner import StepPlanner
 from kvrunahead.serve.recovery import Recovery
@@ -102,13 +102,14 @@ class Engine:
         self.held = Held(self.scheduler, self.decoder, self.heartbeat, self.samplers, self._finish)
         self.kv = self.scheduler.kv = kv_room(config, self.model_config, self.max_model_len, rs.dtype, self.ctx,
                                               self.placement.prefixes, self.held) if self.is_front else None
+        self.ctx.kv = rank_kv(self.kv, config, self.model_config, rs.dtype, self.ctx)
         folder = RecoveryDir.for_front(self.is_front, world.tp, world.world_size)  # None: no worker is brought back
         self.recovery = folder and Recovery(folder, self.ctx, cfg, world, rs, self.held)
         warm.warm_up(self.placement, self.attention, self.max_model_len)  # every length's layout; compiled shapes
 
     def _decoder_for(self, rope) -> BatchDecoder:
         lm, layout = self.ctx.model(rope)
-        return BatchDecoder(lm.model, batched=not layout.windows, layout=layout)
+        return BatchDecoder(lm.model, batched=not layout.windows, layout=layout, kv=self.ctx.kv)
 
     @property
     def is_front(self) -> bool:

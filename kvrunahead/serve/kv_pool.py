@@ -14,127 +14,28 @@ choices answered from an entry: its blocks by reference, their own tokens in blo
   (``run_again``, as after a worker's loss). Running again, it is admitted only with room for every position its
   replay reaches.
 
-The pool counts the positions each holder keeps. The K,V themselves are still the holders' own tensors (a decode's
-buffer keeps room for an eighth more positions than it holds, model/growing.py): the budget bounds them through
-this count, not by owning their memory.
+The decodes' K,V live in blocks of the rank's own ``PagedKV`` (model/paged.py), as many as this pool's
+(``rank_kv``): the budget owns their memory. The prefix cache's entries and prompts in flight are still their own
+tensors, counted here.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvrunahead.errors import InputError
+from kvrunahead.model.paged import BLOCK_TOKENS, GIB, KVPool, OutOfBlocks, PagedKV, Table  # noqa: F401 - re-exported
 from kvrunahead.serve.prefix_cache import PrefixCache
 from kvrunahead.serve.scheduler import Scheduler
 from kvrunahead.serve.sequence import Event, Request, Sequence, StopText
 
 log = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 16  # vLLM's default block size
 FREE_SHARE = 0.4  # the default budget: this share of the memory free when the server starts
 ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM CPU's budget in GiB, read where --kv-cache-memory is not given (0: the default)
-GIB = 1 << 30
-
-
-@dataclass
-class Table:
-    blocks: list[int] = field(default_factory=list)
-    shared_tokens: int = 0  # the positions its first blocks hold by reference (a fork's prompt); its own come after
-
-
-class OutOfBlocks(RuntimeError):
-    """A holder needs more blocks than are free."""
-
-
-class KVPool:
-    def __init__(self, num_blocks: int, block_bytes: int, block_tokens: int = BLOCK_TOKENS) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a K,V pool needs at least one block, got {num_blocks}")
-        self.num_blocks, self.block_bytes, self.block_tokens = num_blocks, block_bytes, block_tokens
-        self._free: deque[int] = deque(range(num_blocks))
-        self._refs = [0] * num_blocks
-        self.tables: dict[str, Table] = {}
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def usage(self) -> float:
-        """The share of the blocks held (vLLM's ``kv_cache_usage_perc``: 1 is all of them)."""
-        return self.used_blocks / self.num_blocks
-
-    @property
-    def tokens(self) -> int:
-        """The most positions the pool holds."""
-        return self.num_blocks * self.block_tokens
-
-    def blocks_for(self, tokens: int) -> int:
-        return math.ceil(max(0, tokens) / self.block_tokens)
-
-    def needs(self, owner: str, tokens: int) -> int:
-        """The blocks ``owner`` must take to hold ``tokens`` positions (0 where it holds them already)."""
-        table = self.tables.get(owner)
-        if table is None:
-            return self.blocks_for(tokens)
-        shared = self.blocks_for(table.shared_tokens)
-        return max(0, shared + self.blocks_for(tokens - table.shared_tokens) - len(table.blocks))
-
-    def hold(self, owner: str, tokens: int) -> None:
-        """Grow ``owner``'s table to hold ``tokens`` positions; raises OutOfBlocks, taking none, where too few are
-        free."""
-        need = self.needs(owner, tokens)
-        if need > len(self._free):
-            raise OutOfBlocks(f"{owner} needs {need} blocks of K,V, {len(self._free)} are free")
-        table = self.tables.setdefault(owner, Table())
-        for _ in range(need):
-            block = self._free.popleft()
-            self._refs[block] = 1
-            table.blocks.append(block)
-
-    def share(self, owner: str, source: str, tokens: int) -> None:
-        """Start ``owner``'s table with the blocks of ``source`` that hold its first ``tokens`` positions, by
-        reference (a fork of a cached prompt); its own positions go into blocks of its own after them."""
-        if owner in self.tables:
-            raise ValueError(f"{owner} holds blocks already")
-        blocks = self.tables[source].blocks[:self.blocks_for(tokens)]
-        for block in blocks:
-            self._refs[block] += 1
-        self.tables[owner] = Table(list(blocks), tokens)
-
-    def sole(self, owner: str) -> int:
-        """The blocks ``owner`` alone holds: what releasing it would free."""
-        table = self.tables.get(owner)
-        return sum(self._refs[b] == 1 for b in table.blocks) if table is not None else 0
-
-    def release(self, owner: str) -> int:
-        """Drop ``owner``'s table; the blocks no other holder refers to are free again. How many were freed."""
-        table = self.tables.pop(owner, None)
-        freed = 0
-        for block in table.blocks if table is not None else ():
-            self._refs[block] -= 1
-            if not self._refs[block]:
-                self._free.append(block)
-                freed += 1
-        return freed
-
-    def blocks_of(self, owners) -> int:
-        """The blocks any of ``owners`` holds, each counted once."""
-        tables = [self.tables.get(owner) for owner in owners]
-        return len({b for table in tables if table is not None for b in table.blocks})
-
-    def describe(self) -> str:
-        return (f"{self.num_blocks * self.block_bytes / GIB:.3g} GiB of K,V: {self.num_blocks} blocks of "
-                f"{self.block_tokens} positions ({self.tokens} positions)")
 
 
 def pool_for(asked_gib: float | None, model_config, element_size: int, tp: int, max_model_len: int,
@@ -366,3 +267,17 @@ def kv_room(config, model_config, max_model_len: int, dtype, ctx, prefixes: Pref
     except ValueError as e:
         raise InputError(str(e)) from None
     return KVRoom(pool, prefixes, held, preemptable=lambda seq: seq.request_id not in ctx.shards, source=source)
+
+
+def rank_kv(room: KVRoom | None, config, model_config, dtype, ctx) -> PagedKV | None:
+    """The rank's pool for its decodes' K,V (model/paged.py): on the front as many blocks as its budget (``room``);
+    on a TP peer of the front, which repeats its steps and so never holds more, twice its own reading of the budget
+    (its free memory read apart from the front's; blocks never written take no memory); None on the other ranks."""
+    if room is not None:
+        blocks = room.pool.num_blocks
+    elif ctx.mirror:
+        size, _ = budget_bytes(config.kv_cache_memory_gib)
+        blocks = 2 * max(1, size // (token_bytes(model_config, dtype.itemsize, ctx.tp) * BLOCK_TOKENS))
+    else:
+        return None
+    return PagedKV(ctx.layout, blocks, ctx.layout.dtype, ctx.device)

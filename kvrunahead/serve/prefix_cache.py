@@ -145,7 +145,8 @@ class PrefixCache:
 
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:
         """A cache over the first ``tokens`` positions of ``entry``: views of its K,V, not a copy. Whoever holds it
-        reads it and never writes it: the decode forks it (serve/rows.ForkedKV), a transformers append copies it."""
+        reads it and never writes it: the decode writes it into the pool once for its forks (model/paged.PagedKV.fork),
+        a transformers append copies it."""
         cache = DynamicCache(config=config)
         for layer, (k, v) in zip(cache.layers, entry.kv):
             layer.lazy_initialization(k, v)

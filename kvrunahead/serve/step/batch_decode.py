@@ -1,19 +1,17 @@
 """Continuous batching of the decode on the front rank: every decoding request advances in one forward per step.
 
-Unpadded (models whose attention goes through transformers' interface): a step is the rows of a mixed step
-(serve/step/rows.py) with no prompt beside them. Every request keeps its own K,V, grown in place by each token
-(model/growing.py); the step's tokens go through the model as one sequence, and each row's query attends its own
-request's keys, at its own length. A request joins or leaves without touching the others' K,V: there is no batch
-to rebuild and no pad to compute.
+Paged (models whose attention goes through transformers' interface: every model our attention enters): a request's
+K,V is its table of blocks in the rank's pool (model/paged.py), written once from its prompt's cache and then by
+one write per layer for every row of a step; a step is the rows of a mixed step (serve/step/rows.py) with no
+prompt beside them, each row's query against its own blocks at its own length, sliding windows included (the
+kernel's parameter). A request joins or leaves without touching the others' K,V: there is no batch to rebuild and
+no pad to compute. The ``n`` choices of a prompt share its blocks by reference (``PagedKV.fork``).
 
-Padded (the other models): the requests' caches are left-padded to a common length and stacked into one
-``DynamicCache``; a 2D attention mask zeroes the pads and explicit position ids give every request its own
-positions, so each row attends exactly what it would alone (greedy output alone == in a batch,
-tests/test_serve_engine.py). The batch is rebuilt only when its membership changes (a request joins after its
-prefill or leaves); otherwise the step appends one token to it, in place.
-
-Models with sliding-window layers decode one request per forward on that request's own cache: a window kept per
-row would have to be trimmed by each row's own length, which one padded cache cannot do exactly.
+The fallback, for models that compute their attention themselves: the requests' caches are left-padded to a common
+length and stacked into one ``DynamicCache``; a 2D attention mask zeroes the pads and explicit position ids give
+every request its own positions, so each row attends exactly what it would alone. The batch is rebuilt only when
+its membership changes. Such a model with sliding-window layers decodes one request per forward on its own cache
+(one padded cache cannot trim a window per row).
 """
 
 from __future__ import annotations
@@ -29,13 +27,15 @@ from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
 from kvrunahead.model.layout import KVLayout
+from kvrunahead.model.paged import BLOCK_TOKENS, PagedKV
 from kvrunahead.modes.kvr import ChainLink
 from kvrunahead.ranks.transport import LocalTransport
 from kvrunahead.serve.step.plans import question_id
-from kvrunahead.serve.step.rows import ForkedKV, Row, can_mix, mixed_forward
+from kvrunahead.serve.step.rows import Row, can_mix, mixed_forward
 
 log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim], no pads
+DEFAULT_TOKENS = 1 << 16  # a pool of its own where none is given (its blocks take memory only once written)
 
 
 def cache_kv(cache: DynamicCache) -> KV:
@@ -43,16 +43,20 @@ def cache_kv(cache: DynamicCache) -> KV:
 
 
 class BatchDecoder:
-    """``layout`` given and the model's attention pluggable: unpadded steps (the rows of a mixed step); else the
-    padded batch."""
+    """``layout`` given and the model's attention pluggable: paged, in ``kv`` (the rank's pool; one of
+    ``DEFAULT_TOKENS`` positions where None). Else the padded batch (``batched``) or one request per forward."""
 
-    def __init__(self, model: torch.nn.Module, batched: bool, layout: KVLayout | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, batched: bool, layout: KVLayout | None = None,
+                 kv: PagedKV | None = None) -> None:
         self.model = model
         self.batched = batched
         self.device = next(model.parameters()).device
-        self.unpadded = batched and layout is not None and can_mix(model)
+        self.paged = layout is not None and can_mix(model)
+        if self.paged and kv is None:
+            kv = PagedKV(layout, DEFAULT_TOKENS // BLOCK_TOKENS, layout.dtype, self.device)
+        self.kv = kv if self.paged else None
         self.layout = layout
-        self.own: dict[str, object] = {}  # request id -> its KV (batched) or its cache (one request per forward)
+        self.own: dict[str, object] = {}  # request id -> its pool (paged), its KV (padded) or its cache (one each)
         self.members: list[str] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [batch, tokens]: 0 on the pads
@@ -60,21 +64,24 @@ class BatchDecoder:
 
     def add(self, request_id: str, cache: DynamicCache, fork: bool = False) -> None:
         """A request joins the decode with its prompt's ``cache``. ``fork``: the cache is shared (the prefix
-        cache's entry, another request's prompt): unpadded, the request's own tokens grow after it and it is never
-        copied (rows.ForkedKV); otherwise a copy of its own is made."""
-        if fork and self.unpadded:
-            self.own[request_id] = [ForkedKV(k, v) for k, v in cache_kv(cache)]
+        cache's entry): paged, its blocks are written once for all its forks and held by reference; otherwise a
+        copy of its own is made."""
+        if self.paged:
+            tokens = max(layer.get_seq_length() for layer in cache.layers)  # a sliding layer keeps its window only
+            (self.kv.fork if fork else self.kv.add)(request_id, cache_kv(cache), tokens)
+            self.own[request_id] = self.kv
         elif self.batched:
             self.own[request_id] = cache_kv(cache)
         else:
             self.own[request_id] = grow_in_place(cache)
 
     def remove(self, request_id: str) -> None:
-        """Free a request's cache (finished or cancelled); the batch drops its row at the next step."""
-        self.own.pop(request_id, None)
+        """Free a request's K,V (finished or cancelled); a padded batch drops its row at the next step."""
+        if self.own.pop(request_id, None) is not None and self.paged:
+            self.kv.release(request_id)
         if request_id in self.members and self.cache is not None:
             self._unbatch()
-        elif request_id in self.members:  # unpadded: no batch, only the list of who stepped last
+        elif request_id in self.members:  # paged: no batch, only the list of who stepped last
             self.members.remove(request_id)
 
     def __contains__(self, request_id: str) -> bool:
@@ -82,46 +89,27 @@ class BatchDecoder:
 
     def rollback(self, request_id: str, tokens: int) -> None:
         """Cut the request's K,V back to its first ``tokens`` positions, where a forward it rode in failed part way
-        (a worker lost in a mixed step: the layers before the failure had appended its token). Only a row grows
+        (a worker lost in a mixed step: its token's position was taken before the forward). Only a paged row grows
         inside another forward; a padded batch or a request's own cache is appended by its decode step alone."""
-        kv = self.own.get(request_id)
-        if not isinstance(kv, list):
-            return
-        for layer in kv:
-            if isinstance(layer, GrowingKV):
-                layer.truncate(tokens)
-            elif isinstance(layer, ForkedKV) and layer.own is not None:
-                layer.own.truncate(tokens - layer.prefix[0].shape[-2])
+        if self.paged and request_id in self.own:
+            self.kv.truncate(request_id, tokens)
 
     def riders(self, segments) -> dict[str, Row]:
-        """The decode rows ``segments`` (serve/step/plans.DecodeRow, one token each) as ``Row`` s that share a prompt's
-        forward (serve/step/rows.py): each request's K,V taken out of the batch into room of its own, grown in place by
-        that forward (the batch is rebuilt when a decode step next runs alone). None for a sliding-window model."""
-        if not self.batched:
+        """The decode rows ``segments`` (serve/step/plans.DecodeRow, one token each) as ``Row`` s that share a
+        prompt's forward (serve/step/rows.py); none where the model decodes unpaged or has sliding windows (a
+        prompt's part keeps a window's positions only)."""
+        if not self.paged or self.layout.windows:
             return {}
-        if self.cache is not None:
-            self._unbatch()
-        out = {}
-        for seg in segments:
-            out[seg.request_id] = Row(seg.tokens[0], seg.start, self._growing(seg.request_id))
-        return out
-
-    def _growing(self, request_id: str) -> list:
-        """The request's K,V per layer as a row grows them: at its first step after its prefill moved into room to
-        grow into (a fork grows its own tokens after the shared prompt)."""
-        kv = self.own[request_id]
-        if isinstance(kv[0], tuple):
-            kv = self.own[request_id] = [GrowingKV(k, v) for k, v in kv]
-        return kv
+        return {seg.request_id: Row(seg.tokens[0], seg.start, seg.request_id, self.kv) for seg in segments}
 
     @torch.no_grad()
     @eager()  # a compiled model's decode steps run eager (serve/rows.mixed_forward says why)
     def step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
         """Feed each request its last token at its position; the next-token logits ``[vocab]`` of each."""
+        if self.paged:
+            return self._rows_step(tokens, positions)
         if not self.batched:
             return {rid: self._forward(self.own[rid], [tokens[rid]], [positions[rid]], None)[0] for rid in tokens}
-        if self.unpadded:
-            return self._rows_step(tokens, positions)
         if list(tokens) != self.members:
             self._rebuild(list(tokens))
         self.mask = torch.cat((self.mask, self.mask.new_ones(len(self.members), 1)), dim=1)
@@ -130,8 +118,8 @@ class BatchDecoder:
         return dict(zip(self.members, logits))
 
     def _rows_step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
-        """One forward of every request's token, each attending its own K,V (no pads, nothing rebuilt)."""
-        rows = [Row(tokens[rid], positions[rid], self._growing(rid)) for rid in tokens]
+        """One forward of every request's token, each attending its own blocks (no pads, nothing rebuilt)."""
+        rows = [Row(tokens[rid], positions[rid], rid, self.kv) for rid in tokens]
         self.members = list(tokens)
         link = ChainLink(LocalTransport(), 0, self.layout, self.device)
         _, logits, _ = mixed_forward(self.model, [], link, rows, emit=False)
@@ -158,7 +146,7 @@ class BatchDecoder:
     def _rebuild(self, members: list[str]) -> None:
         if self.cache is not None:
             self._unbatch()
-        kvs = [[(g.keys, g.values) if isinstance(g, GrowingKV) else g for g in self.own[r]] for r in members]
+        kvs = [self.own[r] for r in members]
         lengths = [kv[0][0].shape[-2] for kv in kvs]
         total = max(lengths)
         cache = DynamicCache(config=self.model.config)

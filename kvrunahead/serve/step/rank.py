@@ -48,6 +48,7 @@ class RankContext:
     mailbox: object = None  # the front's group on one host: its plans to its TP peers (mesh.ShmMailbox)
     plan_group: object = None  # the group the front's plans are broadcast on (None: every rank's patient group)
     broadcasts: bool = True  # whether anyone takes the front's broadcasts (not a lone TP group with a mailbox)
+    kv: object = None  # model/paged.PagedKV: the decodes' K,V (the front and its TP peers)
 
     def use_threads(self, solo: bool) -> None:
         n = self.solo_threads if solo else self.threads

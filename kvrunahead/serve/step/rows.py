@@ -1,20 +1,23 @@
-"""Decode rows riding along a prompt's forward on the front (Sarathi's and Medha's mixed batches).
+"""Decode rows on the front: alone, or riding along a prompt's forward (Sarathi's and Medha's mixed batches).
 
 A step's prompt segment (a whole prompt or a chunk, the front's part of it where it runs over the chain) and the
 running requests' next tokens go through the model as one sequence: the part's tokens, then one token per decode
 row, each with its own position. Every layer's K,V are split by segment as the cache receives them: the part's go
-through the KV chain's exchange (``modes.kvr.ChainLink``, exactly as ``kvr_prefill`` does), each row's are appended
-in place to that request's own K,V (model/growing.py). Attention then runs segment by segment: the part's queries
-against its keys with the split attention of the chain (``split_block``), each row's query against its request's
-keys. So the weights are read once for the whole step and every row attends exactly what it would alone (greedy
-output alone == beside a chunk, tests/test_mixed_steps.py).
+through the KV chain's exchange (``modes.kvr.ChainLink``, exactly as ``kvr_prefill`` does), the rows' are written
+into their requests' blocks of the rank's K,V pool (model/paged.py), one write per layer for every row. Attention
+then runs once per layer: the part's queries against its keys with the split attention of the chain
+(``split_block``), each row's query against its request's blocks, the rows' tables built once for the step. So the
+weights are read once for the whole step and every row attends exactly what it would alone (greedy output alone ==
+beside a chunk, tests/test_mixed_steps.py).
 
-Full-attention models only: a sliding layer's window would have to be trimmed per row.
+A model with sliding-window layers decodes its rows here too (the window is the kernel's parameter, every position
+kept in the pool); a prompt's part rides with full-attention models only (the chain keeps a sliding layer's window,
+not its positions from 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -30,52 +33,44 @@ from kvrunahead.model.attention import (
 )
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
-from kvrunahead.model.growing import GrowingKV
-from kvrunahead.modes.attention import attend_with_lse, merge_lse, refuse_softcap
+from kvrunahead.model.paged import PagedKV
+from kvrunahead.modes.attention import refuse_softcap
 from kvrunahead.modes.kvr import ChainLink, RunaheadCache, split_block
-
-
-class ForkedKV:
-    """One layer's K,V of a request decoding after a prompt it shares (the prefix cache's entry: ``prefix``, read
-    and never copied or written) and its own tokens after it (``own``, grown in place). The requests forked from
-    one entry (``n`` choices of a prompt) attend it in one product per step, their queries stacked (PAT's decode
-    attention, kvrunahead/decode/shared_prefix.py), each its own tokens apart, the two merged by their log-sum-exp."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.prefix = keys, values
-        self.own: GrowingKV | None = None
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> ForkedKV:
-        """Write ``keys``, ``values`` after its own tokens; itself, which the attention reads (prefix and own)."""
-        if self.own is None:
-            self.own = GrowingKV(keys, values)
-        else:
-            self.own.append(keys, values)
-        return self
 
 
 @dataclass
 class Row:
-    """A request decoding on the front: the token to compute now, its position, its K,V per layer (grown in
-    place by this step; forked: after the prompt it shares)."""
+    """A request decoding on the front: the token to compute now, its position (the request's next in ``kv``), and
+    the pool its K,V are in."""
 
     token: int
     position: int
-    kv: list[GrowingKV | ForkedKV]
+    request_id: str
+    kv: PagedKV
 
 
-@dataclass
 class _State:
-    part_tokens: int
-    blocks: list = field(default_factory=list)  # the layer being run: (q_lo, q_hi, (keys, values) or ForkedKV)
+    """A mixed forward's: the part's length and K,V (the layer being run), the rows' slots and tables (the step's)."""
+
+    def __init__(self, part_tokens: int, rows: list[Row]) -> None:
+        self.part_tokens, self.rows, self.layer, self.part_kv = part_tokens, rows, 0, None
+        self.kv = rows[0].kv if rows else None
+        if rows:
+            owners = [r.request_id for r in rows]
+            for r in rows:
+                if r.kv.length(r.request_id) != r.position:
+                    raise RuntimeError(f"{r.request_id}: its next position is {r.position} but its K,V hold "
+                                       f"{r.kv.length(r.request_id)}")
+            self.slots = torch.tensor([self.kv.grow(o) for o in owners], device=self.kv.device)
+            self.tables = self.kv.tables(owners, q_lo=part_tokens)
 
 
 class _RowsLayer(DynamicLayer):
-    """One layer's cache in a mixed forward: the part's K,V through the chain layer, each row's appended to its own."""
+    """One layer's cache in a mixed forward: the part's K,V through the chain layer, the rows' into their blocks."""
 
-    def __init__(self, part_layer, rows: list[Row], index: int, state: _State) -> None:
+    def __init__(self, part_layer, index: int, state: _State) -> None:
         super().__init__()
-        self.part_layer, self.rows, self.index, self.state = part_layer, rows, index, state
+        self.part_layer, self.index, self.state = part_layer, index, state
 
     def get_seq_length(self) -> int:
         return self.part_layer.get_seq_length()
@@ -84,22 +79,20 @@ class _RowsLayer(DynamicLayer):
         return self.part_layer.get_mask_sizes(*args, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = self.state.part_tokens
-        blocks = []
-        if n:
-            blocks.append((0, n, self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs)))
-        for j, row in enumerate(self.rows):
-            held = row.kv[self.index].append(key_states[:, :, n + j:n + j + 1], value_states[:, :, n + j:n + j + 1])
-            blocks.append((n + j, n + j + 1, held))  # (keys, values), or a ForkedKV
-        self.state.blocks = blocks
-        return key_states, value_states  # the attention reads the blocks, not these
+        n, state = self.state.part_tokens, self.state
+        state.layer = self.index
+        state.part_kv = self.part_layer.update(key_states[:, :, :n], value_states[:, :, :n], *args, **kwargs) \
+            if n else None
+        if state.rows:
+            state.kv.write(self.index, state.slots, key_states[:, :, n:], value_states[:, :, n:])
+        return key_states, value_states  # the attention reads the part's K,V and the pool, not these
 
 
 class RowsCache(DynamicCache):
-    """The cache a mixed forward hands the model: the chain cache of the part, the rows' own K,V beside it."""
+    """The cache a mixed forward hands the model: the chain cache of the part, the rows' blocks beside it."""
 
-    def __init__(self, part: RunaheadCache, rows: list[Row], state: _State) -> None:
-        layers = [_RowsLayer(layer, rows, i, state) for i, layer in enumerate(part.layers)]
+    def __init__(self, part: RunaheadCache, state: _State) -> None:
+        layers = [_RowsLayer(layer, i, state) for i, layer in enumerate(part.layers)]
         super(DynamicCache, self).__init__(layers=layers)
 
 
@@ -113,49 +106,21 @@ MIXED = "kvrunahead_mixed_rows"
 
 
 def mixed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Each block's queries (the part's, then one per row) against that segment's keys, causally at their end; the
-    rows forked from one shared prompt against it together (``forked_attention``)."""
+    """The part's queries against its keys, causally at their end, then each row's against its request's blocks."""
     refuse_softcap(kwargs, "a mixed step")
-    blocks = current_state().blocks
-    if kernel.usable(query):  # the CPU's: every block in one call, a fork's shared prompt read in place
-        return kernel.varlen(query, [_kernel_row(lo, hi, kv) for lo, hi, kv in blocks], causal=True, scale=scaling,
-                             out_float=False)[0], None
-    outs, forks = [None] * len(blocks), {}
-    for b, (lo, hi, kv) in enumerate(blocks):
-        if isinstance(kv, ForkedKV):
-            forks.setdefault((kv.prefix[0].data_ptr(), kv.prefix[0].shape), []).append(b)  # one prompt's forks
-        else:
-            outs[b] = split_block(query[:, :, lo:hi], *kv, scaling)
-    for members in forks.values():
-        for b, out in zip(members, forked_attention(query, [blocks[b] for b in members], scaling)):
-            outs[b] = out
+    state: _State = current_state()
+    n, part = state.part_tokens, state.part_kv
+    window = state.kv.layout.window(state.layer) if state.kv is not None else None
+    if kernel.usable(query):  # the CPU's: the part and every row in one call, the blocks read in place
+        rows = [kernel.Row(0, 0, n, part[0].shape[2] - n, [kernel.Piece(*part, 0)])] if n else []
+        paged = (*state.kv.kernel_views(state.layer), *state.tables) if state.rows else None
+        return kernel.varlen(query, rows, causal=True, window=window, scale=scaling, out_float=False,
+                             paged=paged)[0], None
+    outs = [split_block(query[:, :, :n], *part, scaling)] if n else []
+    for j, row in enumerate(state.rows):  # torch's attention: each row's blocks gathered first
+        keys, values = state.kv.gather(row.request_id, state.layer, last=window)  # a window's positions only
+        outs.append(split_block(query[:, :, n + j:n + j + 1], keys, values, scaling, window=window))
     return torch.cat(outs, dim=1), None
-
-
-def _kernel_row(lo: int, hi: int, kv) -> kernel.Row:
-    """A block's queries (the last ``hi - lo`` positions of its keys) and its K,V pieces: a fork's shared prompt
-    then its own tokens, or the block's keys."""
-    if isinstance(kv, ForkedKV):
-        keys, values = kv.prefix
-        shared = keys.shape[2]
-        pieces = [kernel.Piece(keys, values, 0), kernel.Piece(kv.own.keys, kv.own.values, shared)]
-        return kernel.Row(0, lo, hi, shared + kv.own.keys.shape[2] - (hi - lo), pieces)
-    keys, values = kv
-    return kernel.Row(0, lo, hi, keys.shape[2] - (hi - lo), [kernel.Piece(keys, values, 0)])
-
-
-def forked_attention(query, rows, scale) -> list[torch.Tensor]:
-    """One query per row (``(q, q + 1, ForkedKV)`` each, the same prefix): every query against the shared prefix in
-    one product, each against its own tokens, merged by log-sum-exp. Each row's ``[1, 1, heads, head_dim]``."""
-    keys, values = rows[0][2].prefix
-    stacked = torch.cat([query[:, :, lo:hi] for lo, hi, _ in rows], dim=2)
-    out, lse = attend_with_lse(stacked, keys, values, causal=False, scale=scale)
-    outs = []
-    for i, (lo, hi, kv) in enumerate(rows):
-        own_out, own_lse = attend_with_lse(query[:, :, lo:hi], kv.own.keys, kv.own.values, causal=False, scale=scale)
-        merged, _ = merge_lse(out[:, :, i:i + 1], lse[:, :, i:i + 1], own_out, own_lse)
-        outs.append(merged.to(query.dtype).transpose(1, 2).contiguous())
-    return outs
 
 
 register(MIXED, mixed_attention)
@@ -180,11 +145,11 @@ def mixed_forward(model: torch.nn.Module, part_ids: list[int], link: ChainLink, 
     positions = torch.tensor([[*range(link.prefix_len, link.prefix_len + n), *(r.position for r in rows)]],
                              device=device)
     part = RunaheadCache(link)
-    state = _State(n)
+    state = _State(n, rows)
     keep = ([n - 1] if emit and n else []) + [n + j for j in range(len(rows))]
     link.start()
     with attention_mode(model, MIXED, state):
-        out = model(input_ids=ids, position_ids=positions, **with_cache(model, RowsCache(part, rows, state)),
+        out = model(input_ids=ids, position_ids=positions, **with_cache(model, RowsCache(part, state)),
                     use_cache=True, logits_to_keep=torch.tensor(keep, device=device))
     link.finish()
     logits = out.logits[0]
