@@ -47,10 +47,12 @@ def decoder(model, layout, contexts: list[int]) -> BatchDecoder:
     return d
 
 
-def advance(s: dict, step: int, offset: int) -> None:
-    """One decode step of setting ``s``'s rows: token ``1000 + step`` at each row's context + ``offset`` + ``step``."""
+def advance(s: dict, step: int, offset: int = 0) -> None:
+    """One decode step of setting ``s``'s rows: token ``1000 + step`` at each row's next position (every setting's
+    rows grow by one a step, whichever thread count runs it)."""
     s["decoder"].step({f"r{i}": 1000 + step for i in range(len(s["contexts"]))},
-                      {f"r{i}": n + offset + step for i, n in enumerate(s["contexts"])})
+                      {f"r{i}": n for i, n in enumerate(s["next"])})
+    s["next"] = [n + 1 for n in s["next"]]
 
 
 @torch.no_grad()
@@ -70,6 +72,7 @@ def main() -> None:
         kv_per_token = sum(2 * h * d for h, d in zip(layout.heads, layout.head_dim)) * dtype.itemsize
         for name, contexts in BATCHES.items():
             settings[(dtype, name)] = {"decoder": decoder(model, layout, contexts), "contexts": contexts,
+                                       "next": list(contexts),
                                        "bytes": weight_bytes(model) + kv_per_token * sum(contexts)}
     if args.split:
         split(settings, args.steps, base)
