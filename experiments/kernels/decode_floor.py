@@ -4,8 +4,8 @@ the tied embedding, plus the rows' K,V) over the read bandwidth measured on the 
 bfloat16, 1 and 2 threads (the front decodes on both cores while the worker waits: serve/rank.solo_threads), one
 row over a 1024-token cache and 8 rows of 150-1550; the settings' steps interleave, so every median sees the same
 machine. Appends to decode_floor.jsonl beside this file (one row per setting and round). ``--split``: instead, where
-a step's time goes, on 2 threads: the linears' and the attention kernel's time by torch's profiler over 5 steps,
-and the rest of the unprofiled step's median (the per-op work between them) to decode_split.jsonl.
+a step's time goes, on 2 threads: the linears', the attention kernel's and the K,V write's time by torch's profiler
+over 5 steps, and the rest of the unprofiled step's median (the per-op work between them) to decode_split.jsonl.
 
     python experiments/kernels/decode_floor.py [--rounds 3] [--steps 10] [--split]
 """
@@ -33,7 +33,9 @@ from kvrunahead.serve.step.batch_decode import BatchDecoder
 HERE = Path(__file__).parent
 ROWS_FILE = HERE / "decode_floor.jsonl"
 SPLIT_FILE = HERE / "decode_split.jsonl"
-KERNELS = {"linears": "mkldnn::_linear_pointwise", "attention": "kvr::attention"}
+# torch's ops for each part of a step (the linears: oneDNN's packed where the server packs them, ATen's GEMMs here)
+KERNELS = {"linears": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"), "attention": ("kvr::attention",),
+           "kv_write": ("aten::index_copy_",)}
 BATCHES = {"1 row (1024)": [1024], "8 rows (150-1550)": [150 + 200 * i for i in range(8)]}
 
 
@@ -120,14 +122,15 @@ def split(settings: dict, steps: int, base: dict) -> None:
             for i in range(5):
                 advance(s, steps + 2 + i, 100)
         self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
-        parts = {k: self_us.get(op, 0.0) / 5 / 1e6 for k, op in KERNELS.items()}
+        parts = {k: sum(self_us.get(op, 0.0) for op in ops) / 5 / 1e6 for k, ops in KERNELS.items()}
         row = {**base, "dtype": str(dtype).removeprefix("torch."), "batch": name, "contexts": s["contexts"],
                "threads": 2, "step_s": step_s, **{f"{k}_s": v for k, v in parts.items()},
                "rest_s": step_s - sum(parts.values())}
         with SPLIT_FILE.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{row['dtype']:<9} {name:<18} step {step_s * 1e3:5.1f} ms: linears {parts['linears'] * 1e3:5.1f}, "
-              f"attention {parts['attention'] * 1e3:5.1f}, the rest {row['rest_s'] * 1e3:5.1f}", file=sys.stderr)
+              f"attention {parts['attention'] * 1e3:5.1f}, K,V write {parts['kv_write'] * 1e3:4.1f}, the rest "
+              f"{row['rest_s'] * 1e3:5.1f} ({row['rest_s'] / step_s:.0%})", file=sys.stderr)
 
 
 if __name__ == "__main__":
