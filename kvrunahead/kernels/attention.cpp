@@ -21,6 +21,11 @@
 // layout in 8-lane FMA, bfloat16 widened to float32 per block; head sizes not a multiple of 8 run the portable
 // loop. The instruction set is chosen at run time (KVR_ATTENTION_ISA forces one, KVR_ATTENTION_TILES=0|1 the tile
 // path off or on, for tests).
+//
+// Where the vector path has fewer work items than twice the threads (a decode step of a few rows after a long
+// prompt: one row of SmolLM2 is 3 items), each long row's keys are split into parts of at least kSplitMinKeys, each
+// part a row of its own writing float32 and its log-sum-exp into scratch, and the parts are merged by their
+// log-sum-exp (flash-decoding's split): one 16k row keeps every thread busy.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,6 +54,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kBlockKeys = 64;   // keys scored per block (even: bf16 multiplies key pairs)
 constexpr int kTargetRows = 96;  // query vectors (positions x grouped heads) per work item
+constexpr int kSplitMinKeys = 512;  // a row's keys split across threads only in parts of at least this many
+constexpr int kMaxKeyParts = 8;
 
 using bf16 = uint16_t;
 
@@ -1220,6 +1227,43 @@ static Strided strided(const at::Tensor& t, const char* what) {
                  static_cast<int>(t.element_size())};
 }
 
+// The split rows' outputs: each part's (float32, normalised, with its log-sum-exp) weighted by exp(lse_s - lse),
+// where lse is the parts' together; a part that saw no key weighs 0.
+static void merge_parts(const Problem& p, const std::vector<bool>& split_row, const std::vector<Problem>& parts) {
+  const int64_t d = p.d, S = static_cast<int64_t>(parts.size());
+  std::vector<float> acc(d), w(S);
+  for (size_t r = 0; r < p.rows.size(); ++r) {
+    if (!split_row[r]) continue;
+    const Row& row = p.rows[r];
+    for (int64_t n = row.q_lo; n < row.q_hi; ++n) {
+      for (int64_t head = 0; head < p.heads; ++head) {
+        const int64_t li = row.b * p.lse_sb + head * p.lse_n + n, oi = (row.b * p.out_sb + n * p.out_sn + head * d);
+        float top = kNegInf;
+        for (int64_t s = 0; s < S; ++s) top = std::max(top, parts[s].lse[li]);
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        if (top != kNegInf) {
+          for (int64_t s = 0; s < S; ++s) {
+            w[s] = std::exp(parts[s].lse[li] - top);
+            total += w[s];
+            const float* o = reinterpret_cast<const float*>(parts[s].out) + oi;
+            for (int64_t c = 0; c < d; ++c) acc[c] += w[s] * o[c];
+          }
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        p.lse[li] = total > 0.f ? top + std::log(total) : kNegInf;
+        if (p.out_f32 || !p.bf16_in) {
+          float* f = reinterpret_cast<float*>(p.out) + oi;
+          for (int64_t c = 0; c < d; ++c) f[c] = acc[c] * inv;
+        } else {
+          bf16* f = reinterpret_cast<bf16*>(p.out) + oi;
+          for (int64_t c = 0; c < d; ++c) f[c] = f32_to_bf16(acc[c] * inv);
+        }
+      }
+    }
+  }
+}
+
 // q [B, heads, n, d]; keys[t], values[t] [B_t, kv_heads, m_t, d]; rows [R, 6] int64: (batch, q_lo, q_hi, q_pos,
 // piece_lo, piece_hi); pieces [P, 5] int64: (tensor, batch, k_lo, k_hi, k_pos). Returns out [B, n, heads, d] (float32
 // or q's dtype) and lse [B, heads, n] float32; queries in no row are 0 with lse -inf.
@@ -1298,23 +1342,85 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, at::TensorList
     tile_row[r] = tiles && p.rows[r].q_hi - p.rows[r].q_lo >= kTileMinPositions;
     any_tiles = any_tiles || tile_row[r];
   }
-  std::vector<Item> items;
-  for (int64_t r = 0; r < static_cast<int64_t>(p.rows.size()); ++r) {
-    const int64_t block = std::max<int64_t>(1, (tile_row[r] ? kTileRows : kTargetRows) / p.group);
-    const int64_t len = p.rows[r].q_hi - p.rows[r].q_lo;
+  const auto row_items = [&](const Row& row, int64_t r, bool tile, std::vector<Item>& into) {
+    const int64_t block = std::max<int64_t>(1, (tile ? kTileRows : kTargetRows) / p.group);
+    const int64_t len = row.q_hi - row.q_lo;
     for (int64_t i0 = 0; i0 < len; i0 += block)
-      for (int64_t h = 0; h < p.kv_heads; ++h) items.push_back(Item{r, h, i0, std::min(block, len - i0)});
+      for (int64_t h = 0; h < p.kv_heads; ++h) into.push_back(Item{r, h, i0, std::min(block, len - i0)});
+  };
+  std::vector<Item> items;
+  for (int64_t r = 0; r < static_cast<int64_t>(p.rows.size()); ++r) row_items(p.rows[r], r, tile_row[r], items);
+  // Fewer vector items than twice the threads (a decode step of a few rows after a long prompt): the long rows' keys
+  // are split into parts, each part a row of its own problem writing float32 into scratch, run on every thread and
+  // merged by their log-sum-exp after.
+  const int64_t threads_here = at::get_num_threads();
+  int64_t vector_count = 0;
+  for (const Item& it : items) vector_count += tile_row[it.row] ? 0 : 1;
+  std::vector<bool> split_row(p.rows.size(), false);
+  std::vector<Problem> parts;
+  std::vector<at::Tensor> part_out, part_lse;
+  if (threads_here > 1 && vector_count > 0 && vector_count < 2 * threads_here) {
+    const int64_t nparts = std::min<int64_t>(kMaxKeyParts, (2 * threads_here + vector_count - 1) / vector_count);
+    for (int64_t s = 0; s < nparts; ++s) {
+      Problem ps;
+      ps.d = p.d; ps.heads = p.heads; ps.kv_heads = p.kv_heads; ps.group = p.group;
+      ps.causal = p.causal; ps.bf16_in = p.bf16_in; ps.out_f32 = true; ps.window = p.window; ps.scale = p.scale;
+      ps.q = p.q; ps.k = p.k; ps.v = p.v;
+      part_out.push_back(at::zeros({B, n, p.heads, p.d}, q.options().dtype(at::kFloat)));
+      part_lse.push_back(at::full({B, p.heads, n}, kNegInf, q.options().dtype(at::kFloat)));
+      ps.out = static_cast<char*>(part_out.back().data_ptr());
+      ps.out_sb = p.out_sb; ps.out_sn = p.out_sn;
+      ps.lse = part_lse.back().data_ptr<float>();
+      ps.lse_sb = p.lse_sb; ps.lse_n = p.lse_n;
+      parts.push_back(std::move(ps));
+    }
+    for (size_t r = 0; r < p.rows.size(); ++r) {
+      const Row& row = p.rows[r];
+      int64_t keys_total = 0;
+      for (int64_t pi = row.piece_lo; pi < row.piece_hi; ++pi) keys_total += p.pieces[pi].k_hi - p.pieces[pi].k_lo;
+      if (tile_row[r] || keys_total < kSplitMinKeys * nparts) continue;
+      split_row[r] = true;
+      for (int64_t s = 0; s < nparts; ++s) {  // part s: the row's keys [s K / S, (s + 1) K / S), in piece order
+        const int64_t a = keys_total * s / nparts, e = keys_total * (s + 1) / nparts;
+        Problem& ps = parts[s];
+        Row sub = row;
+        sub.piece_lo = static_cast<int64_t>(ps.pieces.size());
+        int64_t seen = 0;
+        for (int64_t pi = row.piece_lo; pi < row.piece_hi; ++pi) {
+          const Piece& pc = p.pieces[pi];
+          const int64_t lo = std::max(a, seen), hi = std::min(e, seen + pc.k_hi - pc.k_lo);
+          if (lo < hi) ps.pieces.push_back(Piece{pc.t, pc.b, pc.k_lo + lo - seen, pc.k_lo + hi - seen,
+                                                 pc.k_pos + lo - seen});
+          seen += pc.k_hi - pc.k_lo;
+        }
+        sub.piece_hi = static_cast<int64_t>(ps.pieces.size());
+        ps.rows.push_back(sub);
+      }
+    }
   }
   // Causal blocks late in a row see the most keys: hand the heaviest out first, pulled by whichever thread is free.
-  std::reverse(items.begin(), items.end());
+  std::vector<std::pair<const Problem*, Item>> vector_items;
+  std::vector<std::vector<Item>> tile_items(p.kv_heads);  // the tile path packs one K,V head at a time
+  for (auto it = items.rbegin(); it != items.rend(); ++it) {
+    if (tile_row[it->row]) {
+      tile_items[it->h].push_back(*it);
+    } else if (!split_row[it->row]) {
+      vector_items.emplace_back(&p, *it);
+    }
+  }
+  for (Problem& ps : parts) {
+    std::vector<Item> sub;
+    for (int64_t r = 0; r < static_cast<int64_t>(ps.rows.size()); ++r) row_items(ps.rows[r], r, false, sub);
+    for (const Item& it : sub) vector_items.emplace_back(&ps, it);
+  }
   const ItemFn fn = pick(p, chosen_isa());
   // Items pulled by whichever thread is free, over one range of them at a time.
-  const auto run_all = [&](const std::vector<Item>& todo, auto&& run) {
+  const auto run_all = [&](const auto& todo, auto&& run) {
     std::atomic<int64_t> next{0};
     const int64_t count = static_cast<int64_t>(todo.size());
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+    const int64_t threads = std::min<int64_t>(threads_here, count);
     if (threads <= 1) {
-      for (const Item& it : todo) run(it);
+      for (const auto& it : todo) run(it);
       return;
     }
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -1322,10 +1428,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, at::TensorList
       if (any_tiles) at::native::cpublas::brgemm_release(true);
     });
   };
-  std::vector<Item> vector_items;
-  std::vector<std::vector<Item>> tile_items(p.kv_heads);  // the tile path packs one K,V head at a time
-  for (const Item& it : items) (tile_row[it.row] ? tile_items[it.h] : vector_items).push_back(it);
-  run_all(vector_items, [&](const Item& it) { fn(p, it); });
+  run_all(vector_items, [&](const std::pair<const Problem*, Item>& job) { fn(*job.first, job.second); });
+  if (!parts.empty()) merge_parts(p, split_row, parts);
   if (any_tiles) {
     Packed packed;
     for (int64_t h = 0; h < p.kv_heads; ++h) {
