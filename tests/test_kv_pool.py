@@ -13,6 +13,8 @@ import torch
 
 from kvrunahead.config import RunConfig
 from kvrunahead.errors import InputError
+from kvrunahead.model.layout import KVLayout
+from kvrunahead.model.paged import PagedKV
 from kvrunahead.ranks.launcher import World
 from kvrunahead.serve.config import EngineConfig
 from kvrunahead.serve.engine import Engine
@@ -70,19 +72,27 @@ def test_a_pool_that_cannot_hold_the_longest_request_is_refused_naming_the_size_
         pool_for(256 * TINY_TOKEN_BYTES / GIB, config, 4, 1, 257)
 
 
-def _fake_cache(n: int):
-    return SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 1, n, 2), values=torch.zeros(1, 1, n, 2))])
+def _fake_cache(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return SimpleNamespace(layers=[SimpleNamespace(keys=torch.randn(1, 1, n, 2, generator=g),
+                                                   values=torch.randn(1, 1, n, 2, generator=g))])
+
+
+def _blocks(num_blocks: int) -> PagedKV:
+    return PagedKV(KVLayout(heads=(1,), head_dim=(2,), dtype=torch.float32), num_blocks, torch.float32)
 
 
 def test_the_prefix_cache_keeps_entries_in_the_pool_and_gives_them_up_oldest_first():
-    pool = KVPool(num_blocks=10, block_bytes=1, block_tokens=16)
+    kv = _blocks(10)
+    pool = kv.pool
     cache = PrefixCache(max_tokens=10_000, min_match=64)
-    cache.pool = pool
-    cache.put([1] * 64, _fake_cache(64))  # 4 blocks
+    cache.kv = kv
+    cache.put([1] * 64, _fake_cache(64))  # 4 blocks, a copy written (no request holds it)
     cache.put([2] * 64, _fake_cache(64))  # 4 more
-    assert pool.used_blocks == 8 and cache.tokens == 128
-    cache.put([3] * 64, _fake_cache(64))  # 2 free: the oldest entry makes room
+    assert pool.used_blocks == 8 and cache.tokens == 128 and cache.bytes == 8 * pool.block_bytes
+    cache.put([3] * 64, _fake_cache(64, seed=3))  # 2 free: the oldest entry makes room
     assert cache.entry([1] * 64) is None and cache.entry([3] * 64) is not None and pool.used_blocks == 8
+    assert torch.equal(cache.layers(cache.entry([3] * 64), 50)[0][0], _fake_cache(64, seed=3).layers[0].keys[:, :, :50])
     pool.hold("request", 32)  # a request takes the last 2
     cache.put([4] * 200, _fake_cache(200))  # 13 blocks: more than the pool has for entries, not kept
     assert cache.entry([4] * 200) is None
@@ -90,6 +100,30 @@ def test_the_prefix_cache_keeps_entries_in_the_pool_and_gives_them_up_oldest_fir
     assert cache.entry([3] * 64) is None and cache.entry([2] * 64) is not None
     assert not cache.evict_oldest(skip={cache.entry([2] * 64).owner})
     assert pool.used_blocks == 6
+
+
+def test_an_entry_is_the_blocks_of_the_request_that_prefilled_it_by_reference_counted_once():
+    kv = _blocks(12)
+    cache = PrefixCache(max_tokens=10_000, min_match=64)
+    cache.kv = kv
+    prompt = _fake_cache(70, seed=1)
+    kv.add("r", [(layer.keys, layer.values) for layer in prompt.layers])  # 5 blocks, the last partly full
+    for _ in range(20):  # the request decodes on, into its last block and a block after it
+        kv.grow("r")
+    assert kv.pool.used_blocks == 6
+    cache.put([7] * 70, prompt, owner="r")
+    entry = cache.entry([7] * 70)
+    assert kv.pool.used_blocks == 6 and kv.pool.tables[entry.owner].blocks == kv.pool.tables["r"].blocks[:5]
+    assert torch.equal(cache.layers(entry, 70)[0][1], prompt.layers[0].values)  # its 70, not the request's 90
+    kv.release("r")  # the request ends: the block of its own tokens alone goes
+    assert kv.pool.used_blocks == 5
+    kv.share("choice", entry.owner)  # a choice the cache answers: the entry's blocks, its own token after them
+    kv.grow("choice")
+    assert kv.pool.used_blocks == 6 and kv.length("choice") == 71
+    cache.evict_oldest(skip=())
+    assert kv.pool.used_blocks == 6  # the choice still reads them
+    kv.release("choice")
+    assert kv.pool.used_blocks == 0
 
 
 PROMPTS = [list(range(30, 70)), list(range(100, 117)), list(range(5, 90))]
@@ -151,7 +185,10 @@ def test_the_prefix_cache_gives_its_blocks_up_before_any_request_is_preempted():
         events += engine.step()
         if any(isinstance(e, Finished) for e in events):
             break
-    assert engine.kv.preemptions == 0 and engine.placement.prefixes.tokens == 0
+    prefixes = engine.placement.prefixes
+    assert engine.kv.preemptions == 0 and prefixes.entry(list(range(1, 120))) is None
+    # the big prompt's own entry is its blocks by reference: kept, at no block of its own
+    assert prefixes.tokens == 200 and engine.kv.pool.used_blocks == 13
     assert [e.finish_reason for e in events if isinstance(e, Finished)] == ["length"]
 
 

@@ -8,8 +8,13 @@ every row of a step (vLLM's ``reshape_and_cache`` by slot mapping); reads hand o
 consecutive slots as pieces of a ``[1, kv_heads, slots, head_dim]`` view (nothing gathered), or gather a row's
 slots for torch's attention.
 
-A fork of a shared prompt (the ``n`` choices of a cached prompt) holds the prompt's blocks by reference, written
-once for every fork, and its own tokens in blocks after them: nothing is copied on write.
+A holder may start with another holder's first blocks by reference (``share``: the prefix cache's entry over the
+prompt of the request that prefilled it, the ``n`` choices of a cached prompt over the entry), its own tokens in
+blocks after them: nothing is copied, on sharing or on write. Where a shared prompt is another rank's tensors (a TP
+peer's prefix cache), ``fork`` writes it once for all its forks.
+
+On the front, the server's K,V budget (serve/kv_pool.KVRoom) and this rank's blocks are one ``KVPool``: a request
+admitted holds the very blocks its K,V are then written into.
 """
 
 from __future__ import annotations
@@ -91,10 +96,18 @@ class KVPool:
         reference (a fork of a cached prompt); its own positions go into blocks of its own after them."""
         if owner in self.tables:
             raise ValueError(f"{owner} holds blocks already")
+        if not self.shareable(source, tokens):
+            raise ValueError(f"{source}'s first {tokens} positions are not its first blocks")
         blocks = self.tables[source].blocks[:self.blocks_for(tokens)]
         for block in blocks:
             self._refs[block] += 1
         self.tables[owner] = Table(list(blocks), tokens)
+
+    def shareable(self, owner: str, tokens: int) -> bool:
+        """Whether ``owner``'s first ``tokens`` positions are its first blocks, in order (a fork's own positions
+        start in a block after its shared ones)."""
+        table = self.tables.get(owner)
+        return table is not None and (not table.shared_tokens or tokens <= table.shared_tokens)
 
     def sole(self, owner: str) -> int:
         """The blocks ``owner`` alone holds: what releasing it would free."""
@@ -130,11 +143,13 @@ class PagedKV:
     are named by strings (request ids); ``length(owner)`` positions each, from position 0."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 block_tokens: int = BLOCK_TOKENS) -> None:
-        slots = num_blocks * block_tokens
+                 block_tokens: int = BLOCK_TOKENS, pool: KVPool | None = None) -> None:
+        """``pool``: the blocks' accounting where another holds it too (the front's budget); else a pool of its
+        own of ``num_blocks``."""
         per_token = sum(2 * h * d for h, d in zip(layout.heads, layout.head_dim)) * dtype.itemsize
+        self.pool = pool or KVPool(num_blocks, per_token * block_tokens, block_tokens)
+        slots = self.pool.num_blocks * self.pool.block_tokens
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
-        self.pool = KVPool(num_blocks, per_token * block_tokens, block_tokens)
         self.keys = [torch.empty(slots, h, d, dtype=dtype, device=device)
                      for h, d in zip(layout.heads, layout.head_dim)]
         self.values = [torch.empty_like(k) for k in self.keys]
@@ -155,7 +170,10 @@ class PagedKV:
         keys, values ``[1, heads, n, head_dim]``, the last ``n`` of them: a sliding layer's window), written into
         blocks of its own. A sliding layer's slots before its window stay unwritten: no query can see them."""
         tokens = max(k.shape[-2] for k, _ in kv) if tokens is None else tokens
-        self.pool.hold(owner, tokens)
+        table = self.pool.tables.get(owner)
+        if table is not None and table.shared_tokens:
+            raise ValueError(f"{owner} starts with shared blocks: its prompt is not written again")
+        self.pool.hold(owner, tokens)  # nothing taken where its budget holds them already (the front's admission)
         self.lengths[owner], self.runs[owner] = 0, []
         slots = self._extend(owner, tokens)
         for layer, (k, v) in enumerate(kv):
@@ -176,6 +194,23 @@ class PagedKV:
         self.lengths[owner], self.runs[owner] = tokens, [list(r) for r in self.runs[entry[0]]]
         entry[2] += 1
         self._fork_of[owner] = key
+
+    def share(self, owner: str, source: str, tokens: int | None = None) -> None:
+        """``owner`` starts with the first ``tokens`` positions of ``source`` (default: all it holds) by reference:
+        its table shares ``source``'s blocks (taken here, or already where the front's admission took them) and reads
+        their slots; its own positions go into blocks of its own after them."""
+        tokens = self.lengths[source] if tokens is None else tokens
+        table = self.pool.tables.get(owner)
+        if table is None:
+            self.pool.share(owner, source, tokens)
+        elif table.shared_tokens != tokens or table.blocks[:1] != self.pool.tables[source].blocks[:1]:
+            raise ValueError(f"{owner} holds blocks other than {source}'s first {tokens} positions")
+        self.lengths[owner], self.runs[owner] = tokens, [list(r) for r in self.runs[source]]
+        self.truncate(owner, tokens)
+
+    def shareable(self, owner: str, tokens: int) -> bool:
+        """Whether another holder can start with ``owner``'s first ``tokens`` positions by reference (written)."""
+        return owner in self.lengths and self.lengths[owner] >= tokens and self.pool.shareable(owner, tokens)
 
     def grow(self, owner: str) -> int:
         """One more position for ``owner``: its slot (a block taken where its last is full)."""
@@ -213,10 +248,12 @@ class PagedKV:
         """``owner``'s slots in position order ``[length]``."""
         return torch.cat([torch.arange(lo, hi) for lo, hi, _ in self.runs[owner]]).to(self.device)
 
-    def gather(self, owner: str, layer: int, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``owner``'s keys and values of ``layer`` (its ``last`` positions only, where given), copied out
-        ``[1, heads, n, head_dim]`` (for torch's attention)."""
-        slots = self.slots(owner)[-last:] if last else self.slots(owner)
+    def gather(self, owner: str, layer: int, last: int | None = None, first: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``owner``'s keys and values of ``layer`` (its ``last`` or its ``first`` positions only, where given),
+        copied out ``[1, heads, n, head_dim]`` (for torch's attention, and whoever needs a prompt's K,V whole)."""
+        slots = self.slots(owner)
+        slots = slots[-last:] if last else slots[:first] if first is not None else slots
         return tuple(t[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0) for t in (self.keys, self.values))
 
     def kernel_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -298,11 +298,11 @@ class Engine:
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
         self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
                              seq.request.params.prompt_logprobs is not None)
-        if outcome.cache is not None and seq.request_id not in self.ctx.shards:  # none: it ends here; KVP: spread
-            if self.placement.cacheable(seq.rope):
-                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits, seq.request_id)
-            # the prefix cache's answers decode forked from its entry; a prefill's own cache is the request's alone
+        if (outcome.cache is not None or outcome.shared) and seq.request_id not in self.ctx.shards:  # KVP: spread
+            # the cache's answers fork its entry; a prefill's K,V is the request's, its prompt's blocks the entry's too
             self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
+            if self.placement.cacheable(seq.rope) and not outcome.shared:
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits, seq.request_id)
         self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
 

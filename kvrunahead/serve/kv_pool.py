@@ -14,9 +14,10 @@ choices answered from an entry: its blocks by reference, their own tokens in blo
   (``run_again``, as after a worker's loss). Running again, it is admitted only with room for every position its
   replay reaches.
 
-The decodes' K,V live in blocks of the rank's own ``PagedKV`` (model/paged.py), as many as this pool's
-(``rank_kv``): the budget owns their memory. The prefix cache's entries and prompts in flight are still their own
-tensors, counted here.
+This pool is the accounting of the front's ``PagedKV`` (model/paged.py, ``rank_kv``): a request admitted holds the
+very blocks its K,V are written into, and the prefix cache's entries are holders of the same blocks (a prompt's
+blocks shared by its entry and its request, counted once). Prompts in flight (a prefill's cache until it joins the
+decode, a chunked prompt's chunks so far) are still tensors of their own, counted here by the blocks they will take.
 """
 
 from __future__ import annotations
@@ -177,7 +178,6 @@ class KVRoom:
         self.source = source  # where its size came from (said at start)
         self.preemptions = 0
         self._pinned: set[str] = set()  # the entries this step's prompts share: not evicted before they run
-        prefixes.pool = pool
 
     def check_fits(self, request: Request) -> None:
         """Raise ValueError where ``request`` could never be held, the pool empty."""
@@ -270,12 +270,15 @@ def kv_room(config, model_config, max_model_len: int, dtype, ctx, prefixes: Pref
 
 
 def rank_kv(room: KVRoom | None, config, model_config, dtype, ctx) -> PagedKV | None:
-    """The rank's pool for its decodes' K,V (model/paged.py): on the front as many blocks as its budget (``room``);
-    on a TP peer of the front, which repeats its steps and so never holds more, twice its own reading of the budget
-    (its free memory read apart from the front's; blocks never written take no memory); None on the other ranks."""
+    """The rank's pool for its decodes' K,V (model/paged.py): on the front the budget's own blocks (``room``: one
+    ``KVPool`` for both, the prefix cache's entries among its holders); on a TP peer of the front, which repeats its
+    steps and so never holds more, twice its own reading of the budget (its free memory read apart from the front's;
+    blocks never written take no memory); None on the other ranks."""
     if room is not None:
-        blocks = room.pool.num_blocks
-    elif ctx.mirror:
+        kv = room.prefixes.kv = PagedKV(ctx.layout, room.pool.num_blocks, ctx.layout.dtype, ctx.device,
+                                        pool=room.pool)
+        return kv
+    if ctx.mirror:
         size, _ = budget_bytes(config.kv_cache_memory_gib)
         blocks = 2 * max(1, size // (token_bytes(model_config, dtype.itemsize, ctx.tp) * BLOCK_TOKENS))
     else:

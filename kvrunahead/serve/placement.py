@@ -154,13 +154,15 @@ class Placement:
 
     def answered(self, ids: list[int], request_id: str | None = None) -> tuple[Placed, PrefillOutcome]:
         """A prompt the prefix cache answers whole (``answers``: another choice of ``n``, a prompt asked again): no
-        prefill, the logits as they were and a cache over the entry's K,V, which the decode forks (its own tokens
-        after them, the entry never copied)."""
+        prefill, the logits as they were, and the entry's K,V, which the decode forks (its own tokens after them, the
+        entry never copied): its blocks in the front's pool by name, else a cache over its tensors."""
         entry = self.prefixes.whole(ids, request_id)
-        cache = self.prefixes.cache_of(entry, len(ids), self.model_config)
         placed = Placed(1, (0, len(ids)), "prefix cache: the whole prompt",
                         "no prefill: the prefix cache kept its first-token logits", len(ids))
-        return placed, PrefillOutcome(entry.logits, cache, shared=True)
+        if entry.kv is None:
+            return placed, PrefillOutcome(entry.logits, None, shared=entry.owner)
+        return placed, PrefillOutcome(entry.logits, self.prefixes.cache_of(entry, len(ids), self.model_config),
+                                      shared=True)
 
     def prompt(self, request_id: str, ids: list[int], rope, score: int | None = None, explore: bool = True
                ) -> tuple[Prompt, Placed, list | None]:

@@ -1,11 +1,15 @@
 """Prompts' K,V kept after their prefill, so that a later prompt that starts the same way (a system prompt, a
 document asked about again) prefills only its new tokens.
 
-The entries hold the prefill's own tensors, not copies: the cache a request decodes into grows by concatenation,
-never in place, so the prompt's K,V stay as they were. Bounded by tokens held, least recently used first out.
+On the front, an entry is a holder of the rank's K,V pool (``kv``, model/paged.PagedKV): the blocks of the request
+that prefilled the prompt, by reference (nothing copied, counted once; the request's own tokens go into its blocks
+after the prompt's, which the entry never reads), or, where that request's K,V are not in the pool (a shared
+context's), a copy written into blocks of its own. An entry is kept only where the pool has room for it, the pool
+evicts entries, least recently used first, when requests need their blocks, and the choices that the cache answers
+share the entry's blocks in turn. Bounded by tokens held, least recently used first out.
 
-Where the front has a K,V pool (serve/kv_pool.py), each entry holds blocks of it: an entry is kept only where its
-blocks are free, and the pool evicts entries, least recently used first, when requests need their blocks.
+Without a pool (a TP peer, below), the entries hold the prefill's own tensors, not copies: the cache a request
+decodes into grows by concatenation, never in place, so the prompt's K,V stay as they were.
 
 Over a TP group (``--tp``) every rank of the front's group keeps its own cache of its own heads: the front's
 changes to its entries and their order (``put``, ``longest``, ``whole``) are recorded (``record``) and its TP peers
@@ -26,7 +30,7 @@ MIN_MATCH = 64  # a shorter common prefix saves less than looking it up and copy
 @dataclass
 class CachedPrompt:
     ids: tuple[int, ...]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V of the prompt, [1, heads, tokens, head_dim]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer: K, V [1, heads, tokens, head_dim]; None: in blocks
     logits: torch.Tensor | None = None  # its last position's (the first token's), float32 [vocab]; None: not kept
     owner: str = ""  # its holder's name in the K,V pool ("": no pool)
 
@@ -38,8 +42,13 @@ class PrefixCache:
         self.tokens = 0
         self.bytes = 0  # the entries' K,V (read by /metrics from another thread: a number, never the entries)
         self.record: list | None = None  # a TP front's: (what, request id, prompt ids) of every change, in order
-        self.pool = None  # the front's K,V pool (serve/kv_pool.KVPool), where it has one
+        self.kv = None  # the front's K,V pool (model/paged.PagedKV), where it has one: the entries are its holders
         self._kept = 0  # entries kept so far: each one's pool name is its number
+
+    @property
+    def pool(self):
+        """The blocks' accounting of ``kv`` (serve/kv_pool.KVPool); None without a pool."""
+        return self.kv.pool if self.kv is not None else None
 
     def _note(self, what: str, owner: str | None, ids) -> None:
         if self.record is not None and self.max_tokens:
@@ -48,24 +57,27 @@ class PrefixCache:
     def put(self, ids: list[int], cache: DynamicCache, logits: torch.Tensor | None = None,
             owner: str | None = None) -> None:
         """Keep the K,V of the prompt ``ids`` (the first ``len(ids)`` positions of ``cache``, the prefill of request
-        ``owner``) and its first-token ``logits``, where given; not where the pool has no room for it."""
+        ``owner``; with a pool, that request's blocks where it holds them) and its first-token ``logits``, where
+        given; not where the pool has no room for it."""
         key = tuple(ids)
         if not self.max_tokens or len(key) > self.max_tokens or len(key) < self.min_match:
             self._note("put", owner, ids)
             return
         entry = self.entries.get(key)
         if entry is None:
-            holder = ""
-            if self.pool is not None:
-                holder, self._kept = f"prefix-{self._kept}", self._kept + 1
-                if not self._room(len(key), holder):
-                    return  # (not recorded: a TP peer keeps no entry the front does not)
-            self._note("put", owner, ids)
             n = len(key)
-            entry = self.entries[key] = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
-                                                           for layer in cache.layers], owner=holder)
+            if self.kv is not None:
+                holder, self._kept = f"prefix-{self._kept}", self._kept + 1
+                if not self._keep(n, holder, cache, owner):
+                    return  # (not recorded: a TP peer keeps no entry the front does not)
+                entry = CachedPrompt(key, None, owner=holder)
+            else:
+                entry = CachedPrompt(key, [_own(layer.keys[:, :, :n], layer.values[:, :, :n])
+                                           for layer in cache.layers])
+            self._note("put", owner, ids)
+            self.entries[key] = entry
             self.tokens += n
-            self.bytes += _nbytes(entry)
+            self.bytes += self._nbytes(entry)
         else:
             self._note("put", owner, ids)
             self.entries.move_to_end(key)
@@ -74,15 +86,20 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self.entries)))
 
-    def _room(self, tokens: int, holder: str) -> bool:
-        """Take the pool's blocks for a new entry of ``tokens`` positions, evicting older entries as far as needed;
+    def _keep(self, tokens: int, holder: str, cache, owner: str | None) -> bool:
+        """The pool's holder ``holder`` over the first ``tokens`` positions: request ``owner``'s blocks by reference
+        where it holds them, else blocks of its own written from ``cache``, older entries evicted as far as needed;
         False, evicting none, where even evicting every entry would leave too few (the requests hold the rest)."""
-        need = self.pool.blocks_for(tokens)
-        if self.pool.free_blocks + sum(self.pool.sole(e.owner) for e in self.entries.values()) < need:
+        kv, pool = self.kv, self.pool
+        if owner is not None and kv.shareable(owner, tokens):
+            kv.share(holder, owner, tokens)
+            return True
+        need = pool.blocks_for(tokens)
+        if pool.free_blocks + sum(pool.sole(e.owner) for e in self.entries.values()) < need:
             return False
-        while self.pool.free_blocks < need:
+        while pool.free_blocks < need:
             self.evict_oldest(skip=())
-        self.pool.hold(holder, tokens)
+        kv.add(holder, [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers], tokens)
         return True
 
     def evict_oldest(self, skip) -> bool:
@@ -97,9 +114,9 @@ class PrefixCache:
     def _drop(self, key: tuple[int, ...]) -> None:
         old = self.entries.pop(key)
         self.tokens -= len(old.ids)
-        self.bytes -= _nbytes(old)
-        if self.pool is not None and old.owner:
-            self.pool.release(old.owner)  # its blocks stay held where forks of it still decode
+        self.bytes -= self._nbytes(old)
+        if self.kv is not None:
+            self.kv.release(old.owner)  # its blocks stay held where a request or a fork still reads them
 
     def entry(self, ids: list[int]) -> CachedPrompt | None:
         """The entry of exactly this prompt (the entries' order untouched)."""
@@ -143,20 +160,33 @@ class PrefixCache:
         self.entries.move_to_end(entry.ids)
         return entry
 
+    def layers(self, entry: CachedPrompt, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``tokens`` positions of ``entry``, per layer: views of its tensors, or gathered from its blocks
+        (a copy)."""
+        if entry.kv is None:
+            return [self.kv.gather(entry.owner, layer, first=tokens) for layer in range(len(self.kv.keys))]
+        return [(k[:, :, :tokens], v[:, :, :tokens]) for k, v in entry.kv]
+
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:
-        """A cache over the first ``tokens`` positions of ``entry``: views of its K,V, not a copy. Whoever holds it
-        reads it and never writes it: the decode writes it into the pool once for its forks (model/paged.PagedKV.fork),
-        a transformers append copies it."""
+        """A cache over the first ``tokens`` positions of ``entry`` (``layers``). Whoever holds it reads it and
+        never writes it: a decode writes it into its pool once for its forks (model/paged.PagedKV.fork), a
+        transformers append copies it. (A decode in the pool shares the entry's blocks instead.)"""
         cache = DynamicCache(config=config)
-        for layer, (k, v) in zip(cache.layers, entry.kv):
+        for layer, (k, v) in zip(cache.layers, self.layers(entry, tokens)):
             layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k[:, :, :tokens], v[:, :, :tokens]
+            layer.keys, layer.values = k, v
         return cache
 
     def held(self, entry: CachedPrompt, tokens: int) -> list[torch.Tensor]:
         """The first ``tokens`` positions of ``entry`` as the chain hands a prefix on: ``[2, 1, heads, tokens,
         head_dim]`` per layer (what the front sends rank 0 when the new tokens run over the chain)."""
-        return [torch.stack((k[:, :, :tokens], v[:, :, :tokens])) for k, v in entry.kv]
+        return [torch.stack(kv) for kv in self.layers(entry, tokens)]
+
+    def _nbytes(self, entry: CachedPrompt) -> int:
+        """What ``entry`` holds: its tensors, or its blocks (shared with requests or not)."""
+        if entry.kv is None:
+            return self.pool.blocks_for(len(entry.ids)) * self.pool.block_bytes
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in entry.kv)
 
 
     def replay(self, op: tuple, caches: dict, config) -> tuple[str, object] | None:
@@ -184,10 +214,6 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _nbytes(entry: CachedPrompt) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in entry.kv)
 
 
 def _own(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,7 @@ class BatchDecoder:
         if self.paged and kv is None:
             kv = PagedKV(layout, DEFAULT_TOKENS // BLOCK_TOKENS, layout.dtype, self.device)
         self.kv = kv if self.paged else None
+        self.blocks = kv  # the rank's pool, where the prefix cache's entries live even when this decode is unpaged
         self.layout = layout
         self.own: dict[str, object] = {}  # request id -> its pool (paged), its KV (padded) or its cache (one each)
         self.members: list[str] = []
@@ -62,10 +63,19 @@ class BatchDecoder:
         self.mask: torch.Tensor | None = None  # [batch, tokens]: 0 on the pads
         self._keep = forward_takes(model, "logits_to_keep")
 
-    def add(self, request_id: str, cache: DynamicCache, fork: bool = False) -> None:
-        """A request joins the decode with its prompt's ``cache``. ``fork``: the cache is shared (the prefix
-        cache's entry): paged, its blocks are written once for all its forks and held by reference; otherwise a
-        copy of its own is made."""
+    def add(self, request_id: str, cache: DynamicCache | None, fork: bool | str = False) -> None:
+        """A request joins the decode with its prompt's ``cache``. ``fork``: the prompt is shared (the prefix
+        cache's entry): a name, the holder in this decoder's pool whose blocks it starts with (``cache`` None);
+        True, ``cache`` is shared tensors, which a paged decode writes once for all their forks and holds by
+        reference. Unpaged, a copy of its own is made."""
+        if isinstance(fork, str) and fork:
+            if self.paged:
+                self.kv.share(request_id, fork)
+                self.own[request_id] = self.kv
+                return
+            cache = DynamicCache(config=self.model.config)  # gathered, for a decode that cannot read blocks
+            for layer in range(len(self.blocks.keys)):
+                cache.update(*self.blocks.gather(fork, layer), layer)
         if self.paged:
             tokens = max(layer.get_seq_length() for layer in cache.layers)  # a sliding layer keeps its window only
             (self.kv.fork if fork else self.kv.add)(request_id, cache_kv(cache), tokens)

@@ -55,9 +55,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class PrefillOutcome:
     logits: torch.Tensor  # [vocab], on the model's device
-    cache: DynamicCache
+    cache: DynamicCache | None  # None: the prefix cache's entry in the front's pool (``shared``) answers it
     ranks: list[RankStats] = field(default_factory=list)
-    shared: bool = False  # the cache is the prefix cache's K,V (read, never written): the decode forks it
+    # the prefix cache's K,V, read and never written, which the decode forks: True, the cache's tensors (a TP peer's
+    # entry); a name, its entry's blocks in the front's pool
+    shared: bool | str = False
 
 
 @dataclass

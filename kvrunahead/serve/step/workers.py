@@ -121,7 +121,7 @@ def _mirror(ops: tuple, caches: dict, decoder, prefixes, model_config) -> tuple[
     for op in ops:
         if op[0] == "add":
             _, request_id, variant, fork = op
-            decoder.add(request_id, caches[request_id], variant, fork)
+            decoder.add(request_id, caches[request_id], variant, bool(fork))  # this rank's entries are tensors
         elif op[0] == "remove":
             decoder.remove(op[1])
         else:
