@@ -190,6 +190,22 @@ def test_forks_read_their_shared_prompt_in_place_then_their_own_tokens(isa, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_row_in_many_short_runs_is_scored_in_blocks_across_them(isa, dtype, window):
+    """A paged row's keys are runs of 16 slots scattered in one tensor: a block of keys spans runs that follow each
+    other in position, and ends where the next run does not (a gap in positions, causal and window bounds)."""
+    _, k, v = qkv(1, 9, 3, 1, 640, 64, dtype, seed=30)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(3)).tolist()  # slots of 40 runs of 16
+    q = torch.randn(1, 9, 3, 64).to(dtype)
+    runs = [kernel.Piece(k, v, 16 * i, 0, 16 * b, 16 * b + 16) for i, b in enumerate(order[:30])]  # positions 0-479
+    gap = [kernel.Piece(k, v, 16 * (i + 40), 0, 16 * b, 16 * b + 16) for i, b in enumerate(order[30:])]  # 640-799
+    rows = [kernel.Row(0, 0, 1, 479, runs),  # 30 runs, one after another
+            kernel.Row(0, 1, 2, 799, runs + gap),  # then a jump of 160 positions
+            kernel.Row(0, 2, 3, 300, runs[:25])]  # causal: the runs past position 300 partly or wholly unseen
+    check(q, rows, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 16, 50, 400])
 def test_a_sliding_window_band_at_any_offset(isa, dtype, window):
     q, k, v = qkv(1, 4, 1, 90, 240, 256, dtype, seed=5)

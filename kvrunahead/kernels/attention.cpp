@@ -167,35 +167,49 @@ static inline float load_f(const T* x, int64_t i) {
 }
 
 // body(ka, nk) for each block of up to kBlockKeys keys of a row's pieces that positions [qa, qb] can see, with krow
-// and vrow pointing at the block's rows and ka the block's first key position; the next block's rows are prefetched
-// while this one is worked on (a long row is read from memory, not cache).
+// and vrow pointing at the block's rows and ka the block's first key position. A block spans pieces whose visible
+// keys follow each other in position (a paged row's runs of 16-position blocks fill whole blocks of kBlockKeys, not
+// one short block per run); the rows after a full block in its last piece are prefetched while it is worked on (a
+// long row is read from memory, not cache).
 template <typename T, typename F>
 static inline void each_key_block(const Problem& p, const Row& r, int64_t h, int64_t qa, int64_t qb, const T** krow,
                                   const T** vrow, F&& body) {
+  int64_t nk = 0, ka = 0;
   for (int64_t pi = r.piece_lo; pi < r.piece_hi; ++pi) {
     const Piece& pc = p.pieces[pi];
     int64_t lo, hi;
     visible_span(p, pc, qa, qb, &lo, &hi);
+    if (lo >= hi) continue;
+    if (nk > 0 && pc.k_pos + (lo - pc.k_lo) != ka + nk) {  // not the next position: the block ends here
+      body(ka, nk);
+      nk = 0;
+    }
     const Strided& K = p.k[pc.t];
     const Strided& V = p.v[pc.t];
-    for (int64_t j0 = lo; j0 < hi; j0 += kBlockKeys) {
-      const int64_t nk = std::min<int64_t>(kBlockKeys, hi - j0);
-      for (int64_t j = 0; j < nk; ++j) {
-        krow[j] = static_cast<const T*>(K.at(pc.b, h, j0 + j));
-        vrow[j] = static_cast<const T*>(V.at(pc.b, h, j0 + j));
+    for (int64_t j0 = lo; j0 < hi;) {
+      if (nk == 0) ka = pc.k_pos + (j0 - pc.k_lo);
+      const int64_t take = std::min<int64_t>(kBlockKeys - nk, hi - j0);
+      for (int64_t j = 0; j < take; ++j) {
+        krow[nk + j] = static_cast<const T*>(K.at(pc.b, h, j0 + j));
+        vrow[nk + j] = static_cast<const T*>(V.at(pc.b, h, j0 + j));
       }
-      const int64_t next = std::min<int64_t>(kBlockKeys, hi - j0 - nk);
+      nk += take;
+      j0 += take;
+      if (nk < kBlockKeys) continue;
+      const int64_t next = std::min<int64_t>(kBlockKeys, hi - j0);
       for (int64_t j = 0; j < next; ++j) {
-        const char* kr = static_cast<const char*>(K.at(pc.b, h, j0 + nk + j));
-        const char* vr = static_cast<const char*>(V.at(pc.b, h, j0 + nk + j));
+        const char* kr = static_cast<const char*>(K.at(pc.b, h, j0 + j));
+        const char* vr = static_cast<const char*>(V.at(pc.b, h, j0 + j));
         for (int64_t off = 0; off < p.d * static_cast<int64_t>(sizeof(T)); off += 64) {
           _mm_prefetch(kr + off, _MM_HINT_T0);
           _mm_prefetch(vr + off, _MM_HINT_T0);
         }
       }
-      body(pc.k_pos + (j0 - pc.k_lo), nk);
+      body(ka, nk);
+      nk = 0;
     }
   }
+  if (nk > 0) body(ka, nk);
 }
 
 template <typename T>
