@@ -185,7 +185,7 @@ def lars_slack(planner: ChunkPlanner, config) -> Slack:
     def target(seq) -> float:
         if seq.request.ttft_target_s is not None:
             return seq.request.ttft_target_s
-        return max(config.ttft_slo_s, config.ttft_slo_factor * planner.whole_s(seq.prompt_len))
+        return max(config.ttft_slo_s, config.ttft_slo_factor * planner.whole_s(seq.prefill_len))
 
-    return Slack(target, lambda seq: planner.whole_s(seq.prompt_len),
-                 lambda seq: planner.remaining_s(seq.prompt_len, seq.prefilled) + planner.budget_s)
+    return Slack(target, lambda seq: planner.whole_s(seq.prefill_len),
+                 lambda seq: planner.remaining_s(seq.prefill_len, seq.prefilled) + planner.budget_s)

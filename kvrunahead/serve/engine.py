@@ -59,8 +59,7 @@ class Engine:
     ``kvr-ask`` report them; a server does not keep them)."""
 
     def __init__(self, config: EngineConfig, world: World, record: bool = False) -> None:
-        cfg = config.run
-        self.config, self.world = config, world
+        cfg, self.config, self.world = config.run, config, world
         model_config = resolve_config(cfg.model)
         self.max_model_len = model_len_limit(cfg, model_config, config.max_model_len)
         self.attention, _ = resolve_attention(cfg, model_config)
@@ -73,8 +72,7 @@ class Engine:
                                tp=world.tp, tp_rank=world.tp_rank)
         workers.open_plan_routes(self.ctx, world, rs.collective is not None and rs.collective.name == "shm")
         self.model_config, self.threads = model_config, threads
-        why = why_not_packable(model_config)
-        if config.pack_tokens and why:
+        if (why := why_not_packable(model_config)) and config.pack_tokens:
             log.warning("%s: %s; prompts are prefilled one at a time", cfg.model, why)
         self.decoder = VariantDecoders(self._decoder_for, record=world.tp > 1 and self.is_front)
         self.heartbeat = workers.Heartbeat(self.ctx, config.heartbeat_s)
@@ -251,7 +249,7 @@ class Engine:
     def _chunk_done(self, seq: Sequence, seg: Scorable, seconds: float, step: Step) -> bool:
         """A chunk's record in the response (its time teaches the chunk planner); whether it was the prompt's last
         (else the rest waits for its turn, every rank holding its positions so far)."""
-        n = seq.prompt_len
+        n = seq.prefill_len
         seq.figures.chunks.append(self.chunks.record(seg.bounds, seconds, step.budget_s,
                                                      learn=0 < seg.start and seg.end < n,
                                                      beside=[s.next_position + 1 for s in step.decodes
@@ -290,25 +288,27 @@ class Engine:
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
-        self.samplers[seq.request_id] = Sampler(seq.request.params, seq.request.prompt_ids,
-                                                          self.ctx.lm.eos_token_ids)
-        token = seq.next_token(self.samplers[seq.request_id], outcome.logits)
+        ids, sampler = seq.prefill_ids, Sampler(seq.request.params, seq.request.prompt_ids, self.ctx.lm.eos_token_ids)
+        self.samplers[seq.request_id] = sampler
+        for sent in seq.recomputed():  # running again: the tokens its stream sent, in this prefill, taken silently
+            self._advance(seq, sampler.retake(sent))
+        token = seq.next_token(sampler, outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
-        self.placement.timed(seq.figures, seq.prompt_len, time.monotonic() - seq.prefill_start_s,
+        self.placement.timed(seq.figures, len(ids), time.monotonic() - seq.prefill_start_s,
                              seq.request.params.prompt_logprobs is not None)
         if (outcome.cache is not None or outcome.shared) and seq.request_id not in self.ctx.shards:  # KVP: spread
             # the cache's answers fork its entry; a prefill's K,V is the request's, its prompt's blocks the entry's too
             self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
             if self.placement.cacheable(seq.rope) and not outcome.shared:
-                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, outcome.logits, seq.request_id)
+                self.placement.prefixes.put(ids, outcome.cache, outcome.logits, seq.request_id)
         self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
 
     def _advance(self, seq: Sequence, token: int) -> list[Event]:
         """Take ``token`` into ``seq``; its text delta and, when it ends (EOS, a stop string, max_tokens), its
-        Finished. A token its stream sent before a worker's loss is taken silently (``seq.replaying``)."""
+        Finished. A token its stream sent before it ran again is taken silently (``seq.replaying``)."""
         lm, params = self.ctx.lm, seq.request.params
         ends = (token in lm.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
         delta, reason = seq.take(token, ends, lambda ids: lm.decode(ids, params.skip_special_tokens))

@@ -10,9 +10,9 @@ choices answered from an entry: its blocks by reference, their own tokens in blo
   may reach at once.
 - Before each step every decoding request takes the block its next token needs. Where none is free, the prefix
   cache's entries go first, least recently used first; then the request that arrived last is preempted: its blocks
-  freed, it runs again from its prompt, and the tokens its stream sent are fed back rather than sent again
-  (``run_again``, as after a worker's loss). Running again, it is admitted only with room for every position its
-  replay reaches.
+  freed, and it runs again in one prefill over its prompt and the tokens its stream sent (vLLM's recompute), which
+  it takes back silently rather than sending again (``run_again``, as after a worker's loss). Running again, it is
+  admitted only with room for every position that prefill and its replay reach.
 
 This pool is the accounting of the front's ``PagedKV`` (model/paged.py, ``rank_kv``): a request admitted holds the
 very blocks its K,V are written into, and the prefix cache's entries are holders of the same blocks (a prompt's
@@ -150,8 +150,8 @@ class Held:
 
 def run_again(held: Held, seq: Sequence) -> None:
     """``seq`` back in the queue, first in line, to run again from its prompt: its cache and sampler dropped, the
-    tokens it has sent fed back rather than chosen again (``Sequence.next_token``), so its stream goes on where it
-    was."""
+    tokens it has sent prefilled with its prompt and taken back rather than chosen again (``Sequence.prefill_ids``;
+    one a step, ``Sequence.next_token``, where its prefill cannot take them), so its stream goes on where it was."""
     held.scheduler.finish(seq)
     held.decoder.remove(seq.request_id)
     held.samplers.pop(seq.request_id, None)
@@ -196,10 +196,10 @@ class KVRoom:
         if seq.request_id in self.pool.tables:  # a chunked prompt's next chunk: held since its first
             return True
         reserve = len(self.held.scheduler.running)
-        if answered and (entry := self.prefixes.entry(seq.request.prompt_ids)) is not None and entry.owner:
+        if answered and (entry := self.prefixes.entry(seq.prefill_ids)) is not None and entry.owner:
             if not self._room(reserve):
                 return False
-            self.pool.share(seq.request_id, entry.owner, seq.prompt_len)
+            self.pool.share(seq.request_id, entry.owner, seq.prefill_len)
             self._pinned.add(entry.owner)
             return True
         # a request running again (preempted, or after a worker's loss) holds at once the positions its replay will

@@ -150,7 +150,7 @@ class Placement:
         """Whether the prefix cache answers ``seq`` (a serve.sequence.Sequence) whole, with no prefill."""
         request = seq.request
         return (self.cacheable(seq.rope) and request.params.prompt_logprobs is None and not request.questions
-                and self.prefixes.answers(request.prompt_ids))
+                and self.prefixes.answers(seq.prefill_ids))
 
     def answered(self, ids: list[int], request_id: str | None = None) -> tuple[Placed, PrefillOutcome]:
         """A prompt the prefix cache answers whole (``answers``: another choice of ``n``, a prompt asked again): no
@@ -325,7 +325,7 @@ class Placement:
         """What a chunked prefill's response says its partition came from (``seq``: a serve.sequence.Sequence)."""
         path = self.chunk_path(seq.request.params.prompt_logprobs is not None)
         if path == "spp":
-            return f"chunked prefill; {self.stages(seq.prompt_len)[2]}"
+            return f"chunked prefill; {self.stages(seq.prefill_len)[2]}"
         if path == "kvp":
             return "chunked prefill, KV-parallel: each chunk's K,V kept on one rank, the ranks filled in order"
         return "chunked prefill"

@@ -119,7 +119,7 @@ class StepPlanner:
         if seq.prefilled or not self.placement.answers(seq):
             return None
         seq.prefill_start_s = time.monotonic()
-        placed, outcome = self.placement.answered(seq.request.prompt_ids, seq.request_id)
+        placed, outcome = self.placement.answered(seq.prefill_ids, seq.request_id)
         seq.figures = placed.figures(seq.request.arrival_s, seq.prefill_start_s)
         return outcome
 
@@ -127,7 +127,7 @@ class StepPlanner:
         """The safe layout of a prompt not yet started: whole, on the front alone (its questions after it)."""
         request = seq.request
         seq.prefill_start_s, seq.chunked = time.monotonic(), False
-        seg, placed = self.placement.alone(seq.request_id, request.prompt_ids, seq.rope,
+        seg, placed = self.placement.alone(seq.request_id, seq.prefill_ids, seq.rope,
                                            request.params.prompt_logprobs, why)
         seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
         return (asking.with_questions(seg, request) if request.questions else seg), None
@@ -136,10 +136,10 @@ class StepPlanner:
         """The prefill's segment: the whole prompt where the scheduler did not chunk it (placed by the prefix cache
         and the degree policy, which explores no other layout while decodes wait: ``explore``; a context carries
         its questions), else its next chunk, up to ``chunk_end``."""
-        n, request = seq.prompt_len, seq.request
+        n, request = seq.prefill_len, seq.request
         if chunk_end is None:
             seq.prefill_start_s = time.monotonic()
-            seg, placed, held = self.placement.prompt(seq.request_id, request.prompt_ids, seq.rope,
+            seg, placed, held = self.placement.prompt(seq.request_id, seq.prefill_ids, seq.rope,
                                                       request.params.prompt_logprobs, explore)
             seq.figures = placed.figures(request.arrival_s, seq.prefill_start_s)
             return (asking.with_questions(seg, request) if request.questions else seg), held
@@ -149,14 +149,14 @@ class StepPlanner:
             seq.figures = RequestFigures(0.0, seq.prefill_start_s - request.arrival_s, self.ctx.world_size,
                                          [0, n], self.placement.chunked_source(seq), self.chunks.describe(),
                                          decode=self.placement.chunked_decode(seq))
-        seg = self.placement.chunk(seq.request_id, request.prompt_ids, self.chunks.cuts(done, chunk_end), seq.rope,
+        seg = self.placement.chunk(seq.request_id, seq.prefill_ids, self.chunks.cuts(done, chunk_end), seq.rope,
                                    request.params.prompt_logprobs)
         return seg, None
 
     def _packed(self, seqs: list[Sequence], alone: str | None = None) -> tuple[list[Prompt], tuple[int, ...]]:
         """Several waiting prompts packed into one prefill (Placement.packed): their segments and cuts."""
         start = time.monotonic()
-        segments, cuts, placed = self.placement.packed([s.request.prompt_ids for s in seqs],
+        segments, cuts, placed = self.placement.packed([s.prefill_ids for s in seqs],
                                                        tuple(s.request_id for s in seqs),
                                                        all(s.request.params.max_tokens == 1 for s in seqs), alone)
         for seq in seqs:

@@ -119,7 +119,7 @@ class Scheduler:
         if self.chunks is None or len(prefills) != 1:
             return step
         seq = prefills[0]
-        if not seq.prefilled and (seq.request.questions or not self.chunks.chunked(seq.prompt_len)
+        if not seq.prefilled and (seq.request.questions or not self.chunks.chunked(seq.prefill_len)
                                   or self.answered(seq)):
             return step
         step.budget_s = self.chunk_budget(seq, now)
@@ -129,7 +129,7 @@ class Scheduler:
             # fewer times) and a request that arrives meanwhile waits at most that long.
             step.budget_s = max(step.budget_s, min(ALONE_BUDGETS * step.budget_s,
                                                    self.chunks.predict_s(0, seq.prefilled)))
-        step.chunk_end = self.chunks.end(seq.prompt_len, seq.prefilled, step.budget_s)
+        step.chunk_end = self.chunks.end(seq.prefill_len, seq.prefilled, step.budget_s)
         return step
 
     def chunk_budget(self, seq: Sequence, now: float) -> float:
@@ -150,7 +150,7 @@ class Scheduler:
         hundred tokens cut into chunks pays each step's fixed costs and a decode step between them; a long document
         with its deadline minutes away is still cut to the budget."""
         chunks = self.chunks
-        rest = chunks.predict_s(seq.prefilled, seq.prompt_len)
+        rest = chunks.predict_s(seq.prefilled, seq.prefill_len)
         if not chunks.budget_s < rest <= WHOLE_CAP * chunks.budget_s:
             return 0.0
         running = [s.next_position for s in self.running]
@@ -179,19 +179,19 @@ class Scheduler:
             self.waiting.remove(first)
             if self.answered(first):  # nothing to compute: every other such request goes in the same step (n)
                 return [first] + self._take_answered(order[1:])
-            seqs, total = [first], first.prompt_len
+            seqs, total = [first], first.prefill_len
             # A prompt whose length needs the RoPE extended runs on another model variant, one whose start the
             # prefix cache holds prefills its new tokens alone, one scored keeps each position's logits: never
             # packed. The others are taken in the policy's order, up to the first that does not fit, so none is
             # overtaken.
             packs = bool(self.pack_tokens) and self._packable(first)
             for seq in (s for s in order[1:] if s in self.waiting):
-                if not (packs and total + seq.prompt_len <= self.pack_tokens and self._packable(seq)
+                if not (packs and total + seq.prefill_len <= self.pack_tokens and self._packable(seq)
                         and self._admit(seq)):
                     break
                 self.waiting.remove(seq)
                 seqs.append(seq)
-                total += seq.prompt_len
+                total += seq.prefill_len
             for seq in seqs[1:]:
                 seq.passed_over = 0
             return seqs
@@ -211,7 +211,7 @@ class Scheduler:
 
     def _packable(self, seq: Sequence) -> bool:
         return (seq.rope is None and seq.request.params.prompt_logprobs is None and not seq.request.questions
-                and not self.cached(seq.request.prompt_ids, seq.rope))
+                and not self.cached(seq.prefill_ids, seq.rope))
 
     def order(self, now: float) -> list[Sequence]:
         """The prefills in the order the policy takes them: by arrival (fcfs), or those passed over ``starve_after``

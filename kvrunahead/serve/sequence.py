@@ -261,7 +261,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far, where the request asks
     answers: Answers | None = None  # a request carrying questions, once its context and questions are prefilled
     retried: int = 0  # the times it ran again from its prompt after a worker rank was lost
-    replay: list[int] = field(default_factory=list)  # its stream's tokens sent before that, to be fed back
+    replay: list[int] = field(default_factory=list)  # its stream's tokens sent before that, to be taken back
     replaying: bool = False  # the token being taken is one of them (taken silently)
 
     def __post_init__(self) -> None:
@@ -276,9 +276,34 @@ class Sequence:
         return len(self.request.prompt_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens its prefill runs: its prompt and, running again (preempted, or after a worker's loss), the
+        tokens its stream sent already, recomputed in the same prefill (vLLM's recompute preemption). A context's
+        questions and a prompt scoring its log-probabilities run their prompt alone, and take those tokens back one a
+        step."""
+        return self.request.prompt_ids + self.replay if self.recomputes else self.request.prompt_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + len(self.replay) if self.recomputes else self.prompt_len
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether its prefill covers the tokens its stream sent before it ran again (``prefill_ids``)."""
+        return bool(self.replay) and not self.request.questions and self.request.params.prompt_logprobs is None
+
+    @property
     def next_position(self) -> int:
         """The position of the last chosen token, fed at the next decode step."""
         return self.prompt_len + len(self.output_ids) - 1
+
+    def recomputed(self) -> list[int]:
+        """After a prefill over ``prefill_ids``: the tokens its stream had sent that the prefill covered, to be taken
+        back silently (``replaying``), none left to feed back."""
+        if not self.recomputes:
+            return []
+        sent, self.replay, self.replaying = self.replay, [], True
+        return sent
 
     def next_token(self, sampler, logits) -> int:
         """The next token: ``sampler``'s choice from ``logits``, or, while the request runs again after a worker's

@@ -77,7 +77,7 @@ class PrefillRecord:
     @classmethod
     def of(cls, seqs: list, outcomes: list[PrefillOutcome], ranks: list[RankStats]) -> PrefillRecord:
         """The record of prompts (serve/sequence.Sequence) prefilled in one step."""
-        return cls(tuple(s.request_id for s in seqs), tuple(s.prompt_len for s in seqs),
+        return cls(tuple(s.request_id for s in seqs), tuple(s.prefill_len for s in seqs),
                    tuple(seqs[0].figures.boundaries), ranks,
                    {s.request_id: o.logits.float().cpu() for s, o in zip(seqs, outcomes)})
 
