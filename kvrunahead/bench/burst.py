@@ -193,6 +193,7 @@ def burst(url: str, model: str, requests: int, n: int, max_tokens: int, duration
 def main(memory: str, requests: int, n: int, max_tokens: int, duration: float, model: str, port: int,
          rows: Path | None, serve_args: tuple[str, ...]) -> None:
     """Run one burst; print its row (and append it to ``--rows``). SERVE_ARGS go to kvr-serve."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the server and its cgroup go too
     row = run(parse_size(memory), requests, n, max_tokens, duration, model, port, serve_args)
     text = json.dumps(row)
     click.echo(text)

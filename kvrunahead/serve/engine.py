@@ -89,8 +89,7 @@ class Engine:
                                    cached=self.placement.holds_start, answered=self.placement.answers,
                                    chunks=self.chunks)
         self.samplers: dict[str, Sampler] = {}
-        self.healthy = True
-        self.error: str | None = None
+        self.healthy, self.error = True, None  # the error: why it failed (str), once it has
         self.last_prefill_logits: torch.Tensor | None = None  # float32 CPU, for one-shot checks (--verify, tests)
         self.prefills: list[PrefillRecord] | None = [] if record else None
         self._arrivals: queue.SimpleQueue[Sequence] = queue.SimpleQueue()  # added, not yet taken by a step
@@ -288,21 +287,22 @@ class Engine:
 
     def _after_prefill(self, seq: Sequence, outcome: PrefillOutcome) -> list[Event]:
         self.last_prefill_logits = outcome.logits.float().cpu()
-        ids, sampler = seq.prefill_ids, Sampler(seq.request.params, seq.request.prompt_ids, self.ctx.lm.eos_token_ids)
-        self.samplers[seq.request_id] = sampler
-        for sent in seq.recomputed():  # running again: the tokens its stream sent, in this prefill, taken silently
-            self._advance(seq, sampler.retake(sent))
+        n, sampler = seq.prefill_len, Sampler(seq.request.params, seq.request.prompt_ids, self.ctx.lm.eos_token_ids)
+        self.samplers[seq.request_id], sent = sampler, seq.recomputed()
+        for old in sent:  # running again: the tokens its stream sent, in this prefill, taken silently
+            self._advance(seq, sampler.retake(old))
         token = seq.next_token(sampler, outcome.logits)
         seq.figures.ttft_s = time.monotonic() - seq.request.arrival_s
         seq.figures.ranks = [{"rank": r.rank, "compute_s": r.compute_s, "wait_s": r.wait_s,
                               "bytes_sent": r.bytes_sent} for r in outcome.ranks]
-        self.placement.timed(seq.figures, len(ids), time.monotonic() - seq.prefill_start_s,
+        self.placement.timed(seq.figures, n, time.monotonic() - seq.prefill_start_s,
                              seq.request.params.prompt_logprobs is not None)
         if (outcome.cache is not None or outcome.shared) and seq.request_id not in self.ctx.shards:  # KVP: spread
             # the cache's answers fork its entry; a prefill's K,V is the request's, its prompt's blocks the entry's too
             self.decoder.add(seq.request_id, outcome.cache, seq.rope, fork=outcome.shared)
-            if self.placement.cacheable(seq.rope) and not outcome.shared:
-                self.placement.prefixes.put(ids, outcome.cache, outcome.logits, seq.request_id)
+            if self.placement.cacheable(seq.rope) and not outcome.shared:  # its prompt's (the logits: of no re-run)
+                self.placement.prefixes.put(seq.request.prompt_ids, outcome.cache, None if sent else outcome.logits,
+                                            seq.request_id)
         self.scheduler.start_decoding(seq)
         return self._advance(seq, token)
 
