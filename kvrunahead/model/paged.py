@@ -256,6 +256,10 @@ class PagedKV:
         slots = slots[-last:] if last else slots[:first] if first is not None else slots
         return tuple(t[layer].index_select(0, slots).transpose(0, 1).unsqueeze(0) for t in (self.keys, self.values))
 
+    def gathered(self, owner: str, first: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``gather`` of every layer: ``owner``'s K,V (its ``first`` positions only, where given), copied out."""
+        return [self.gather(owner, layer, first=first) for layer in range(len(self.keys))]
+
     def kernel_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s keys and values as our kernel reads them: ``[1, heads, slots, head_dim]``, not copied."""
         return self.keys[layer].permute(1, 0, 2).unsqueeze(0), self.values[layer].permute(1, 0, 2).unsqueeze(0)

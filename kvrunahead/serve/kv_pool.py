@@ -275,9 +275,8 @@ def rank_kv(room: KVRoom | None, config, model_config, dtype, ctx) -> PagedKV | 
     steps and so never holds more, twice its own reading of the budget (its free memory read apart from the front's;
     blocks never written take no memory); None on the other ranks."""
     if room is not None:
-        kv = room.prefixes.kv = PagedKV(ctx.layout, room.pool.num_blocks, ctx.layout.dtype, ctx.device,
-                                        pool=room.pool)
-        return kv
+        room.prefixes.kv = PagedKV(ctx.layout, room.pool.num_blocks, ctx.layout.dtype, ctx.device, pool=room.pool)
+        return room.prefixes.kv
     if ctx.mirror:
         size, _ = budget_bytes(config.kv_cache_memory_gib)
         blocks = 2 * max(1, size // (token_bytes(model_config, dtype.itemsize, ctx.tp) * BLOCK_TOKENS))

@@ -164,7 +164,7 @@ class PrefixCache:
         """The first ``tokens`` positions of ``entry``, per layer: views of its tensors, or gathered from its blocks
         (a copy)."""
         if entry.kv is None:
-            return [self.kv.gather(entry.owner, layer, first=tokens) for layer in range(len(self.kv.keys))]
+            return self.kv.gathered(entry.owner, tokens)
         return [(k[:, :, :tokens], v[:, :, :tokens]) for k, v in entry.kv]
 
     def cache_of(self, entry: CachedPrompt, tokens: int, config) -> DynamicCache:

@@ -74,8 +74,8 @@ class BatchDecoder:
                 self.own[request_id] = self.kv
                 return
             cache = DynamicCache(config=self.model.config)  # gathered, for a decode that cannot read blocks
-            for layer in range(len(self.blocks.keys)):
-                cache.update(*self.blocks.gather(fork, layer), layer)
+            for layer, (k, v) in enumerate(self.blocks.gathered(fork)):
+                cache.update(k, v, layer)
         if self.paged:
             tokens = max(layer.get_seq_length() for layer in cache.layers)  # a sliding layer keeps its window only
             (self.kv.fork if fork else self.kv.add)(request_id, cache_kv(cache), tokens)
