@@ -8,7 +8,6 @@ both run on the same machine in turn). Appends one row per setting to long_row.j
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -17,24 +16,15 @@ import time
 from pathlib import Path
 
 import torch
+from kernel_source import parsed  # beside this file (run as a script)
 
-from kvrunahead import kernels
 from kvrunahead.provenance import machine
 
 HERE = Path(__file__).parent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, default=None, help="an attention.cpp to build instead of the package's")
-    ap.add_argument("--label", default="this tree")
-    ap.add_argument("--repeats", type=int, default=200)
-    args = ap.parse_args()
-    if args.source is not None:
-        kernels.SOURCE = args.source.resolve()
-    kernels.set_kernel("ours")
-    if not kernels.build():
-        sys.exit(f"the kernel did not build: {kernels.why_not_built()}")
+    args = parsed(200)
     from kvrunahead.kernels import attention as kernel
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

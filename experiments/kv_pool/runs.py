@@ -10,7 +10,6 @@ Appends one row per setting to runs.jsonl beside this file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -19,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+from kernel_source import parsed  # beside this file (run as a script)
 
-from kvrunahead import kernels
 from kvrunahead.model.layout import KVLayout
 from kvrunahead.model.paged import PagedKV
 from kvrunahead.provenance import machine
@@ -46,16 +45,7 @@ def pool(dtype: torch.dtype, rows: int, keys: int, scattered: bool) -> tuple[Pag
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, default=None, help="an attention.cpp to build instead of the package's")
-    ap.add_argument("--label", default="this tree")
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
-    if args.source is not None:
-        kernels.SOURCE = args.source.resolve()
-    kernels.set_kernel("ours")
-    if not kernels.build():
-        sys.exit(f"the kernel did not build: {kernels.why_not_built()}")
+    args = parsed(30)
     from kvrunahead.kernels import attention as kernel
 
     torch.set_num_threads(2)
