@@ -135,3 +135,42 @@ def test_auto_packs_a_dtypes_layers_where_onednn_was_timed_faster_and_keeps_the_
         layer = torch.nn.Linear(32, 8)
         assert linears.prepack(layer) == (way == "onednn")
         assert isinstance(layer, linears.PackedLinear) == (way == "onednn")
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(48, n, bias=bias) for n in (48, 16, 16))
+        self.o_proj = torch.nn.Linear(48, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_inputs_layers_are_one_product_that_each_takes_its_columns_of(dtype, bias):
+    torch.manual_seed(3)
+    attention = _Attention(bias).to(dtype)
+    x = torch.randn(5, 48).to(dtype)
+    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
+    with torch.no_grad():
+        want = [F.linear(x, m.weight, m.bias) for m in layers]
+        assert linears.prepack(attention) == 4
+        assert [type(m).__name__ for m in attention.children()] == ["GroupedLinear"] * 3 + ["PackedLinear"]
+        group = attention.q_proj.group
+        with mock.patch.object(group, "product", wraps=group.product) as product:
+            got = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+            assert product.call_count == 1  # the three layers, one product
+            assert group._last[0] is None  # nothing held after the last member took its columns
+            attention.k_proj(x + 1)  # another input: computed again
+            assert product.call_count == 2
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.shape == w.shape
+        eps = torch.finfo(dtype).eps
+        assert (g.float() - w.float()).abs().max() <= 48 * eps * w.float().abs().max()
+    # the separate copies' bytes are gone: one packed weight for the three
+    assert linears.packed_bytes(attention) == sum(
+        t.numel() * t.element_size() for t in (group.packed, attention.o_proj.packed))
+    with linears.unpacked(attention):
+        assert all(type(m) is torch.nn.Linear for m in attention.children())
+    assert attention.q_proj.group is group and type(attention.v_proj) is linears.GroupedLinear
+    linears.unpack(attention)
+    assert all(type(m) is torch.nn.Linear for m in attention.children())

@@ -218,8 +218,12 @@ class PagedKV:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Positions ``keys``/``values`` (``[1, heads, n, head_dim]``) into ``slots`` ``[n]`` of ``layer``."""
-        self.keys[layer].index_copy_(0, slots, keys[0].transpose(0, 1))
-        self.values[layer].index_copy_(0, slots, values[0].transpose(0, 1))
+        self.write_rows(layer, slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+
+    def write_rows(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``write`` of ``keys``/``values`` laid out ``[n, heads, head_dim]``."""
+        self.keys[layer].index_copy_(0, slots, keys)
+        self.values[layer].index_copy_(0, slots, values)
 
     def truncate(self, owner: str, tokens: int) -> None:
         """Cut ``owner`` back to its first ``tokens`` positions (its blocks kept for the positions to come)."""

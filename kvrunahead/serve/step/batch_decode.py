@@ -4,8 +4,9 @@ Paged (models whose attention goes through transformers' interface: every model 
 K,V is its table of blocks in the rank's pool (model/paged.py), written once from its prompt's cache and then by
 one write per layer for every row of a step; a step is the rows of a mixed step (serve/step/rows.py) with no
 prompt beside them, each row's query against its own blocks at its own length, sliding windows included (the
-kernel's parameter). A request joins or leaves without touching the others' K,V: there is no batch to rebuild and
-no pad to compute. The ``n`` choices of a prompt share its blocks by reference (``PagedKV.fork``).
+kernel's parameter); a Llama's rows skip its forward's plumbing (model/llama_step.py). A request joins or leaves
+without touching the others' K,V: there is no batch to rebuild and no pad to compute. The ``n`` choices of a prompt
+share its blocks by reference (``PagedKV.fork``).
 
 The fallback, for models that compute their attention themselves: the requests' caches are left-padded to a common
 length and stacked into one ``DynamicCache``; a 2D attention mask zeroes the pads and explicit position ids give
@@ -23,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead.decode.shared_prefix import SharedContext
+from kvrunahead.model import llama_step
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
@@ -55,6 +57,8 @@ class BatchDecoder:
         if self.paged and kv is None:
             kv = PagedKV(layout, DEFAULT_TOKENS // BLOCK_TOKENS, layout.dtype, self.device)
         self.kv = kv if self.paged else None
+        # a Llama's rows over its weights, without its forward (model/llama_step.py)
+        self.direct = self.paged and llama_step.takes(model, layout.dtype)
         self.blocks = kv  # the rank's pool, where the prefix cache's entries live even when this decode is unpaged
         self.layout = layout
         self.own: dict[str, object] = {}  # request id -> its pool (paged), its KV (padded) or its cache (one each)
@@ -129,8 +133,11 @@ class BatchDecoder:
 
     def _rows_step(self, tokens: dict[str, int], positions: dict[str, int]) -> dict[str, torch.Tensor]:
         """One forward of every request's token, each attending its own blocks (no pads, nothing rebuilt)."""
-        rows = [Row(tokens[rid], positions[rid], rid, self.kv) for rid in tokens]
         self.members = list(tokens)
+        if self.direct:
+            return dict(zip(tokens, llama_step.decode_rows(self.model, self.kv, self.members, list(tokens.values()),
+                                                           [positions[rid] for rid in tokens])))
+        rows = [Row(tokens[rid], positions[rid], rid, self.kv) for rid in tokens]
         link = ChainLink(LocalTransport(), 0, self.layout, self.device)
         _, logits, _ = mixed_forward(self.model, [], link, rows, emit=False)
         return dict(zip(tokens, logits))

@@ -1,0 +1,86 @@
+"""A Llama's decode rows over its weights (model/llama_step.py) against the same rows through the model's forward
+(serve/step/rows.mixed_forward): the same logits, step after step, rows joining at unequal lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvrunahead import kernels
+from kvrunahead.model import llama_step
+from kvrunahead.model.forward import last_token_logits
+from kvrunahead.model.layout import probe_kv_layout
+from kvrunahead.model.paged import PagedKV
+from kvrunahead.model.reference import default_atol
+from kvrunahead.ranks.setup import loaded_model
+from kvrunahead.serve.step.batch_decode import BatchDecoder
+
+needs_kernel = pytest.mark.skipif(not kernels.build(), reason="the CPU attention kernel is not built here")
+
+
+def _decoders(model, dtype, lengths):
+    """Two decoders holding the same prompts: one decoding over the weights, one through the forward."""
+    layout = probe_kv_layout(model)
+    pair = []
+    for direct in (True, False):
+        d = BatchDecoder(model, batched=True, layout=layout, kv=PagedKV(layout, 64, dtype))
+        d.direct = direct and d.direct
+        pair.append(d)
+    g = torch.Generator().manual_seed(7)
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g)
+        for d in pair:
+            cache = DynamicCache(config=model.config)
+            last_token_logits(model, ids, cache=cache)
+            d.add(f"r{i}", cache)
+    return pair
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_over_the_weights_give_the_forwards_logits_step_after_step(dtype):
+    model = loaded_model("tiny-llama", dtype, torch.device("cpu"), 0).model
+    if not llama_step.takes(model, dtype):
+        pytest.skip(f"our kernel does not run {dtype} attention here")
+    lengths = [5, 40, 17]
+    direct, forward = _decoders(model, dtype, lengths)
+    assert direct.direct and not forward.direct
+    positions = {f"r{i}": n for i, n in enumerate(lengths)}
+    tokens = {rid: 3 + i for i, rid in enumerate(positions)}
+    for step in range(6):
+        if step == 3:
+            positions.pop("r1"), tokens.pop("r1")  # a row leaves; the others go on at their own lengths
+        got, want = direct.step(tokens, positions), forward.step(tokens, positions)
+        for rid in tokens:  # bfloat16 runs transformers' very ops; float32's norm is one fused torch.rms_norm
+            if dtype == torch.float32:
+                assert (got[rid] - want[rid]).abs().max() <= default_atol(dtype, want[rid])
+                assert int(got[rid].argmax()) == int(want[rid].argmax())
+            else:
+                assert torch.equal(got[rid], want[rid])
+        tokens = {rid: int(want[rid].argmax()) for rid in tokens}
+        positions = {rid: p + 1 for rid, p in positions.items()}
+    for rid in positions:
+        assert direct.kv.length(rid) == forward.kv.length(rid) == positions[rid]
+
+
+@needs_kernel
+def test_a_row_whose_position_is_not_its_length_is_refused():
+    model = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
+    direct, _ = _decoders(model, torch.float32, [9])
+    with pytest.raises(RuntimeError, match="its next position is 12 but its K,V hold 9"):
+        direct.step({"r0": 3}, {"r0": 12})
+
+
+@needs_kernel
+def test_only_an_unhooked_llama_decodes_over_its_weights():
+    llama = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
+    assert llama_step.takes(llama, torch.float32)
+    handle = llama.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: None)  # as a TP all-reduce
+    try:
+        assert not llama_step.takes(llama, torch.float32)
+    finally:
+        handle.remove()
+    assert llama_step.takes(llama, torch.float32)
+    for other in ("tiny-mistral", "tiny-gemma3", "tiny-neox"):
+        assert not llama_step.takes(loaded_model(other, torch.float32, torch.device("cpu"), 0).model, torch.float32)
