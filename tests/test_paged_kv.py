@@ -154,3 +154,25 @@ def test_the_decoder_keeps_a_requests_k_v_in_its_pool_alone_and_frees_every_bloc
     for rid in tokens:
         decoder.remove(rid)
     assert decoder.kv.pool.used_blocks == 0 and not decoder.own
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_an_unpaged_decode_starts_from_a_holders_blocks_gathered(batched):
+    """A decode that cannot read blocks (no layout: the padded batch, or one request per forward) and a prompt the
+    pool holds (a prefix cache entry, by name): its K,V are gathered out of the blocks, and it decodes as the prompt
+    alone does."""
+    model = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
+    layout = probe_kv_layout(model)
+    pool = PagedKV(layout, 32, torch.float32)
+    decoder = BatchDecoder(model, batched=batched, layout=None, kv=pool)
+    assert not decoder.paged and decoder.blocks is pool
+    ids = torch.tensor([list(range(5, 40))])
+    cache, alone = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    token = int(last_token_logits(model, ids, cache=cache).argmax())
+    last_token_logits(model, ids, cache=alone)
+    pool.add("entry", [(layer.keys, layer.values) for layer in cache.layers])
+    decoder.add("r", None, fork="entry")
+    got = decoder.step({"r": token}, {"r": 35})["r"]
+    want = last_token_logits(model, torch.tensor([[token]]), cache=alone, position_ids=torch.tensor([[35]]))
+    assert torch.allclose(got, want, atol=1e-5)
+    assert pool.length("entry") == 35  # the entry's blocks read, not written

@@ -13,7 +13,6 @@ ratios are printed at the end, and by ``--report``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,35 +22,20 @@ from pathlib import Path
 import click
 
 from kvrunahead import provenance
-from kvrunahead.bench.peers import MODEL, Server, one, prompt_ids
+from kvrunahead.bench.peers import MODEL, checkout_commit, checkout_env, checkout_server, one, prompt_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-
-
-def _git(tree: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _env(tree: Path) -> dict:
-    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
 
 
 def prefill_s(tree: Path, tokens: int) -> float:
     """A ``kvr-prefill`` of ``tokens`` from ``tree``: its reported TTFT."""
     args = [sys.executable, "-m", "kvrunahead.cli.prefill", "--nproc", "2", "--threads", "1", "--model", MODEL,
             "--ctx", str(tokens), "--json"]
-    done = subprocess.run(args, env=_env(tree), cwd="/tmp", capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(args, env=checkout_env(tree), cwd="/tmp", capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"kvr-prefill from {tree} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout[done.stdout.index("{"):])["ttft_s"]
-
-
-def serving(tree: Path, name: str, port: int) -> Server:
-    """``kvr-serve`` from ``tree``, answering /health (its output in /tmp/server_kvr-NAME.log)."""
-    args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
-            "--port", str(port)]
-    return Server(f"kvr-{name}", port, log_dir="/tmp", command=(args, _env(tree)))
 
 
 def _row(out: Path, **row) -> None:
@@ -87,7 +71,7 @@ def main(before, rounds, tokens, tools, out, only_report) -> None:
         report(out)
         return
     trees = {"before": Path(before).resolve(), "after": ROOT}
-    commits = {name: _git(tree, "rev-parse", "--short", "HEAD") for name, tree in trees.items()}
+    commits = {name: checkout_commit(tree) for name, tree in trees.items()}
     lengths = [int(t) for t in tokens.split(",")]
     chosen = tools.split(",")
     common = {"cpu": provenance.cpu_name(), "machine": provenance.machine(), "command": provenance.command(),
@@ -104,7 +88,7 @@ def main(before, rounds, tokens, tools, out, only_report) -> None:
                          tokens=n, ttft_s=prefill_s(trees[name], n))
         if "kvr-serve" in chosen:
             for name in order:
-                server = serving(trees[name], name, 8411)
+                server = checkout_server(trees[name], name, 8411)
                 try:
                     one(server.url, prompt_ids(512, rnd))  # the server's first request: its one-time work
                     for n in lengths:

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,6 +102,24 @@ class Server:
         self.log.close()
 
 
+def checkout_env(tree: Path) -> dict:
+    """The environment that runs ``python -m kvrunahead...`` from another checkout ``tree`` (its ranks too)."""
+    return dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+
+
+def checkout_commit(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def checkout_server(tree: Path, name: str, port: int) -> Server:
+    """``kvr-serve`` of the default model as a user starts it, from checkout ``tree``, answering /health (its output
+    in /tmp/server_kvr-NAME.log)."""
+    args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
+            "--port", str(port)]
+    return Server(f"kvr-{name}", port, log_dir="/tmp", command=(args, checkout_env(tree)))
+
+
 def prompt_ids(tokens: int, rnd: int) -> list[int]:
     """A window of the shipped text (repeated), starting further in for each round: the same ids for both servers."""
     from kvrunahead.model.load import load_tokenizer
@@ -114,9 +133,11 @@ def prompt_ids(tokens: int, rnd: int) -> list[int]:
     return ids
 
 
-def one(url: str, ids: list[int]) -> dict:
-    body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def one(url: str, ids: list[int], max_tokens: int = 8, **fields) -> dict:
+    """A streamed greedy completion of ``ids`` (``fields``: more of the request's, ``ignore_eos`` say): its TTFT,
+    end-to-end time, text, finish reason and completion tokens."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **fields}
     t0 = time.perf_counter()
     ttft, text, finish, usage = None, "", None, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800) as r:
