@@ -19,6 +19,12 @@ from kvrunahead.serve.step.batch_decode import BatchDecoder
 needs_kernel = pytest.mark.skipif(not kernels.build(), reason="the CPU attention kernel is not built here")
 
 
+@pytest.fixture(autouse=True)
+def our_kernel(monkeypatch):
+    """Our attention kernel in both dtypes, whichever ``auto`` would choose on this CPU (the path under test)."""
+    monkeypatch.setenv(kernels.ENV, "ours")
+
+
 def _decoders(model, dtype, lengths):
     """Two decoders holding the same prompts: one decoding over the weights, one through the forward."""
     layout = probe_kv_layout(model)
@@ -41,8 +47,6 @@ def _decoders(model, dtype, lengths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_over_the_weights_give_the_forwards_logits_step_after_step(dtype):
     model = loaded_model("tiny-llama", dtype, torch.device("cpu"), 0).model
-    if not llama_step.takes(model, dtype):
-        pytest.skip(f"our kernel does not run {dtype} attention here")
     lengths = [5, 40, 17]
     direct, forward = _decoders(model, dtype, lengths)
     assert direct.direct and not forward.direct
