@@ -13,7 +13,6 @@ ratios are printed at the end, and by ``--report``.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import click
 
 from kvrunahead import provenance
-from kvrunahead.bench.peers import MODEL, checkout_commit, checkout_env, checkout_server, one, prompt_ids
+from kvrunahead.bench.peers import MODEL, before_after, checkout_commit, checkout_env, checkout_server, one, prompt_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -50,11 +49,8 @@ def report(out: Path) -> None:
     for r in rows:
         cells.setdefault((r["tool"], r["tokens"], r["tree"]), []).append(r["ttft_s"])
     print(f"{'tool':<12} {'tokens':>6} {'before s':>9} {'after s':>8} {'after/before':>12} runs")
-    for tool, tokens in sorted({(t, n) for t, n, _ in cells}):
-        before, after = cells.get((tool, tokens, "before"), []), cells.get((tool, tokens, "after"), [])
-        if before and after:
-            b, a = statistics.median(before), statistics.median(after)
-            print(f"{tool:<12} {tokens:>6} {b:>9.3f} {a:>8.3f} {a / b:>12.3f} {len(before)}+{len(after)}")
+    for (tool, tokens), b, a, nb, na in before_after(cells):
+        print(f"{tool:<12} {tokens:>6} {b:>9.3f} {a:>8.3f} {a / b:>12.3f} {nb}+{na}")
 
 
 @click.command()

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from kvrunahead import provenance
-from kvrunahead.bench.peers import MODEL, checkout_commit, checkout_server, one, prompt_ids
+from kvrunahead.bench.peers import MODEL, before_after, checkout_commit, checkout_server, one, prompt_ids
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -46,11 +46,8 @@ def report(out: Path) -> None:
     for r in rows:
         cells.setdefault((r["concurrency"], r["tree"]), []).extend(r["tpot_s"])
     print(f"{'concurrent':>10} {'before ms':>10} {'after ms':>9} {'after/before':>12} requests")
-    for c in sorted({c for c, _ in cells}):
-        before, after = cells.get((c, "before"), []), cells.get((c, "after"), [])
-        if before and after:
-            b, a = statistics.median(before), statistics.median(after)
-            print(f"{c:>10} {b * 1e3:>10.1f} {a * 1e3:>9.1f} {a / b:>12.3f} {len(before)}+{len(after)}")
+    for (c,), b, a, nb, na in before_after(cells):
+        print(f"{c:>10} {b * 1e3:>10.1f} {a * 1e3:>9.1f} {a / b:>12.3f} {nb}+{na}")
 
 
 @click.command()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -118,6 +119,17 @@ def checkout_server(tree: Path, name: str, port: int) -> Server:
     args = [sys.executable, "-m", "kvrunahead.cli.serve", "--nproc", "2", "--threads", "1", "--model", MODEL,
             "--port", str(port)]
     return Server(f"kvr-{name}", port, log_dir="/tmp", command=(args, checkout_env(tree)))
+
+
+def before_after(cells: dict) -> list[tuple]:
+    """``cells`` keyed ``(*key, "before" | "after")`` -> values: per key with both sides, sorted,
+    ``(key, before median, after median, before count, after count)``."""
+    out = []
+    for key in sorted({k[:-1] for k in cells}):
+        before, after = cells.get((*key, "before"), []), cells.get((*key, "after"), [])
+        if before and after:
+            out.append((key, statistics.median(before), statistics.median(after), len(before), len(after)))
+    return out
 
 
 def prompt_ids(tokens: int, rnd: int) -> list[int]:
