@@ -63,8 +63,11 @@ def test_from_the_engines_step_to_the_models_forward_is_at_most_five_calls():
                 chain.append(f"{Path(frame.filename).name}:{frame.function}")
         chains.append(None)  # a forward that did not come from Engine.step
 
-    engine.ctx.lm.model.register_forward_pre_hook(calls_below_step, with_kwargs=True)
-    engine.run_one(Request("r", list(range(5, 60)), SamplingParams(max_tokens=3)))
+    handle = engine.ctx.lm.model.register_forward_pre_hook(calls_below_step, with_kwargs=True)
+    try:  # the model stays loaded for the process's later tests (ranks/setup.loaded_model): the hook goes with us
+        engine.run_one(Request("r", list(range(5, 60)), SamplingParams(max_tokens=3)))
+    finally:
+        handle.remove()
     assert len(chains) == 3 and None not in chains  # the prompt, then two decode steps
     assert chains[0][-1] == "executor.py:run_step" and chains[0][0] == "forward.py:last_token_logits", chains[0]
     assert max(map(len, chains)) <= 5, chains

@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from kvrunahead.net.faults import FAULT_ENV
 from kvrunahead.net.spec import NetError, NetSpec, NoiseSpec, parse_net, parse_rate
 from tests.helpers import kvr_prefill
 
@@ -232,18 +235,39 @@ def test_two_hosts_each_with_its_own_torchrun_verify(nothing_left_behind):
 # ---------------------------------------------------------------- faults end every rank in bounded time
 
 TIMEOUT = 8
-BOUND = 40  # start-up of the tiny model and the launcher's grace, beyond --timeout (34 s in all on an AVX2-only EPYC)
+GRACE = 20  # beyond --timeout, from the fault to the launcher's exit: its grace for the others, the namespaces' end
 
 
 RUN_MARK = "KVR_TEST_FAULTY_RUN"  # in the environment of this file's faulty runs and of every rank they start
 
 
 def _faulty_prefill(fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The run's result and the seconds from the fault (the rank's line saying it acts) to the launcher's exit;
+    the start-up before the fault (tens of seconds on a loaded 2-core host) is not the rank's timeout's to bound."""
     env = dict(os.environ, KVRUNAHEAD_INJECT_FAULT=fault, **{RUN_MARK: str(os.getpid())})
-    t = time.monotonic()
-    proc = kvr_prefill(*TINY, "--nproc", "2", "--ctx", "3000", "--timeout", str(TIMEOUT), *args, env=env,
-                       timeout_s=240)
-    return proc, time.monotonic() - t
+    out = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(["kvr-prefill", *TINY, "--nproc", "2", "--ctx", "3000", "--timeout", str(TIMEOUT), *args],
+                            stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+    struck, lines = [], []
+
+    def read_stderr():
+        for line in proc.stderr:
+            if line.startswith(f"{FAULT_ENV}: rank") and not struck:
+                struck.append(time.monotonic())
+            lines.append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=240)
+    finally:
+        proc.kill()
+    ended = time.monotonic()
+    reader.join(timeout=10)
+    out.seek(0)
+    stdout = out.read()
+    assert struck, "".join(lines)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "".join(lines)), ended - struck[0]
 
 
 def _no_rank_left() -> bool:
@@ -267,7 +291,7 @@ def test_a_stopped_rank_ends_every_rank_within_the_timeout(fault, who, what):
     proc, elapsed = _faulty_prefill(fault)
     assert proc.returncode != 0
     assert f"kvr-prefill: {who}" in proc.stderr and what in proc.stderr, proc.stderr
-    assert elapsed < TIMEOUT + BOUND, f"took {elapsed:.0f} s"
+    assert elapsed < TIMEOUT + GRACE, f"took {elapsed:.0f} s"
     assert _no_rank_left()
 
 
@@ -278,7 +302,7 @@ def test_a_link_down_or_starved_mid_prefill_ends_every_rank_within_the_timeout(f
     proc, elapsed = _faulty_prefill(fault, "--net", "cap=50MB/s")
     assert proc.returncode != 0
     assert "no progress for 8 s waiting for" in proc.stderr, proc.stderr
-    assert elapsed < TIMEOUT + BOUND, f"took {elapsed:.0f} s"
+    assert elapsed < TIMEOUT + GRACE, f"took {elapsed:.0f} s"
     assert _no_rank_left()
 
 
@@ -291,7 +315,7 @@ def test_a_fault_in_a_benchmark_keeps_the_runs_measured_before_and_resume_comple
     t = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0 and "--resume" in proc.stderr, proc.stderr
-    assert time.monotonic() - t < TIMEOUT + BOUND + 10
+    assert time.monotonic() - t < TIMEOUT + 50
     kept = [json.loads(x) for f in tmp_path.glob("rows_*.jsonl") for x in f.read_text().splitlines()]
     assert len(kept) == 2
     (report_file,) = tmp_path.glob("noise_*.json")
@@ -333,7 +357,7 @@ def test_a_fault_in_a_search_keeps_the_candidates_measured_before(tmp_path):
     t = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0
-    assert time.monotonic() - t < TIMEOUT + BOUND + 10
+    assert time.monotonic() - t < TIMEOUT + 50
     measured = json.loads((tmp_path / "t.search" / "256.json").read_text())["evaluations"]
     assert len(measured) == 3, measured
 

@@ -126,7 +126,8 @@ def test_three_and_four_ranks_get_the_shipped_cost_model_table_not_the_fallback(
 
     prepared = prepare(RunConfig(model="smollm2-135m", context_len=3072), p)
     name = f"smollm2-135m_p{p}_float32_cpu_split.json (cost model: cpu-t1)"
-    assert prepared.partition_source == f"{name}, interpolated between entries 2048 and 4096"
+    # On a CPU whose kernels differ from the search's, the source goes on to say it was re-weighted (policy.py).
+    assert prepared.partition_source.startswith(f"{name}, interpolated between entries 2048 and 4096")
     table = Table.load(TABLES_DIR / f"smollm2-135m_p{p}_float32_cpu_split.json")
     assert all(e.criterion == "model" and len(e.busy_s) == p and e.balance >= 1 for e in table.entries)
     sizes = prepared.partition.sizes
