@@ -46,6 +46,9 @@ def _hostile(model: str, rng: random.Random, vocab: int) -> dict:
     ])
 
 
+FUZZ_CASES = 18  # per server: every long length of a call comes once (the long prompt is case 5, then every 12th)
+
+
 def _cases(model: str, rng: random.Random, count: int, vocab: int, long_tokens: tuple[int, ...]) -> list[dict]:
     """Request bodies, each with what the test expects: ``want`` a 200 (a greedy one with the text each choice
     must have, or a prefix it must keep under a stop string) or a 4xx."""
@@ -201,7 +204,7 @@ def test_smollm2_on_a_fresh_learned_file_then_restarted_on_a_poisoned_one_never_
     with serving("--learn", str(learned), model=model) as server:
         url = server.url(timeout_s=300)
         wrong += _issue_request_four_times(url, model)
-        wrong += _fuzz(url, model, _cases(model, rng, 30, 49152, (700, 1500)))
+        wrong += _fuzz(url, model, _cases(model, rng, FUZZ_CASES, 49152, (700, 1500)))
         assert not wrong, "\n".join(wrong)
         log = "".join(server.lines)
     assert "engine step failed" not in log and learned.exists(), log
@@ -210,7 +213,7 @@ def test_smollm2_on_a_fresh_learned_file_then_restarted_on_a_poisoned_one_never_
     with serving("--learn", str(learned), model=model) as server:
         url = server.url(timeout_s=300)
         wrong += _issue_request_four_times(url, model)
-        wrong += _fuzz(url, model, _cases(model, rng, 30, 49152, (900,)))
+        wrong += _fuzz(url, model, _cases(model, rng, FUZZ_CASES, 49152, (900,)))
         log = "".join(server.lines)
         assert server.proc.poll() is None, log
     assert not wrong, "\n".join(wrong)
@@ -261,7 +264,7 @@ def test_random_requests_never_end_the_tiny_server(name, tmp_path):
     rng = random.Random(sum(map(ord, name)))
     with serving(*args, model=model, nproc=nproc, env=env) as server:
         url = server.url()
-        wrong = _fuzz(url, model, _cases(model, rng, 30, ByteTokenizer.VOCAB_SIZE, (600, 2000)))
+        wrong = _fuzz(url, model, _cases(model, rng, FUZZ_CASES, ByteTokenizer.VOCAB_SIZE, (600, 2000)))
         log = "".join(server.lines)
         assert server.proc.poll() is None, log
     assert not wrong, "\n".join(wrong) + "\n" + log[-3000:]
