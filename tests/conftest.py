@@ -40,12 +40,23 @@ def write_table() -> Callable[..., Path]:
     return write
 
 
-# The files that take longest (over 3 minutes each of one process on 2 cores), collected first. Under
-# ``-n 2 --dist loadfile`` pytest-xdist hands files out in its own order (in one run test_serve_fuzz.py still ran
-# last), so this orders a one-process run only.
-LONGEST_FIRST = ("test_tp.py", "test_serve_fuzz.py", "test_exactness.py", "test_spp.py", "test_network.py",
-                 "test_tp_checkpoints.py", "test_attention_memory.py", "test_kvp.py", "test_search_cli.py",
-                 "test_serve_front.py", "test_serve_cli.py", "test_serve_degree.py", "test_serve_recovery.py")
+# The files that take longest, longest first (seconds of one process on a 2-vCPU AVX2 EPYC, summed over each file's
+# tests: test_exactness 915, test_tp 827, ... test_pack_cli 71), handed out in this order under ``-n 2 --dist
+# loadfile`` too (pytest_configure): the last files a worker takes are then short ones, not a 10-minute file that
+# one worker runs while the other waits.
+LONGEST_FIRST = ("test_exactness.py", "test_tp.py", "test_spp.py", "test_network.py", "test_serve_fuzz.py",
+                 "test_kvp.py", "test_tp_checkpoints.py", "test_serve_engine.py", "test_serve_degree.py",
+                 "test_bench.py", "test_mixed_steps.py", "test_serve_front.py", "test_serve_recovery.py",
+                 "test_serve_cli.py", "test_search_cli.py", "test_chunking.py", "test_pack.py", "test_hybrid.py",
+                 "test_clients.py", "test_launchers.py", "test_serve_heavy.py", "test_kernel_choice.py",
+                 "test_compiled.py", "test_attention_memory.py", "test_serve_learning.py", "test_serve_bounds.py",
+                 "test_gpu_campaign.py", "test_soak.py", "test_pack_cli.py")
+
+
+def pytest_configure(config):
+    """pytest-xdist hands out whole files in the order collected here, not re-sorted by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
