@@ -364,3 +364,18 @@ def test_a_few_positions_take_the_narrow_path_with_offsets_and_windows(isa, dtyp
     q, k, v = qkv(1, 9 if positions == 1 else 6, 3, positions, 230, 64, dtype, seed=13)
     check(q, whole(q, k, v, q_pos=170), window=window)
     check(q, whole(q, k, v, q_pos=100, k_pos=5), window=window)
+
+
+def test_a_build_killed_midway_holds_no_later_load():
+    """A process killed while torch built the kernel leaves torch's lock file in the build folder; the next load
+    goes on (under the folder's flock no live process holds that file) instead of waiting on it forever."""
+    if not kernels.build():
+        pytest.skip(f"the CPU attention kernel is not built here: {kernels.why_not_built()}")
+    baton = kernels.cache_dir() / kernels.TORCH_BATON
+    baton.touch()  # as a build killed midway leaves it
+    try:
+        r = subprocess.run([sys.executable, "-c", "from kvrunahead import kernels; print(kernels.build())"],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        baton.unlink(missing_ok=True)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]

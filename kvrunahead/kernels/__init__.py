@@ -21,6 +21,7 @@ says which a prefill row takes here.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -67,9 +68,13 @@ def chosen() -> str:
     return name
 
 
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file in the build folder
+
+
 def build(verbose: bool = False) -> bool:
     """Compile (or find compiled) and load the kernels; True when they are loaded. Safe to call from several
-    threads and processes at once: the build folder is locked while one of them compiles."""
+    threads and processes at once: the build folder is locked (``flock``, let go when its process dies) while one of
+    them compiles or loads."""
     with _lock:
         if "loaded" in _state:
             return _state["loaded"]
@@ -86,9 +91,14 @@ def build(verbose: bool = False) -> bool:
                 log.warning("building the CPU attention kernel into %s (once per machine and torch version, "
                             "about a minute)", folder)
             start = time.perf_counter()
-            cpp_extension.load(name="kvr_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                               extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
-                               verbose=verbose)
+            with open(folder / "build.flock", "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                # torch's own lock is a file that a process killed mid-build leaves behind, and every later load
+                # would wait on it forever; under ours no live process holds it.
+                (folder / TORCH_BATON).unlink(missing_ok=True)
+                cpp_extension.load(name="kvr_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                                   verbose=verbose)
             if not built:
                 log.warning("built the CPU attention kernel in %.0f s", time.perf_counter() - start)
             _state["loaded"] = hasattr(torch.ops.kvr, "attention")
