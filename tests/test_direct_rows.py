@@ -1,5 +1,6 @@
-"""A Llama's decode rows over its weights (model/llama_step.py) against the same rows through the model's forward
-(serve/step/rows.mixed_forward): the same logits, step after step, rows joining at unequal lengths."""
+"""A Llama's and a Gemma 3's decode rows over their weights (model/direct_rows.py) against the same rows through
+the model's forward (serve/step/rows.mixed_forward): the same logits, step after step,
+rows joining at unequal lengths."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead import kernels
-from kvrunahead.model import llama_step
+from kvrunahead.model import direct_rows
 from kvrunahead.model.forward import last_token_logits
 from kvrunahead.model.layout import probe_kv_layout
 from kvrunahead.model.paged import PagedKV
@@ -44,10 +45,11 @@ def _decoders(model, dtype, lengths):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_over_the_weights_give_the_forwards_logits_step_after_step(dtype):
-    model = loaded_model("tiny-llama", dtype, torch.device("cpu"), 0).model
-    lengths = [5, 40, 17]
+def test_rows_over_the_weights_give_the_forwards_logits_step_after_step(name, dtype):
+    model = loaded_model(name, dtype, torch.device("cpu"), 0).model
+    lengths = [5, 70, 17]  # tiny-gemma3's sliding layers see 64 tokens: the second row decodes past its window
     direct, forward = _decoders(model, dtype, lengths)
     assert direct.direct and not forward.direct
     positions = {f"r{i}": n for i, n in enumerate(lengths)}
@@ -79,12 +81,13 @@ def test_a_row_whose_position_is_not_its_length_is_refused():
 @needs_kernel
 def test_only_an_unhooked_llama_decodes_over_its_weights():
     llama = loaded_model("tiny-llama", torch.float32, torch.device("cpu"), 0).model
-    assert llama_step.takes(llama, torch.float32)
+    assert direct_rows.takes(llama, torch.float32)
     handle = llama.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: None)  # as a TP all-reduce
     try:
-        assert not llama_step.takes(llama, torch.float32)
+        assert not direct_rows.takes(llama, torch.float32)
     finally:
         handle.remove()
-    assert llama_step.takes(llama, torch.float32)
-    for other in ("tiny-mistral", "tiny-gemma3", "tiny-neox"):
-        assert not llama_step.takes(loaded_model(other, torch.float32, torch.device("cpu"), 0).model, torch.float32)
+    assert direct_rows.takes(llama, torch.float32)
+    assert direct_rows.takes(loaded_model("tiny-gemma3", torch.float32, torch.device("cpu"), 0).model, torch.float32)
+    for other in ("tiny-mistral", "tiny-neox"):
+        assert not direct_rows.takes(loaded_model(other, torch.float32, torch.device("cpu"), 0).model, torch.float32)

@@ -1,6 +1,6 @@
 """One decode step of SmolLM2-135M's rows in the server's decoder (serve/step/batch_decode.BatchDecoder, paged) four
 ways, in one process, the ways taking turns step by step: through the model's forward (``forward``, as every
-step ran before model/llama_step.py) or over its weights (``direct``), each with the linears packed one by one or
+step ran before model/direct_rows.py) or over its weights (``direct``), each with the linears packed one by one or
 a layer's q, k, v and its gate, up packed together (``grouped``, model/linears.PackedGroup). 2 threads (the
 front's), one row over 1024 positions, 8 rows of 150-1550 and 32 rows of 512; float32 and bfloat16. One JSON row
 per dtype, batch and way (the median step) to decode_ways.jsonl beside this file.

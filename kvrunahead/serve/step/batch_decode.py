@@ -2,9 +2,9 @@
 
 Paged (models whose attention goes through transformers' interface: every model our attention enters): a request's
 K,V is its table of blocks in the rank's pool (model/paged.py), written once from its prompt's cache and then by
-one write per layer for every row of a step; a step is the rows of a mixed step (serve/step/rows.py) with no
-prompt beside them, each row's query against its own blocks at its own length, sliding windows included (the
-kernel's parameter); a Llama's rows skip its forward's plumbing (model/llama_step.py). A request joins or leaves
+one write per layer for every row of a step; a step is the rows of a mixed step (serve/step/rows.py) with no prompt
+beside them, each row's query against its own blocks at its own length, sliding windows included (the kernel's
+parameter); a Llama's or a Gemma 3's rows skip its forward's plumbing (model/direct_rows.py). A request joins or leaves
 without touching the others' K,V: there is no batch to rebuild and no pad to compute. The ``n`` choices of a prompt
 share its blocks by reference (``PagedKV.fork``).
 
@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from kvrunahead.decode.shared_prefix import SharedContext
-from kvrunahead.model import llama_step
+from kvrunahead.model import direct_rows
 from kvrunahead.model.compiled import eager
 from kvrunahead.model.forward import forward_takes, with_cache
 from kvrunahead.model.growing import GrowingKV, GrowingLayer, grow_in_place
@@ -57,8 +57,8 @@ class BatchDecoder:
         if self.paged and kv is None:
             kv = PagedKV(layout, DEFAULT_TOKENS // BLOCK_TOKENS, layout.dtype, self.device)
         self.kv = kv if self.paged else None
-        # a Llama's rows over its weights, without its forward (model/llama_step.py)
-        self.direct = self.paged and llama_step.takes(model, layout.dtype)
+        # a Llama's or a Gemma 3's rows over its weights, without its forward (model/direct_rows.py)
+        self.direct = self.paged and direct_rows.takes(model, layout.dtype)
         self.blocks = kv  # the rank's pool, where the prefix cache's entries live even when this decode is unpaged
         self.layout = layout
         self.own: dict[str, object] = {}  # request id -> its pool (paged), its KV (padded) or its cache (one each)
@@ -135,7 +135,7 @@ class BatchDecoder:
         """One forward of every request's token, each attending its own blocks (no pads, nothing rebuilt)."""
         self.members = list(tokens)
         if self.direct:
-            return dict(zip(tokens, llama_step.decode_rows(self.model, self.kv, self.members, list(tokens.values()),
+            return dict(zip(tokens, direct_rows.decode_rows(self.model, self.kv, self.members, list(tokens.values()),
                                                            [positions[rid] for rid in tokens])))
         rows = [Row(tokens[rid], positions[rid], rid, self.kv) for rid in tokens]
         link = ChainLink(LocalTransport(), 0, self.layout, self.device)
