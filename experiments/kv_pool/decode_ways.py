@@ -1,11 +1,12 @@
-"""One decode step of SmolLM2-135M's rows in the server's decoder (serve/step/batch_decode.BatchDecoder, paged) four
-ways, in one process, the ways taking turns step by step: through the model's forward (``forward``, as every
-step ran before model/direct_rows.py) or over its weights (``direct``), each with the linears packed one by one or
-a layer's q, k, v and its gate, up packed together (``grouped``, model/linears.PackedGroup). 2 threads (the
-front's), one row over 1024 positions, 8 rows of 150-1550 and 32 rows of 512; float32 and bfloat16. One JSON row
-per dtype, batch and way (the median step) to decode_ways.jsonl beside this file.
+"""One decode step of SmolLM2-135M's rows (``--model``: another model's) in the server's decoder
+(serve/step/batch_decode.BatchDecoder, paged) four ways, in one process, the ways taking turns step by step: through
+the model's forward (``forward``, as every step ran before model/direct_rows.py) or over its weights (``direct``),
+each with the linears packed one by one or a layer's q, k, v and its gate, up packed together (``grouped``,
+model/linears.PackedGroup). 2 threads (the front's), one row over 1024 positions, 8 rows of 150-1550 and 32 rows of
+512; float32 and bfloat16. One JSON row per dtype, batch and way (the median step) to decode_ways.jsonl beside this
+file.
 
-    python experiments/kv_pool/decode_ways.py [--steps 30] [--dtypes float32,bfloat16]
+    python experiments/kv_pool/decode_ways.py [--steps 30] [--dtypes float32,bfloat16] [--model M] [--batches B,..]
 """
 
 from __future__ import annotations
@@ -50,20 +51,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", default=",".join(BATCHES), help="which of BATCHES, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    base = {**environment("smollm2-135m", "none", 2, "none"), "machine": machine(),
+    base = {**environment(args.model, "none", 2, "none"), "machine": machine(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python experiments/kv_pool/decode_ways.py " + " ".join(sys.argv[1:])}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         models = {}
         for grouped in (False, True):
-            model = load_model("smollm2-135m", dtype, torch.device("cpu")).model
+            model = load_model(args.model, dtype, torch.device("cpu")).model
             unpack(model)
             prepack(model, group=grouped)
             models[grouped] = model
-        for batch, contexts in BATCHES.items():
+        for batch in args.batches.split(","):
+            contexts = BATCHES[batch]
             ways = {f"{'direct' if direct else 'forward'}{', grouped' if grouped else ''}":
                     decoder(models[grouped], contexts, direct) for direct in (False, True) for grouped in (False, True)}
             times: dict[str, list[float]] = {w: [] for w in ways}
@@ -77,7 +81,8 @@ def main() -> None:
                     if step >= 2:
                         times[way].append(time.perf_counter() - t0)
             for way, ts in times.items():
-                row = {**base, "dtype": name, "batch": batch, "way": way, "direct_taken": ways[way].direct,
+                row = {**base, "model": args.model, "dtype": name, "batch": batch, "way": way,
+                       "direct_taken": ways[way].direct,
                        "grouped_taken": bool(groups(ways[way].model)),
                        "step_s": statistics.median(ts), "times_s": ts}
                 with ROWS.open("a") as f:
