@@ -14,6 +14,7 @@ with u the unit roundoff (half of eps), and twice the whole for the float32 sums
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import subprocess
@@ -371,8 +372,11 @@ def test_a_build_killed_midway_holds_no_later_load():
     goes on (under the folder's flock no live process holds that file) instead of waiting on it forever."""
     if not kernels.build():
         pytest.skip(f"the CPU attention kernel is not built here: {kernels.why_not_built()}")
-    baton = kernels.cache_dir() / kernels.TORCH_BATON
-    baton.touch()  # as a build killed midway leaves it
+    folder = kernels.cache_dir()
+    baton = folder / kernels.TORCH_BATON
+    with open(folder / kernels.BUILD_LOCK, "w") as held:  # as a build killed midway leaves it: no live holder
+        fcntl.flock(held, fcntl.LOCK_EX)
+        baton.touch()
     try:
         r = subprocess.run([sys.executable, "-c", "from kvrunahead import kernels; print(kernels.build())"],
                            capture_output=True, text=True, timeout=300)

@@ -245,27 +245,27 @@ def _faulty_prefill(fault: str, *args: str) -> tuple[subprocess.CompletedProcess
     """The run's result and the seconds from the fault (the rank's line saying it acts) to the launcher's exit;
     the start-up before the fault (tens of seconds on a loaded 2-core host) is not the rank's timeout's to bound."""
     env = dict(os.environ, KVRUNAHEAD_INJECT_FAULT=fault, **{RUN_MARK: str(os.getpid())})
-    out = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(["kvr-prefill", *TINY, "--nproc", "2", "--ctx", "3000", "--timeout", str(TIMEOUT), *args],
-                            stdout=out, stderr=subprocess.PIPE, text=True, env=env)
-    struck, lines = [], []
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(["kvr-prefill", *TINY, "--nproc", "2", "--ctx", "3000", "--timeout", str(TIMEOUT),
+                                 *args], stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        struck, lines = [], []
 
-    def read_stderr():
-        for line in proc.stderr:
-            if line.startswith(f"{FAULT_ENV}: rank") and not struck:
-                struck.append(time.monotonic())
-            lines.append(line)
+        def read_stderr():
+            for line in proc.stderr:
+                if line.startswith(f"{FAULT_ENV}: rank") and not struck:
+                    struck.append(time.monotonic())
+                lines.append(line)
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
-    try:
-        proc.wait(timeout=240)
-    finally:
-        proc.kill()
-    ended = time.monotonic()
-    reader.join(timeout=10)
-    out.seek(0)
-    stdout = out.read()
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=240)
+        finally:
+            proc.kill()
+        ended = time.monotonic()
+        reader.join(timeout=10)
+        out.seek(0)
+        stdout = out.read()
     assert struck, "".join(lines)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "".join(lines)), ended - struck[0]
 

@@ -69,6 +69,7 @@ def chosen() -> str:
 
 
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file in the build folder
+BUILD_LOCK = "build.flock"  # ours beside it, held (flock) while a process builds or loads
 
 
 def build(verbose: bool = False) -> bool:
@@ -91,7 +92,7 @@ def build(verbose: bool = False) -> bool:
                 log.warning("building the CPU attention kernel into %s (once per machine and torch version, "
                             "about a minute)", folder)
             start = time.perf_counter()
-            with open(folder / "build.flock", "w") as held:
+            with open(folder / BUILD_LOCK, "w") as held:
                 fcntl.flock(held, fcntl.LOCK_EX)
                 # torch's own lock is a file that a process killed mid-build leaves behind, and every later load
                 # would wait on it forever; under ours no live process holds it.

@@ -136,7 +136,7 @@ class BatchDecoder:
         self.members = list(tokens)
         if self.direct:
             return dict(zip(tokens, direct_rows.decode_rows(self.model, self.kv, self.members, list(tokens.values()),
-                                                           [positions[rid] for rid in tokens])))
+                                                            [positions[rid] for rid in tokens])))
         rows = [Row(tokens[rid], positions[rid], rid, self.kv) for rid in tokens]
         link = ChainLink(LocalTransport(), 0, self.layout, self.device)
         _, logits, _ = mixed_forward(self.model, [], link, rows, emit=False)
